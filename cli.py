@@ -1,0 +1,124 @@
+"""The ``draftsmith`` command line. Each stage runs alone:
+
+    draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
+    draftsmith demo  [key.sub=value …]                   the main job on the embedded target and data
+
+RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
+lists them). Overrides use dotted keys: ``decode.k=5 target.dtype=bfloat16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .errors import DraftsmithError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    _quiet_libraries()
+    try:
+        return int(args.func(args) or 0)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = sub.add_parser("eval", help="run a drafter in the built-in speculative decoder and write metrics",
+                       description="Decode prompts (MT-bench first turns by default) with the recipe's drafter and "
+                                   "write eval_outputs.jsonl and eval_metrics.json to the run folder.")
+    _recipe_args(p, default="smollm2-135m-layerskip")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="the main job on the embedded default target and data",
+                       description="Evaluate the built-in layer-skip drafter on MT-bench with the SmolLM2 target, "
+                                   "checking token identity with the target's greedy output.")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. decode.k=5")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("configs", help="list the recipes shipped in configs/")
+    p.set_defaults(func=cmd_configs)
+    return parser
+
+
+def _recipe_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--config", "-c", default=default, help=f"recipe YAML path or name in configs/ (default: {default})")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. decode.k=5 target.dtype=bfloat16")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+
+    recipe = load_recipe(args.config, args.overrides)
+    return run_eval_recipe(recipe)
+
+
+def run_eval_recipe(recipe) -> int:
+    from .config import save_recipe
+    from .eval.prompts import load_questions
+    from .eval.run import evaluate, write_eval
+    from .schema import to_dict
+    from .target import load_target
+
+    save_recipe(recipe)
+    t0 = time.perf_counter()
+    target = load_target(recipe.target)
+    drafter = recipe.drafter.build(target)
+    print(f"target {target.name} ({target.num_layers} layers, {target.dtype}, {target.device}) loaded in "
+          f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
+    questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
+    stats, records = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity)
+    write_eval(recipe.run_dir, target, stats, records, {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode)})
+    s = stats.summary()
+    print(f"{len(records)} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.1f}s ({s['tokens_per_s']:.1f} tok/s)")
+    print(f"tau (tokens per target forward, bonus token counted) = {s['tau_with_bonus']:.3f}; "
+          f"acceptance rate {s['acceptance_rate']:.3f}; per position {s['acceptance_at_position']}")
+    if recipe.eval.check_identity:
+        print("greedy output token-identical to the target's own greedy decoding on every prompt")
+    print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+
+    recipe = load_recipe("smollm2-135m-layerskip", ["eval.check_identity=true", "run_dir=runs/demo", *args.overrides])
+    return run_eval_recipe(recipe)
+
+
+def cmd_configs(args: argparse.Namespace) -> int:
+    from .config import CONFIG_DIR
+
+    for name in sorted(os.listdir(CONFIG_DIR)):
+        if name.endswith(".yaml"):
+            print(name[: -len(".yaml")])
+    return 0
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""Drafters: one file per architecture, all speaking the protocol of ``base.py``.
+
+A drafter config is a tagged section (``drafter: {type: layer_skip, …}``); each
+config class knows how to ``build(target)`` its runtime drafter. Add a family by
+writing its file and adding its config class to ``DrafterConfig`` below.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from .base import Drafter, Proposal
+from .hf_lm import HFDrafter, HFDrafterConfig
+from .layer_skip import LayerSkipConfig
+
+DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig]
+
+__all__ = ["Drafter", "DrafterConfig", "HFDrafter", "HFDrafterConfig", "LayerSkipConfig", "Proposal"]

@@ -1,0 +1,64 @@
+"""The drafter protocol: how the decoder talks to every drafter.
+
+A drafter sees one growing sequence (batch size 1). The decoder calls
+
+``reset()``
+    forget the previous sequence;
+``update(tokens, features)``
+    append newly *committed* tokens. ``features`` are the target's hidden states
+    (its ``feature_layers``, concatenated) for committed positions. Invariant after
+    every call: the drafter holds target features for every committed position
+    **except the last one** (its target forward has not run yet). So the first call
+    passes the prompt plus the first sampled token with features for the prompt
+    (n+1 tokens, n features), and each later call passes the accepted drafts plus
+    the resampled/bonus token with features for the positions verified and kept
+    (m+1 tokens, m+1 features);
+``propose(k, warp, generator)``
+    return up to k draft tokens that continue the committed sequence, and, unless
+    ``warp.greedy``, the warped distributions q they were sampled from, over the
+    target's full vocabulary.
+
+Anything a drafter computed speculatively (KV cache entries for drafts that end up
+rejected) is its own business to roll back on the next ``update``: it knows what it
+proposed and sees what was committed. Drafters never see a config object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ..eval.sampling import Warp
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor
+    """[k'] long, k' ≤ k drafted tokens (k' may be 0)."""
+    probs: Tensor | None
+    """[k', V] float32 warped draft distributions, or None in greedy mode."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    feature_layers: tuple[int, ...]
+    """Target layers whose hidden states this drafter needs; () for a standalone LM."""
+
+    def reset(self) -> None: ...
+
+    def update(self, tokens: Tensor, features: Tensor | None) -> None: ...
+
+    def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal: ...
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

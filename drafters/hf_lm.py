@@ -1,0 +1,100 @@
+"""A standalone draft LM: any Hugging Face causal LM that shares the target's tokenizer.
+
+It keeps its own KV cache. After a round, the cache holds the committed tokens plus
+the drafts it fed (all but the last); on ``update`` it keeps the entries whose
+tokens were accepted and crops the rest, so accepted tokens are never recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError, DraftsmithError
+from ..eval.sampling import Warp
+from ..target import Target, crop_cache, freeze
+from .base import Proposal, common_prefix
+
+
+class HFDrafter:
+    """Wraps a causal LM (``model(input_ids, cache=…, logits_to_keep=1)``) as a drafter."""
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = freeze(model)
+        self.reset()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache: Any = DynamicCache(config=self.model.config)
+        self.tokens: list[int] = []
+        self._drafted_from = 0  # committed length when the last proposal was made
+        self._drafts: list[int] = []
+
+    def update(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        new = tokens.tolist()
+        if self._drafts:
+            # cache rows beyond the committed prefix are drafts; keep those that were accepted
+            kept = self._drafted_from + common_prefix(self._drafts, new)
+            crop_cache(self.cache, min(kept, self.cache.get_seq_length()))
+            self._drafts = []
+        self.tokens.extend(new)
+
+    @torch.inference_mode()
+    def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+        cached = self.cache.get_seq_length()
+        feed = torch.tensor([self.tokens[cached:]], device=self.device)  # [1, n ≥ 1]
+        drafts: list[int] = []
+        probs: list[Tensor] = []
+        for i in range(k):
+            logits = self.model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            token, q = warp.choose(logits, generator)
+            drafts.append(token)
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:
+                feed = torch.tensor([[token]], device=self.device)
+        self._drafted_from = len(self.tokens)
+        self._drafts = drafts
+        return Proposal(
+            tokens=torch.tensor(drafts, device=self.device, dtype=torch.long),
+            probs=torch.stack(probs) if probs else None,
+        )
+
+
+@dataclass
+class HFDrafterConfig:
+    type: Literal["hf"] = "hf"
+    model: str = ""
+    """Hub id or local folder of a causal LM with exactly the target's vocabulary."""
+
+    def build(self, target: Target) -> HFDrafter:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not self.model:
+            raise ConfigError("drafter.model must name a HF causal LM (hub id or local folder)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.model)
+            model = AutoModelForCausalLM.from_pretrained(self.model, dtype=target.dtype)
+        except (OSError, ValueError) as e:
+            raise DraftsmithError(f"could not load drafter '{self.model}': {e}") from e
+        check_same_vocab(tokenizer, target.tokenizer, what=f"drafter '{self.model}'")
+        return HFDrafter(model.to(target.device))
+
+
+def check_same_vocab(tokenizer: Any, target_tokenizer: Any, what: str = "the drafter") -> None:
+    """Speculative decoding compares token ids: the drafter must use the target's vocabulary."""
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise DraftsmithError(
+            f"{what} has a different tokenizer vocabulary from the target's; a drafter must share the target's "
+            f"tokenizer (same family, e.g. a smaller model of the same series)"
+        )

@@ -1,0 +1,1 @@
+"""Evaluation: the built-in speculative decoder, its metrics, benchmarks and reports."""

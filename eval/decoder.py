@@ -1,0 +1,139 @@
+"""The built-in speculative decoder: chain drafting, batch size 1, lossless.
+
+One round (gpt-fast style): the drafter proposes d_1..d_k after the last committed
+token t; the target runs once over [t, d_1..d_k] and gives p at k+1 positions; the
+pure accept rule (``sampling.py``) keeps n drafts and emits one more token; both KV
+caches drop what was not kept. The target's cache always holds every committed token
+but the last (t is fed at the start of the next round), so no accepted token is ever
+recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..drafters.base import Drafter
+from ..errors import ConfigError, DraftsmithError
+from ..target import Target, crop_cache
+from .metrics import DecodeStats
+from .sampling import Warp, greedy_accept, speculative_accept
+
+
+@dataclass
+class DecodeConfig:
+    k: int = 4
+    """Draft tokens proposed per round."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    """0 = greedy (token-identical to the target's own greedy decoding)."""
+    top_k: int = 0
+    """0 disables."""
+    top_p: float = 1.0
+    """1.0 disables."""
+    seed: int = 0
+    """Seeds the sampler: same seed, same output."""
+
+    def validate(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"decode.k = {self.k}: the number of draft tokens per round must be at least 1")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"decode.max_new_tokens = {self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"decode.temperature = {self.temperature} must be ≥ 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"decode.top_k = {self.top_k} must be ≥ 0 (0 disables)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"decode.top_p = {self.top_p} must be in (0, 1]")
+
+    @property
+    def warp(self) -> Warp:
+        return Warp(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    """New tokens only (the prompt excluded), ending with EOS if one was produced."""
+    finish_reason: Literal["eos", "length"]
+    stats: DecodeStats
+
+
+@torch.inference_mode()
+def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], cfg: DecodeConfig) -> DecodeResult:
+    """Decode one prompt speculatively. Greedy mode reproduces the target's greedy output."""
+    cfg.validate()
+    check_prompt(target, prompt_ids, cfg.max_new_tokens)
+    warp, k = cfg.warp, cfg.k
+    device = target.device
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    eos = target.eos_token_ids
+    stats = DecodeStats(k=k, sequences=1)
+    start = time.perf_counter()
+
+    cache = target.new_cache()
+    prompt = torch.tensor([prompt_ids], device=device)  # [1, S]
+    out = target.forward(prompt, cache, drafter.feature_layers, logits_to_keep=1)
+    stats.target_forwards += 1
+    token, _ = warp.choose(out.logits[0, -1], gen)
+    tokens = [token]
+    drafter.reset()
+    drafter.update(torch.tensor(prompt_ids + [token], device=device), _first(out.features))
+
+    while token not in eos and len(tokens) < cfg.max_new_tokens:
+        # never draft past max_new_tokens: the round emits at most k_round + 1 tokens
+        k_round = min(k, cfg.max_new_tokens - len(tokens) - 1)
+        if k_round > 0:
+            proposal = drafter.propose(k_round, warp, gen)
+            draft = proposal.tokens[:k_round]  # [k'] — a drafter may propose fewer
+        else:
+            proposal, draft = None, torch.empty(0, dtype=torch.long, device=device)
+        committed = cache.get_seq_length()
+        verify_ids = torch.cat([torch.tensor([token], device=device), draft])[None]  # [1, k'+1]
+        out = target.forward(verify_ids, cache, drafter.feature_layers)
+        logits = out.logits[0]  # [k'+1, V]
+        if warp.greedy:
+            n, token = greedy_accept(logits.argmax(-1), draft)
+        else:
+            q = proposal.probs[: draft.shape[0]] if proposal is not None else logits.new_zeros(0, logits.shape[-1])
+            n, token = speculative_accept(warp.probs(logits), q, draft, gen)
+        crop_cache(cache, committed + 1 + n)
+        emitted = draft[:n].tolist() + [token]
+        stats.record_round(draft.shape[0], n)
+        drafter.update(torch.tensor(emitted, device=device), _first(out.features, n + 1))
+        tokens.extend(emitted)
+
+    tokens, reason = _finish(tokens, eos, cfg.max_new_tokens)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - start
+    return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
+
+
+def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise DraftsmithError("the prompt is empty")
+    need = len(prompt_ids) + max_new_tokens
+    if need > target.max_positions:
+        raise DraftsmithError(
+            f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} = {need} exceeds the target's "
+            f"context of {target.max_positions} positions; shorten the prompt or lower decode.max_new_tokens"
+        )
+
+
+def _first(features: Tensor | None, n: int | None = None) -> Tensor | None:
+    """Features of the first n positions of batch row 0 ([n, F]), or None."""
+    if features is None:
+        return None
+    return features[0] if n is None else features[0, :n]
+
+
+def _finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], Literal["eos", "length"]]:
+    """Cut after the first EOS (drafts may run past it) and at max_new tokens."""
+    for i, t in enumerate(tokens[:max_new]):
+        if t in eos:
+            return tokens[: i + 1], "eos"
+    return tokens[:max_new], "length"

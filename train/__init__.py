@@ -1,0 +1,1 @@
+"""Training: pure loss functions, one recipe file per method, and ``distributed.py`` (all DeepSpeed code)."""
