@@ -1,0 +1,147 @@
+"""Golden values of the distillation losses, computed by hand on 3-token vocabularies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.train import losses as L
+
+ln = math.log
+# position 0: p = [1/2, 1/4, 1/4], q = [1/8, 3/8, 1/2]; position 1 is masked out (garbage, NaN)
+P = [0.5, 0.25, 0.25]
+Q = [0.125, 0.375, 0.5]
+
+
+def _pair(masked_garbage: float = float("nan")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    target = torch.tensor([[ln(x) for x in P], [masked_garbage, 0.0, 1.0]])  # [2, 3]
+    draft = torch.tensor([[ln(x) for x in Q], [5.0, masked_garbage, -3.0]])
+    mask = torch.tensor([True, False])
+    return draft, target, mask
+
+
+# Each value below is written out term by term from the definition.
+GOLDEN = {
+    "forward_kl": 0.5 * ln(0.5 / 0.125) + 0.25 * ln(0.25 / 0.375) + 0.25 * ln(0.25 / 0.5),  # Σ p log p/q
+    "reverse_kl": 0.125 * ln(0.125 / 0.5) + 0.375 * ln(0.375 / 0.25) + 0.5 * ln(0.5 / 0.25),  # Σ q log q/p
+    "tvd": 0.5 * (0.375 + 0.125 + 0.25),
+    "ce": -ln(0.125),  # target argmax is token 0
+    "soft_ce": -(0.5 * ln(0.125) + 0.25 * ln(0.375) + 0.25 * ln(0.5)),
+    # β = 0.5: m = [0.3125, 0.3125, 0.375]
+    "jsd": 0.5 * (0.5 * ln(0.5 / 0.3125) + 0.25 * ln(0.25 / 0.3125) + 0.25 * ln(0.25 / 0.375))
+    + 0.5 * (0.125 * ln(0.125 / 0.3125) + 0.375 * ln(0.375 / 0.3125) + 0.5 * ln(0.5 / 0.375)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GOLDEN))
+def test_golden_values_ignore_masked_positions(kind):
+    draft, target, mask = _pair()
+    got = L.token_loss(kind, draft, target, mask)
+    assert got.item() == pytest.approx(GOLDEN[kind], abs=1e-6)
+    assert math.isfinite(got.item())  # the NaN at the masked position never leaks in
+
+
+def test_golden_numbers_themselves():
+    # guards against a typo in the formulas above: known decimal values
+    assert GOLDEN["forward_kl"] == pytest.approx(0.418494, abs=1e-6)
+    assert GOLDEN["reverse_kl"] == pytest.approx(0.325336, abs=1e-6)
+    assert GOLDEN["jsd"] == pytest.approx(0.087763, abs=1e-6)
+    assert GOLDEN["soft_ce"] == pytest.approx(1.458215, abs=1e-6)
+
+
+def test_mean_is_over_valid_positions_only():
+    # two valid positions: the loss is the average of the two per-position values
+    target = torch.tensor([[ln(x) for x in P], [ln(0.5), ln(0.5), -math.inf]])
+    draft = torch.tensor([[ln(x) for x in Q], [ln(0.5), ln(0.5), -math.inf]])  # identical at position 1
+    mask = torch.tensor([True, True])
+    assert L.forward_kl(draft, target, mask).item() == pytest.approx(GOLDEN["forward_kl"] / 2, abs=1e-6)
+    assert L.tvd(draft, target, mask).item() == pytest.approx(GOLDEN["tvd"] / 2, abs=1e-6)
+
+
+def test_expected_acceptance_is_one_minus_tvd():
+    draft, target, mask = _pair()
+    assert L.expected_acceptance(draft, target, mask).item() == pytest.approx(0.125 + 0.25 + 0.25, abs=1e-6)
+    assert L.top1_accuracy(draft, target.argmax(-1), mask).item() == 0.0  # draft argmax 2, target argmax 0
+
+
+def test_temperature_divides_logits():
+    # T = 2 turns logits [2 ln 2, 0] into p = [2/3, 1/3]; q = uniform
+    target = torch.tensor([[2 * ln(2), 0.0]])
+    draft = torch.zeros(1, 2)
+    mask = torch.tensor([True])
+    want = 2 / 3 * ln((2 / 3) / 0.5) + 1 / 3 * ln((1 / 3) / 0.5)
+    assert L.forward_kl(draft, target, mask, temperature=2.0).item() == pytest.approx(want, abs=1e-6)
+    with pytest.raises(DraftsmithError, match="temperature"):
+        L.forward_kl(draft, target, mask, temperature=0.0)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd", "tvd"])
+def test_zero_for_identical_distributions(kind):
+    logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0)) * 3
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    assert L.token_loss(kind, logits, logits.clone(), mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert L.expected_acceptance(logits, logits, mask).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_jsd_beta_limits_and_range():
+    draft, target, mask = _pair()
+    with pytest.raises(DraftsmithError, match="beta"):
+        L.jsd(draft, target, mask, beta=1.0)
+    # small β: JSD(β)/β → KL(p‖q) (GKD/DistillSpec's interpolation)
+    assert (L.jsd(draft, target, mask, beta=1e-4) / 1e-4).item() == pytest.approx(GOLDEN["forward_kl"], rel=1e-3)
+
+
+def test_reduced_vocabulary_renormalizes_and_masks_outside_argmax():
+    # V = 4, draft vocabulary = target ids [0, 2]
+    draft_ids = torch.tensor([0, 2])
+    target = torch.tensor([[ln(0.4), ln(0.3), ln(0.2), ln(0.1)],  # argmax 0: in the draft vocab, kept
+                           [ln(0.1), ln(0.6), ln(0.2), ln(0.1)]])  # argmax 1: outside, masked
+    mask = torch.tensor([True, True])
+    restricted, kept = L.restrict_to_draft_vocab(target, draft_ids, mask)
+    assert kept.tolist() == [True, False]
+    # p over {0, 2} renormalized: [0.4, 0.2] / 0.6 = [2/3, 1/3]
+    assert restricted[0].softmax(-1).tolist() == pytest.approx([2 / 3, 1 / 3], abs=1e-6)
+    draft = torch.tensor([[0.0, 0.0], [9.0, -9.0]])  # q = [1/2, 1/2] at the kept position
+    want = -(2 / 3 * ln(0.5) + 1 / 3 * ln(0.5))
+    assert L.soft_ce(draft, restricted, kept).item() == pytest.approx(want, abs=1e-6)
+
+
+def test_scatter_to_vocab_puts_zero_mass_outside():
+    q = L.scatter_to_vocab(torch.tensor([[0.0, 0.0]]), torch.tensor([1, 3]), 4).softmax(-1)
+    assert q.tolist() == [[0.0, 0.5, 0.0, 0.5]]
+
+
+def test_smooth_l1_feature_regression():
+    pred = torch.tensor([[0.0, 0.0], [100.0, 100.0]])
+    target = torch.tensor([[0.5, 3.0], [0.0, 0.0]])
+    mask = torch.tensor([True, False])
+    # |0.5| < 1: 0.5·0.5² = 0.125; |3| ≥ 1: 3 − 0.5 = 2.5; mean over the feature axis = 1.3125
+    assert L.smooth_l1(pred, target, mask).item() == pytest.approx(1.3125, abs=1e-6)
+
+
+def test_no_valid_tokens_is_a_clear_error():
+    draft, target, _ = _pair()
+    with pytest.raises(L.EmptyBatchError, match="no valid .loss-masked. positions"):
+        L.forward_kl(draft, target, torch.tensor([False, False]))
+
+
+def test_unknown_loss_names_the_choices():
+    draft, target, mask = _pair()
+    with pytest.raises(DraftsmithError, match="choose one of: forward_kl"):
+        L.token_loss("kl", draft, target, mask)
+
+
+def test_gradient_flows_to_draft_only_through_valid_positions():
+    draft, target, mask = _pair(masked_garbage=0.0)
+    draft.requires_grad_(True)
+    L.forward_kl(draft, target, mask).backward()
+    assert draft.grad[1].abs().sum().item() == 0.0
+    # d KL(p‖q) / d draft_logits = q − p at the valid position
+    assert draft.grad[0].tolist() == pytest.approx([q - p for p, q in zip(P, Q)], abs=1e-6)
+
+
+def test_decayed_weights():
+    assert L.decayed_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])

@@ -1,0 +1,195 @@
+"""Distillation losses: pure functions over masked positions.
+
+Every function takes logits (never probabilities) shaped ``[..., V]`` and a boolean
+``mask`` shaped ``[...]`` (True = the position counts), computes in float32, and
+returns the **mean over valid positions** (sum over valid positions / their count).
+p is the target's distribution, q the drafter's; both are ``softmax(logits / T)``.
+
+The token losses are DistillSpec's set (Zhou et al. 2023): forward KL(p‖q), reverse
+KL(q‖p), generalized JSD(β) and total variation distance, plus cross-entropy on the
+target's argmax and soft cross-entropy −Σ p log q (EAGLE's classification loss),
+optionally over a reduced draft vocabulary. :func:`smooth_l1` is EAGLE's feature
+regression. :func:`expected_acceptance` Σ_x min(p, q) is the probability that one
+sampled draft token is accepted by speculative sampling (= 1 − TVD); it is a metric.
+
+A batch whose mask selects no position raises :class:`EmptyBatchError`: a mean over
+nothing is not a number, and silently returning 0 would hide a data bug.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import DraftsmithError
+
+TokenLoss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce"]
+TOKEN_LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce")
+
+
+class EmptyBatchError(DraftsmithError):
+    """The mask selects no position: there is nothing to average."""
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` [...] over positions where ``mask`` [...] is True."""
+    mask = mask.bool()
+    count = int(mask.sum())
+    if count == 0:
+        raise EmptyBatchError(
+            f"no valid (loss-masked) positions in a batch of shape {tuple(mask.shape)}: every position is padding "
+            f"or prompt. Check the data's loss_mask (assistant tokens) and train.max_length"
+        )
+    return values.float().masked_fill(~mask, 0.0).sum() / count
+
+
+def _log_probs(logits: Tensor, temperature: float) -> Tensor:
+    if temperature <= 0:
+        raise DraftsmithError(f"loss temperature must be > 0, got {temperature}")
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def _kl_terms(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """Σ a (log a − log b) over the last axis, with 0·log 0 = 0 (logits may be −inf)."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+
+
+def forward_kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """KL(p‖q) = Σ p (log p − log q): mode-covering; the usual KD loss."""
+    log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
+    return masked_mean(_kl_terms(log_p, log_q), mask)
+
+
+def reverse_kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """KL(q‖p) = Σ q (log q − log p): mode-seeking."""
+    log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
+    return masked_mean(_kl_terms(log_q, log_p), mask)
+
+
+def jsd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, beta: float = 0.5, temperature: float = 1.0) -> Tensor:
+    """Generalized JSD(β) = β KL(p‖m) + (1−β) KL(q‖m), m = β p + (1−β) q.
+
+    β → 0 behaves like forward KL / β, β → 1 like reverse KL / (1−β) (DistillSpec, GKD);
+    β = 0.5 is the symmetric Jensen–Shannon divergence.
+    """
+    if not 0.0 < beta < 1.0:
+        raise DraftsmithError(f"JSD beta must be in (0, 1), got {beta}")
+    log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
+    return masked_mean(beta * _kl_terms(log_p, log_m) + (1 - beta) * _kl_terms(log_q, log_m), mask)
+
+
+def tvd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Total variation distance ½ Σ |p − q| (= 1 − expected acceptance)."""
+    q, p = _log_probs(draft_logits, temperature).exp(), _log_probs(target_logits, temperature).exp()
+    return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+
+
+def hard_ce(draft_logits: Tensor, target_ids: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Cross-entropy −log q(y) on given token ids ``target_ids`` [...] (e.g. the target's argmax)."""
+    log_q = _log_probs(draft_logits, temperature)
+    picked = log_q.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
+    return masked_mean(-picked, mask)
+
+
+def soft_ce(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Soft cross-entropy −Σ p log q against the target's full distribution (= KL(p‖q) + H(p))."""
+    log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
+    p = log_p.exp()
+    return masked_mean(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1), mask)
+
+
+def restrict_to_draft_vocab(target_logits: Tensor, draft_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Map the target's logits onto a reduced draft vocabulary (EAGLE-3).
+
+    target_logits: [..., V]; draft_ids: [Vd] long, the target id of each draft-vocab entry;
+    mask: [...]. Returns (logits [..., Vd] — softmax of these is p renormalized over the
+    draft vocabulary — and the mask with positions whose target argmax lies outside the
+    draft vocabulary removed: the drafter could never propose that token).
+    """
+    in_vocab = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=target_logits.device)
+    in_vocab[draft_ids] = True
+    keep = in_vocab[target_logits.argmax(-1)]
+    return target_logits.index_select(-1, draft_ids.to(target_logits.device)), mask.bool() & keep
+
+
+def token_loss(
+    kind: str,
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    mask: Tensor,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> Tensor:
+    """Dispatch by name to one of :data:`TOKEN_LOSSES` (``ce`` uses the target's argmax)."""
+    if kind == "forward_kl":
+        return forward_kl(draft_logits, target_logits, mask, temperature)
+    if kind == "reverse_kl":
+        return reverse_kl(draft_logits, target_logits, mask, temperature)
+    if kind == "jsd":
+        return jsd(draft_logits, target_logits, mask, beta, temperature)
+    if kind == "tvd":
+        return tvd(draft_logits, target_logits, mask, temperature)
+    if kind == "ce":
+        return hard_ce(draft_logits, target_logits.argmax(-1), mask, temperature)
+    if kind == "soft_ce":
+        return soft_ce(draft_logits, target_logits, mask, temperature)
+    raise DraftsmithError(f"unknown token loss '{kind}'; choose one of: {', '.join(TOKEN_LOSSES)}")
+
+
+def smooth_l1(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0) -> Tensor:
+    """EAGLE's feature regression: smooth-L1 per element, mean over the feature axis, mean over valid positions.
+
+    pred, target: [..., H]; mask: [...].
+    """
+    per_elem = F.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=beta)
+    return masked_mean(per_elem.mean(-1), mask)
+
+
+@torch.no_grad()
+def expected_acceptance(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Σ_x min(p(x), q(x)) averaged over valid positions: the chance one sampled draft is accepted."""
+    q, p = _log_probs(draft_logits, temperature).exp(), _log_probs(target_logits, temperature).exp()
+    return masked_mean(torch.minimum(p, q).sum(-1), mask)
+
+
+@torch.no_grad()
+def top1_accuracy(draft_logits: Tensor, target_ids: Tensor, mask: Tensor) -> Tensor:
+    """Fraction of valid positions where the drafter's argmax equals ``target_ids`` (greedy acceptance)."""
+    return masked_mean((draft_logits.argmax(-1) == target_ids).float(), mask)
+
+
+def scatter_to_vocab(draft_logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Tensor:
+    """[..., Vd] logits over a reduced vocabulary → [..., V] with −inf outside it (q = 0 there)."""
+    full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy(-1, draft_ids.to(draft_logits.device), draft_logits)
+
+
+def decayed_weights(n: int, decay: float) -> list[float]:
+    """[1, d, d², …] — EAGLE-3's per-step and Medusa's per-head weights (d = 0.8 in both papers)."""
+    return [decay**i for i in range(n)]
+
+
+__all__ = [
+    "TOKEN_LOSSES",
+    "EmptyBatchError",
+    "decayed_weights",
+    "expected_acceptance",
+    "forward_kl",
+    "hard_ce",
+    "jsd",
+    "masked_mean",
+    "restrict_to_draft_vocab",
+    "reverse_kl",
+    "scatter_to_vocab",
+    "smooth_l1",
+    "soft_ce",
+    "token_loss",
+    "top1_accuracy",
+    "tvd",
+]
