@@ -44,11 +44,40 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p, default="smollm2-135m-layerskip")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("train", help="distill the target into the recipe's drafter (DeepSpeed; resumable)",
+                       description="Train the recipe's drafter (draft_lm, eagle1, eagle3, medusa) against the frozen "
+                                   "target: one process as is, or many under torchrun / the deepspeed launcher. "
+                                   "Writes checkpoints, logs and the final drafter folder to the run folder, and "
+                                   "resumes from the run folder's latest checkpoint when there is one.")
+    _recipe_args(p, default="smollm2-135m-eagle3")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="continue from this checkpoint folder (default: the run folder's latest, if any)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("demo", help="the main job on the embedded default target and data",
                        description="Evaluate the built-in layer-skip drafter on MT-bench with the SmolLM2 target, "
                                    "checking token identity with the target's greedy output.")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. decode.k=5")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="speed benchmarks measured side by side in one run (see benchmarks/)")
+    bench = p.add_subparsers(title="benchmarks", metavar="BENCH")
+    b = bench.add_parser("decode", help="draftsmith's decoder vs HF assisted generation vs plain greedy",
+                         description="On MT-bench first turns, batch 1, the same layer-skip drafter and k for both "
+                                     "speculative methods: time draftsmith's decoder, HF transformers assisted "
+                                     "generation and the target's plain greedy generate, interleaved per prompt after "
+                                     "a warm-up; print medians, ratios and token identity with greedy.")
+    b.add_argument("--target", default="smollm2-135m-instruct", help="target spec (default: the builtin SmolLM2)")
+    b.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run (default: %(default)s)")
+    b.add_argument("--layers", type=int, default=None, help="layer-skip depth (default: the layer-skip recipe's)")
+    b.add_argument("--k", type=int, default=None, help="draft tokens per round (default: the layer-skip recipe's)")
+    b.add_argument("--prompts", type=int, default=10, help="timed MT-bench prompts, after 1 warm-up (default: 10)")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--sweep-layers", default="", help="also measure acceptance at these depths, e.g. 8,16,24")
+    b.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    b.add_argument("--out", default="benchmarks/out/decode.json", help="where the JSON results go")
+    b.set_defaults(func=cmd_bench_decode)
 
     p = sub.add_parser("configs", help="list the recipes shipped in configs/")
     p.set_defaults(func=cmd_configs)
@@ -65,6 +94,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.overrides)
     return run_eval_recipe(recipe)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+    from .train.run import run_training
+
+    recipe = load_recipe(args.config, args.overrides)
+    summary = run_training(recipe, resume=args.resume)
+    if summary.get("world_rank", 0) == 0:
+        heldout = ", ".join(f"{k} {v:.4f}" for k, v in summary["heldout"].items())
+        print(f"trained {summary['method']} for {summary['steps']} steps on {summary['world_size']} process(es) "
+              f"(ZeRO-{summary['zero_stage']}, {summary['dtype']}); held-out: {heldout}")
+        print(f"wrote {summary['drafter']} and {os.path.join(recipe.run_dir, 'train_summary.json')}")
+    return 0
 
 
 def run_eval_recipe(recipe) -> int:
@@ -98,6 +141,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     recipe = load_recipe("smollm2-135m-layerskip", ["eval.check_identity=true", "run_dir=runs/demo", *args.overrides])
     return run_eval_recipe(recipe)
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+    from .errors import ConfigError
+    from .eval.bench import run_bench_decode
+
+    recipe = load_recipe("smollm2-135m-layerskip")
+    layers = args.layers if args.layers is not None else recipe.drafter.num_layers
+    k = args.k if args.k is not None else recipe.decode.k
+    if k < 1 or args.prompts < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--k, --prompts and --max-new-tokens must be at least 1")
+    try:
+        sweep = [int(x) for x in args.sweep_layers.split(",") if x.strip()]
+    except ValueError as e:
+        raise ConfigError(f"--sweep-layers must be comma-separated integers, got '{args.sweep_layers}'") from e
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    run_bench_decode(args.target, dtypes, layers, k, args.prompts, args.max_new_tokens, sweep, args.threads, args.out)
+    return 0
 
 
 def cmd_configs(args: argparse.Namespace) -> int:

@@ -83,15 +83,13 @@ def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], 
     tokens = [token]
     drafter.reset()
     drafter.update(torch.tensor(prompt_ids + [token], device=device), _first(out.features))
+    no_draft = torch.empty(0, dtype=torch.long, device=device)
 
     while token not in eos and len(tokens) < cfg.max_new_tokens:
         # never draft past max_new_tokens: the round emits at most k_round + 1 tokens
         k_round = min(k, cfg.max_new_tokens - len(tokens) - 1)
-        if k_round > 0:
-            proposal = drafter.propose(k_round, warp, gen)
-            draft = proposal.tokens[:k_round]  # [k'] — a drafter may propose fewer
-        else:
-            proposal, draft = None, torch.empty(0, dtype=torch.long, device=device)
+        proposal = drafter.propose(k_round, warp, gen) if k_round > 0 else None
+        draft = proposal.tokens[:k_round] if proposal is not None else no_draft  # [k'] — a drafter may propose fewer
         committed = cache.get_seq_length()
         verify_ids = torch.cat([torch.tensor([token], device=device), draft])[None]  # [1, k'+1]
         out = target.forward(verify_ids, cache, drafter.feature_layers)
@@ -99,18 +97,34 @@ def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], 
         if warp.greedy:
             n, token = greedy_accept(logits.argmax(-1), draft)
         else:
-            q = proposal.probs[: draft.shape[0]] if proposal is not None else logits.new_zeros(0, logits.shape[-1])
+            q = _draft_probs(proposal, draft, logits.shape[-1])
             n, token = speculative_accept(warp.probs(logits), q, draft, gen)
-        crop_cache(cache, committed + 1 + n)
+        crop_cache(cache, committed + 1 + n)  # keep t, d_1..d_n; the new token is fed next round
         emitted = draft[:n].tolist() + [token]
         stats.record_round(draft.shape[0], n)
-        drafter.update(torch.tensor(emitted, device=device), _first(out.features, n + 1))
         tokens.extend(emitted)
+        if any(t in eos for t in emitted[:-1]):
+            break  # an accepted draft was EOS: the sequence is over (the tokens after it are cut below)
+        drafter.update(torch.tensor(emitted, device=device), _first(out.features, n + 1))
 
     tokens, reason = _finish(tokens, eos, cfg.max_new_tokens)
     stats.new_tokens = len(tokens)
     stats.wall_s = time.perf_counter() - start
     return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
+
+
+def _draft_probs(proposal, draft: Tensor, vocab: int) -> Tensor:
+    """The drafter's q for the drafts kept, [k', V]; a clear error when a drafter breaks the contract."""
+    if draft.shape[0] == 0:
+        return torch.zeros(0, vocab, device=draft.device)
+    q = proposal.probs
+    if q is None or q.shape[0] < draft.shape[0] or q.shape[-1] != vocab:
+        shape = None if q is None else tuple(q.shape)
+        raise DraftsmithError(
+            f"drafter returned probs of shape {shape} for {draft.shape[0]} drafts; sampling needs [k', {vocab}] "
+            f"warped distributions over the target's vocabulary"
+        )
+    return q[: draft.shape[0]]
 
 
 def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> None:

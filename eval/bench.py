@@ -1,0 +1,272 @@
+"""``draftsmith bench decode``: draftsmith's decoder vs HF assisted generation vs plain greedy.
+
+All three run on the same target in one process, batch 1, on MT-bench first turns:
+
+* ``draftsmith`` — :func:`speculative_decode` with the layer-skip drafter (first N layers);
+* ``hf_assisted`` — ``target.generate(..., assistant_model=<the same truncated model>)`` with a
+  constant ``num_assistant_tokens = k`` (no heuristic schedule, no confidence early stop);
+* ``greedy`` — the target's own ``generate`` (the reference for token identity).
+
+Per prompt the three are run back to back in a rotating order (interleaved, so a load
+change on the machine hits all of them alike) after one warm-up round; we report
+medians of per-prompt tokens/s and the median of the per-prompt ratios. Both
+speculative methods are also checked for token identity with plain greedy.
+
+``acceptance_sweep`` measures how well a plain early exit at several depths drafts
+(per-position acceptance, τ with the bonus token counted, speed relative to greedy),
+which is how the default depth and k of the layer-skip recipe were chosen.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..drafters.layer_skip import layer_skip_drafter, truncated_model
+from ..target import Target
+from .decoder import DecodeConfig, speculative_decode
+from .metrics import DecodeStats
+from .reference import hf_generate, target_greedy
+
+
+def hf_assistant(target: Target, num_layers: int, k: int) -> torch.nn.Module:
+    """The layer-skip model set up for HF assisted generation with exactly k drafts per round."""
+    model = truncated_model(target.model, num_layers)
+    gc = model.generation_config
+    gc.num_assistant_tokens = k
+    gc.num_assistant_tokens_schedule = "constant"  # no +2/−1 heuristic
+    gc.assistant_confidence_threshold = 0.0  # 0 disables the confidence early stop (and its sklearn ROC tuning)
+    return model
+
+
+def hf_assisted(target: Target, assistant: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers assisted generation (greedy), new tokens only."""
+    return hf_generate(target, prompt_ids, max_new_tokens, assistant_model=assistant)
+
+
+class ForwardCounter:
+    """Counts forward calls of a module (to show both speculative methods verify as often)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, _module: Any, _args: Any) -> None:
+        self.calls += 1
+
+    def take(self) -> int:
+        n, self.calls = self.calls, 0
+        return n
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _timed(fn: Callable[[], list[int]]) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    tokens = fn()
+    return tokens, time.perf_counter() - t0
+
+
+def bench_decode(
+    target: Target,
+    prompts: list[list[int]],
+    num_layers: int,
+    k: int,
+    max_new_tokens: int,
+    warmup: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Time the three methods interleaved per prompt; return per-prompt rows and a summary.
+
+    prompts: token ids (chat template applied); the first ``warmup`` are run once each and
+    not recorded.
+    """
+    drafter = layer_skip_drafter(target.model, num_layers)
+    assistant = hf_assistant(target, num_layers, k)
+    cfg = DecodeConfig(k=k, max_new_tokens=max_new_tokens)
+    stats = DecodeStats(k=k)
+    last_stats: list[DecodeStats] = []
+
+    def ours(p: list[int]) -> list[int]:
+        res = speculative_decode(target, drafter, p, cfg)
+        last_stats.append(res.stats)
+        return res.tokens
+
+    methods: dict[str, Callable[[list[int]], list[int]]] = {
+        "draftsmith": ours,
+        "hf_assisted": lambda p: hf_assisted(target, assistant, p, max_new_tokens),
+        "greedy": lambda p: target_greedy(target, p, max_new_tokens),
+    }
+    names = list(methods)
+    counter = ForwardCounter(target.model)
+    try:
+        for p in prompts[:warmup]:
+            for fn in methods.values():
+                fn(p)
+        last_stats.clear()
+        counter.take()
+        rows = []
+        for i, p in enumerate(prompts[warmup:]):
+            row: dict[str, Any] = {"prompt_tokens": len(p)}
+            order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
+            outputs = {}
+            for name in order:
+                tokens, secs = _timed(lambda: methods[name](p))
+                outputs[name] = tokens
+                row[name] = {"new_tokens": len(tokens), "wall_s": secs, "tokens_per_s": len(tokens) / secs,
+                             "target_forwards": counter.take()}
+            for name in ("draftsmith", "hf_assisted"):
+                row[name]["identical_to_greedy"] = outputs[name] == outputs["greedy"]
+            s = last_stats.pop()
+            row["draftsmith"]["tau_with_bonus"] = s.tau
+            stats = stats.merge(s)
+            rows.append(row)
+            if progress:
+                progress(_row_line(len(rows), row))
+    finally:
+        counter.close()
+    return {"num_layers": num_layers, "k": k, "max_new_tokens": max_new_tokens, "rows": rows,
+            "summary": _summary(rows, names), "draftsmith_stats": stats.summary()}
+
+
+def _row_line(i: int, row: dict[str, Any]) -> str:
+    parts = [f"{n} {row[n]['tokens_per_s']:.2f} tok/s" for n in ("draftsmith", "hf_assisted", "greedy")]
+    same = "/".join("=" if row[n]["identical_to_greedy"] else "≠" for n in ("draftsmith", "hf_assisted"))
+    return f"prompt {i}: " + ", ".join(parts) + f"  identity ds/hf {same}"
+
+
+def _summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[name][key] for r in rows)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in rows)
+
+    out: dict[str, Any] = {"prompts": len(rows)}
+    for n in names:
+        out[n] = {
+            "median_tokens_per_s": med(n, "tokens_per_s"),
+            "aggregate_tokens_per_s": sum(r[n]["new_tokens"] for r in rows) / sum(r[n]["wall_s"] for r in rows),
+            "target_forwards": sum(r[n]["target_forwards"] for r in rows),
+            "new_tokens": sum(r[n]["new_tokens"] for r in rows),
+        }
+    for n in ("draftsmith", "hf_assisted"):
+        out[n]["identical_to_greedy"] = sum(r[n]["identical_to_greedy"] for r in rows)
+    out["ratio_draftsmith_over_hf_assisted"] = ratio("draftsmith", "hf_assisted")
+    out["ratio_draftsmith_over_greedy"] = ratio("draftsmith", "greedy")
+    out["ratio_hf_assisted_over_greedy"] = ratio("hf_assisted", "greedy")
+    return out
+
+
+@torch.inference_mode()
+def acceptance_sweep(
+    target: Target, prompts: list[list[int]], depths: list[int], k: int, max_new_tokens: int
+) -> list[dict[str, Any]]:
+    """Greedy acceptance of the layer-skip drafter at several depths (k drafts per round).
+
+    In greedy mode the first k' < k draft positions behave exactly as with k' drafts, so the
+    histogram also gives τ for every smaller k: τ(k') = 1 + Σ_{i ≤ k'} P(accepted ≥ i).
+    Speed is relative to plain greedy on the same prompts, timed interleaved.
+    """
+    cfg = DecodeConfig(k=k, max_new_tokens=max_new_tokens)
+    drafters = {n: layer_skip_drafter(target.model, n) for n in depths}
+    totals = {n: DecodeStats(k=k) for n in depths}
+    secs = {n: 0.0 for n in depths}
+    greedy_s, greedy_tokens = 0.0, 0
+    speculative_decode(target, drafters[depths[0]], prompts[0], DecodeConfig(k=k, max_new_tokens=8))  # warm-up
+    for p in prompts:
+        tokens, s = _timed(lambda: target_greedy(target, p, max_new_tokens))
+        greedy_s, greedy_tokens = greedy_s + s, greedy_tokens + len(tokens)
+        for n in depths:
+            t0 = time.perf_counter()
+            res = speculative_decode(target, drafters[n], p, cfg)
+            secs[n] += time.perf_counter() - t0
+            totals[n] = totals[n].merge(res.stats)
+    greedy_tps = greedy_tokens / greedy_s
+    out = []
+    for n in depths:
+        st = totals[n]
+        at_least = [sum(st.accept_hist[i:]) / st.rounds for i in range(1, k + 1)]  # P(accepted ≥ i)
+        out.append({
+            "num_layers": n,
+            "acceptance_at_position": st.summary()["acceptance_at_position"],
+            "tau_with_bonus_by_k": {kk: round(1 + sum(at_least[:kk]), 3) for kk in range(1, k + 1)},
+            "tokens_per_s": st.new_tokens / secs[n],
+            "speed_over_greedy": (st.new_tokens / secs[n]) / greedy_tps,
+        })
+    return out
+
+
+# ------------------------------------------------------------------ the command
+
+
+def run_bench_decode(
+    target_name: str,
+    dtypes: list[str],
+    num_layers: int,
+    k: int,
+    num_prompts: int,
+    max_new_tokens: int,
+    sweep_layers: list[int],
+    threads: int,
+    out_path: str,
+) -> dict[str, Any]:
+    """Load the target per dtype, run :func:`bench_decode` (and the sweep), print tables, write JSON."""
+    from ..files import write_json
+    from ..target import describe, load_target
+    from .prompts import load_questions
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    questions = load_questions("mtbench", num_prompts + 1)  # +1: the warm-up prompt
+    report: dict[str, Any] = {"threads": torch.get_num_threads(), "results": {}, "sweep": None}
+    for dtype in dtypes:
+        target = load_target(target_name, dtype=dtype)
+        prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+        print(f"\n== {target.name} {dtype} on {target.device}: layer-skip {num_layers}/{target.num_layers} layers, "
+              f"k={k}, {num_prompts} MT-bench prompts, max_new_tokens={max_new_tokens}, "
+              f"{torch.get_num_threads()} threads")
+        res = bench_decode(target, prompts, num_layers, k, max_new_tokens, progress=print)
+        res["target"] = describe(target)
+        report["results"][dtype] = res
+        print(format_summary(res["summary"], res["draftsmith_stats"]))
+        if sweep_layers and dtype == dtypes[0]:
+            print(f"\n== acceptance of a plain early exit by depth ({dtype}, k={k}, greedy)")
+            report["sweep"] = acceptance_sweep(target, prompts[1:], sweep_layers, k, max_new_tokens)
+            print(format_sweep(report["sweep"]))
+        write_json(out_path, report)
+    print(f"\nwrote {out_path}")
+    return report
+
+
+def format_summary(s: dict[str, Any], ds: dict[str, Any]) -> str:
+    lines = [
+        "| method | median tok/s | aggregate tok/s | target forwards | identical to greedy |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for n in ("draftsmith", "hf_assisted", "greedy"):
+        same = f"{s[n]['identical_to_greedy']}/{s['prompts']}" if n != "greedy" else "(reference)"
+        lines.append(f"| {n} | {s[n]['median_tokens_per_s']:.2f} | {s[n]['aggregate_tokens_per_s']:.2f} | "
+                     f"{s[n]['target_forwards']} | {same} |")
+    lines.append(f"draftsmith / hf_assisted = {s['ratio_draftsmith_over_hf_assisted']:.3f}×  "
+                 f"draftsmith / greedy = {s['ratio_draftsmith_over_greedy']:.3f}×  "
+                 f"hf_assisted / greedy = {s['ratio_hf_assisted_over_greedy']:.3f}×  (medians of per-prompt ratios)")
+    lines.append(f"draftsmith: tau (bonus token counted) = {ds['tau_with_bonus']:.3f}, acceptance "
+                 f"{ds['acceptance_rate']:.3f}, per position {ds['acceptance_at_position']}")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    ks = list(rows[0]["tau_with_bonus_by_k"])
+    lines = ["| layers | acceptance at position 1..k | " + " | ".join(f"τ k={kk}" for kk in ks) + " | speed / greedy |",
+             "| --- | --- | " + " | ".join("---" for _ in ks) + " | --- |"]
+    for r in rows:
+        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_at_position"])
+        taus = " | ".join(f"{r['tau_with_bonus_by_k'][kk]:.2f}" for kk in ks)
+        lines.append(f"| {r['num_layers']} | {acc} | {taus} | {r['speed_over_greedy']:.2f}× |")
+    return "\n".join(lines)
