@@ -10,9 +10,24 @@ from __future__ import annotations
 from typing import Union
 
 from .base import Drafter, Proposal
+from .checkpoint import SavedDrafterConfig, families, load, save
+from .eagle1 import Eagle1Config, Eagle1Head
 from .hf_lm import HFDrafter, HFDrafterConfig
 from .layer_skip import LayerSkipConfig
 
-DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig]
+DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, Eagle1Config, SavedDrafterConfig]
 
-__all__ = ["Drafter", "DrafterConfig", "HFDrafter", "HFDrafterConfig", "LayerSkipConfig", "Proposal"]
+__all__ = [
+    "Drafter",
+    "DrafterConfig",
+    "Eagle1Config",
+    "Eagle1Head",
+    "HFDrafter",
+    "HFDrafterConfig",
+    "LayerSkipConfig",
+    "Proposal",
+    "SavedDrafterConfig",
+    "families",
+    "load",
+    "save",
+]

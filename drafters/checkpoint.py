@@ -1,0 +1,205 @@
+"""Drafter checkpoints and the family registry.
+
+A drafter folder holds
+
+* ``config.json`` — ``{"format": "draftsmith-drafter", "format_version": 1, "drafter": {type, …
+  resolved config}, "target": {name, fingerprint, tokenizer_hash, shapes}, "dtype", "tied",
+  "target_parts", …family extras}``;
+* ``model.safetensors`` — the drafter's own tensors. Parts copied frozen from the target
+  (``config.target_parts``: EAGLE's embedding, EAGLE-1's norm and lm_head, Medusa's feature
+  norm) are NOT stored — as in EAGLE checkpoints — and are copied from the target again on
+  load, which is safe because the target's fingerprint must match. EAGLE-3's ``d2t`` /
+  ``t2d`` are buffers of the head and so live in ``model.safetensors`` under those names (as
+  in EAGLE-3/SGLang checkpoints). Tied tensors are stored once (``tied`` maps alias → name).
+
+The folder is written atomically (``files.atomic_dir``): a reader never sees half of it.
+``load`` refuses a folder made for another target (fingerprint) with a message saying so.
+
+Registry: the families are the members of ``drafters.DrafterConfig``; :func:`families` maps
+each ``type`` tag to its config class. Trainable families (``draft_lm``, ``eagle1``,
+``eagle3``, ``medusa``) implement ``build_module(target)``, ``runtime(module, target)``,
+``module_for_checkpoint(target, meta)``, ``checkpoint_meta(module)`` and ``target_parts``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+
+from ..errors import ConfigError, DraftsmithError
+from ..files import atomic_dir
+from ..schema import from_dict, to_dict
+from ..target import Target
+
+FORMAT = "draftsmith-drafter"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def families() -> dict[str, type]:
+    """``type`` tag → config class, for every member of ``drafters.DrafterConfig``."""
+    from . import DrafterConfig
+
+    out: dict[str, type] = {}
+    for cls in get_args(DrafterConfig):
+        for tag in get_args(typing.get_type_hints(cls)["type"]):
+            out[tag] = cls
+    return out
+
+
+def trainable_families() -> dict[str, type]:
+    """Families whose weights ``save`` can write."""
+    return {k: v for k, v in families().items() if hasattr(v, "build_module")}
+
+
+def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``drafter`` (a runtime drafter built by a trainable family) to the folder ``path``.
+
+    state_dict: the full state dict to store instead of ``drafter.module.state_dict()`` —
+    for ZeRO-3, where rank 0 gathers it (same names as the module's).
+    """
+    config = getattr(drafter, "config", None)
+    module = getattr(drafter, "module", None)
+    if config is None or module is None or not hasattr(config, "checkpoint_meta"):
+        kind = getattr(config, "type", type(drafter).__name__)
+        raise DraftsmithError(
+            f"drafter '{kind}' has no trained weights of its own to save; save works for "
+            f"{', '.join(trainable_families())}"
+        )
+    state = module.state_dict() if state_dict is None else state_dict
+    tensors, tied = _unique_tensors(state, config.target_parts)
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()})
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "drafter": to_dict(config),
+        "target": drafter.target_info,
+        "feature_layers": list(drafter.feature_layers),
+        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "target_parts": list(config.target_parts),
+        "tied": tied,
+        **config.checkpoint_meta(module),
+    }
+    from safetensors.torch import save_file
+
+    with atomic_dir(path) as tmp:
+        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+            f.write("\n")
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The parsed ``config.json`` of a drafter folder, checked for format."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        raise DraftsmithError(
+            f"'{path}' is not a drafter folder: it needs {CONFIG_FILE} and {WEIGHTS_FILE} (written by drafters.save / "
+            f"draftsmith train)"
+        )
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{file} is not valid JSON ({e}); the folder is damaged — re-save the drafter") from e
+    if meta.get("format") != FORMAT:
+        raise DraftsmithError(f"{file} is not a draftsmith drafter config (format = {meta.get('format')!r})")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise DraftsmithError(
+            f"{file} has format_version {meta['format_version']}, newer than this draftsmith reads ({FORMAT_VERSION}); "
+            f"upgrade draftsmith"
+        )
+    return meta
+
+
+def load(path: str, target: Target) -> Any:
+    """Rebuild the runtime drafter saved in ``path`` on ``target`` (its device and dtype).
+
+    Refuses a folder saved against a target with another fingerprint. The module (for more
+    training or export) is ``drafter.module``; its config ``drafter.config``.
+    """
+    meta = read_meta(path)
+    saved = meta.get("target", {})
+    if saved.get("fingerprint") != target.fingerprint:
+        raise DraftsmithError(
+            f"drafter '{path}' was trained against target '{saved.get('name')}' (fingerprint {saved.get('fingerprint')}), "
+            f"but the target loaded now, '{target.name}', has fingerprint {target.fingerprint}. A drafter only fits "
+            f"the exact target it was trained with: load that target (target.name) or train a drafter for this one."
+        )
+    section = meta.get("drafter", {})
+    kind = section.get("type")
+    fams = trainable_families()
+    if kind not in fams:
+        raise DraftsmithError(f"drafter '{path}' has type {kind!r}; this draftsmith loads {', '.join(fams)}")
+    config = from_dict(fams[kind], section, where="drafter")
+    module = config.module_for_checkpoint(target, meta)
+    _load_tensors(module, path, target.device, config.target_parts, meta.get("tied", {}))
+    return config.runtime(module, target)
+
+
+@dataclass
+class SavedDrafterConfig:
+    """A drafter saved by ``draftsmith train`` / ``drafters.save``: ``drafter: {type: saved, path: …}``."""
+
+    type: Literal["saved"] = "saved"
+    path: str = ""
+    """The drafter folder (config.json + model.safetensors)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("drafter.path must name a saved drafter folder (config.json + model.safetensors)")
+
+    def build(self, target: Target) -> Any:
+        return load(self.path, target)
+
+
+# ---------------------------------------------------------------- internals
+
+
+def _unique_tensors(
+    state: dict[str, torch.Tensor], skip: tuple[str, ...]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors to store (CPU copies, target parts dropped) and tied aliases (alias → stored name)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in state.items():
+        if name.startswith(skip):
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            tied[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+    return tensors, tied
+
+
+def _load_tensors(
+    module: torch.nn.Module, path: str, device: torch.device, skip: tuple[str, ...], tied: dict[str, str]
+) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = os.path.join(path, WEIGHTS_FILE)
+    try:
+        state = load_file(file, device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise DraftsmithError(f"{file} cannot be read ({e}); the folder is damaged — re-save the drafter") from e
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        raise DraftsmithError(f"{file} does not fit the drafter its config.json describes: {e}") from e
+    missing = [k for k in missing if not k.startswith(skip) and k not in tied]
+    if missing or unexpected:
+        raise DraftsmithError(
+            f"{file} does not fit the drafter its config.json describes: missing {missing[:5]}, unexpected "
+            f"{list(unexpected)[:5]}"
+        )
+

@@ -1,0 +1,200 @@
+"""Building blocks shared by the trainable drafters (draft LM, EAGLE-1, EAGLE-3, Medusa).
+
+* :func:`draft_layer_config` — the HF ``LlamaConfig`` of one draft decoder layer with the
+  target's width, heads, MLP, norm epsilon and RoPE (EAGLE heads are Llama layers, as in
+  EAGLE and SpecForge, whatever the target's family).
+* :func:`causal_mask` — the additive attention mask every head uses (training and decoding).
+* :func:`shift_left` — the token/feature alignment helper the training recipes use.
+* :class:`TargetParts` / :func:`frozen_target_parts` — frozen copies of the target's
+  embedding, final norm and lm_head that heads are built around; a checkpoint does not
+  store them (they are copied again from the target on load, whose fingerprint matches).
+* :func:`seeded` — deterministic random initialization that leaves the global RNG alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError, DraftsmithError
+
+
+def text_config(arch: Any) -> Any:
+    """The language-model part of a HF config (multimodal configs nest it)."""
+    get = getattr(arch, "get_text_config", None)
+    return get() if callable(get) else arch
+
+
+def draft_layer_config(arch: Any) -> Any:
+    """A one-layer ``LlamaConfig`` with the target's dimensions and RoPE; attention via SDPA.
+
+    arch: the target's HF config (``target.config``).
+    """
+    from transformers import LlamaConfig
+
+    tc = text_config(arch)
+    heads = int(tc.num_attention_heads)
+    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    cfg = LlamaConfig(
+        vocab_size=int(tc.vocab_size),
+        hidden_size=int(tc.hidden_size),
+        intermediate_size=int(tc.intermediate_size),
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+        hidden_act=getattr(tc, "hidden_act", "silu"),
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_parameters=dict(rope),
+        attention_bias=bool(getattr(tc, "attention_bias", False)),
+        mlp_bias=bool(getattr(tc, "mlp_bias", False)),
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def causal_mask(
+    q_len: int, past_len: int, dtype: torch.dtype, device: torch.device, padding: Tensor | None = None
+) -> Tensor:
+    """Additive attention mask ``[B|1, 1, q_len, past_len + q_len]``.
+
+    Query i sits at absolute row ``past_len + i`` and may attend key j iff ``j ≤ past_len + i``
+    and ``padding[b, j] != 0``. Allowed entries are 0, the others the dtype's minimum (a fully
+    masked padding row then gets uniform weights instead of NaN).
+    padding: [B, past_len + q_len] (1 = real token, 0 = padding) or None.
+    """
+    kv_len = past_len + q_len
+    q_pos = torch.arange(past_len, kv_len, device=device)[:, None]  # [q, 1]
+    k_pos = torch.arange(kv_len, device=device)[None, :]  # [1, kv]
+    allowed = (k_pos <= q_pos)[None, None]  # [1, 1, q, kv]
+    if padding is not None:
+        if padding.shape[-1] != kv_len:
+            raise DraftsmithError(f"attention_mask covers {padding.shape[-1]} positions, expected {kv_len}")
+        allowed = allowed & padding[:, None, None, :].bool()  # [B, 1, q, kv]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def default_positions(batch: int, seq: int, past_len: int, device: torch.device) -> Tensor:
+    """[B, S] position ids past_len … past_len+S-1 (no left padding)."""
+    return torch.arange(past_len, past_len + seq, device=device)[None].expand(batch, seq)
+
+
+def shift_left(x: Tensor, n: int, fill: float | int = 0) -> Tensor:
+    """Shift ``x`` left by n along dim 1: ``out[:, t] = x[:, t + n]``, the last n rows = fill.
+
+    x: [B, S, ...]. The training recipes align tokens with features with it: EAGLE's row t pairs
+    feature f_t with token ``shift_left(input_ids, 1)[:, t]`` = x_{t+1}.
+    """
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+@dataclass
+class TargetParts:
+    """Frozen copies of the target's input embedding, final norm and output head."""
+
+    embed: nn.Embedding
+    norm: nn.Module
+    lm_head: nn.Module
+
+
+def frozen_target_parts(model: nn.Module) -> TargetParts:
+    """Copy (not share) the target's embedding, final norm and lm_head, frozen, same device/dtype.
+
+    Copies keep a head self-contained: any DeepSpeed stage may partition it without touching
+    the target. A tied target gives a tied copy (one tensor for embedding and lm_head).
+    """
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if embed is None or head is None or norm is None:
+        raise DraftsmithError(
+            f"the target ({type(model).__name__}) has no input embedding, final norm or lm_head where a "
+            f"Llama-style causal LM keeps them (model.get_input_embeddings(), model.model.norm, model.lm_head)"
+        )
+    parts = TargetParts(embed=_frozen_copy(embed), norm=_frozen_copy(norm), lm_head=_frozen_copy(head))
+    if head.weight is embed.weight:
+        parts.lm_head.weight = parts.embed.weight
+    return parts
+
+
+def placeholder_parts(arch: Any) -> TargetParts:
+    """Frozen modules with the target's shapes (for counting parameters on the meta device)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    tc = text_config(arch)
+    h, v = int(tc.hidden_size), int(tc.vocab_size)
+    parts = TargetParts(nn.Embedding(v, h), LlamaRMSNorm(h, eps=float(getattr(tc, "rms_norm_eps", 1e-6))), nn.Linear(h, v, bias=False))
+    if getattr(tc, "tie_word_embeddings", False):
+        parts.lm_head.weight = parts.embed.weight
+    for m in (parts.embed, parts.norm, parts.lm_head):
+        m.requires_grad_(False)
+    return parts
+
+
+def place(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """Move ``module`` to ``device`` and cast its floating PARAMETERS to ``dtype``.
+
+    Unlike ``module.to(dtype)`` this leaves buffers alone, so RoPE's ``inv_freq`` stays float32
+    as in the target (a bf16 ``inv_freq`` shifts every rotary angle).
+    """
+    module.to(device=device)
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
+def _frozen_copy(module: nn.Module) -> nn.Module:
+    out = copy.deepcopy(module)
+    out.requires_grad_(False)
+    return out
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run a block with the CPU RNG seeded, restoring the global RNG state afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def resolve_layer(layer: int, num_layers: int, field: str) -> int:
+    """A feature layer id (negative counts from the end) → 0-based index, or a ConfigError naming ``field``."""
+    idx = layer + num_layers if layer < 0 else layer
+    if not 0 <= idx < num_layers:
+        raise ConfigError(
+            f"{field} = {layer} is out of range: the target has {num_layers} layers (valid ids 0 … {num_layers - 1}, "
+            f"or -{num_layers} … -1 from the end)"
+        )
+    return idx
+
+
+def count_parameters(module: nn.Module) -> dict[str, int]:
+    """Unique parameters (tied weights counted once): trainable, frozen and total."""
+    seen: set[int] = set()
+    trainable = frozen = 0
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return {"trainable": trainable, "frozen": frozen, "total": trainable + frozen}
+

