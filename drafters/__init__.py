@@ -12,16 +12,19 @@ from typing import Union
 from .base import Drafter, Proposal
 from .checkpoint import SavedDrafterConfig, families, load, save
 from .eagle1 import Eagle1Config, Eagle1Head
+from .eagle3 import Eagle3Config, Eagle3Head
 from .hf_lm import HFDrafter, HFDrafterConfig
 from .layer_skip import LayerSkipConfig
 
-DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, Eagle1Config, SavedDrafterConfig]
+DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, Eagle1Config, Eagle3Config, SavedDrafterConfig]
 
 __all__ = [
     "Drafter",
     "DrafterConfig",
     "Eagle1Config",
     "Eagle1Head",
+    "Eagle3Config",
+    "Eagle3Head",
     "HFDrafter",
     "HFDrafterConfig",
     "LayerSkipConfig",

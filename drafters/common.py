@@ -111,12 +111,8 @@ class TargetParts:
     lm_head: nn.Module
 
 
-def frozen_target_parts(model: nn.Module) -> TargetParts:
-    """Copy (not share) the target's embedding, final norm and lm_head, frozen, same device/dtype.
-
-    Copies keep a head self-contained: any DeepSpeed stage may partition it without touching
-    the target. A tied target gives a tied copy (one tensor for embedding and lm_head).
-    """
+def target_parts(model: nn.Module) -> TargetParts:
+    """The target's own embedding, final norm and lm_head (shared, not copied)."""
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
@@ -126,8 +122,18 @@ def frozen_target_parts(model: nn.Module) -> TargetParts:
             f"the target ({type(model).__name__}) has no input embedding, final norm or lm_head where a "
             f"Llama-style causal LM keeps them (model.get_input_embeddings(), model.model.norm, model.lm_head)"
         )
-    parts = TargetParts(embed=_frozen_copy(embed), norm=_frozen_copy(norm), lm_head=_frozen_copy(head))
-    if head.weight is embed.weight:
+    return TargetParts(embed=embed, norm=norm, lm_head=head)
+
+
+def frozen_target_parts(model: nn.Module) -> TargetParts:
+    """Frozen copies (not shared) of the target's embedding, final norm and lm_head, same device/dtype.
+
+    Copies keep a head self-contained: any DeepSpeed stage may partition it without touching
+    the target. A tied target gives a tied copy (one tensor for embedding and lm_head).
+    """
+    own = target_parts(model)
+    parts = TargetParts(embed=frozen_copy(own.embed), norm=frozen_copy(own.norm), lm_head=frozen_copy(own.lm_head))
+    if own.lm_head.weight is own.embed.weight:
         parts.lm_head.weight = parts.embed.weight
     return parts
 
@@ -159,7 +165,8 @@ def place(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> 
     return module
 
 
-def _frozen_copy(module: nn.Module) -> nn.Module:
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A deep copy with every parameter frozen."""
     out = copy.deepcopy(module)
     out.requires_grad_(False)
     return out

@@ -11,12 +11,14 @@ import torch
 
 from draftsmith import drafters
 from draftsmith.drafters.eagle1 import Eagle1Config
+from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
 FAMILIES = {
     "eagle1": Eagle1Config(seed=1),
+    "eagle3": Eagle3Config(feature_layers=[1, 2, 3], seed=2),
 }
 
 
@@ -73,6 +75,24 @@ def test_save_load_bit_exact(tiny_target, tmp_path, family):
 
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         assert not [k for k in f.keys() if k.startswith(loaded.config.target_parts)]
+
+
+def test_eagle3_reduced_vocab_round_trips(tiny_target, tmp_path):
+    """d2t/t2d are stored in model.safetensors (EAGLE-3/SGLang names) and restored on load."""
+    ids = torch.arange(0, 49152, 7)
+    t2d = torch.zeros(49152, dtype=torch.bool)
+    t2d[ids] = True
+    d2t = ids - torch.arange(ids.numel())
+    cfg = Eagle3Config(feature_layers=[0, 1, 2])
+    drafter = cfg.runtime(cfg.build_module(tiny_target, (d2t, t2d)), tiny_target)
+    drafters.save(drafter, str(tmp_path / "e3"))
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "e3" / "model.safetensors"))
+    assert torch.equal(stored["d2t"], d2t) and torch.equal(stored["t2d"], t2d)
+    loaded = drafters.load(str(tmp_path / "e3"), tiny_target)
+    assert loaded.config.draft_vocab_size == ids.numel() and torch.equal(loaded.module.t2d, t2d)
+    assert replay(tiny_target, loaded)[0][1][:, ~t2d].abs().sum() == 0
 
 
 def test_load_refuses_another_target(tiny_target, tmp_path):

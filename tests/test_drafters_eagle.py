@@ -10,6 +10,8 @@ import torch
 
 from draftsmith.drafters.common import causal_mask, shift_left
 from draftsmith.drafters.eagle1 import Eagle1Config
+from draftsmith.drafters.eagle3 import Eagle3Config, attend, default_feature_layers
+from draftsmith.errors import ConfigError
 from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
@@ -41,9 +43,10 @@ def drive(target: Target, drafter, prompt: list[int], accept: list[int], k: int,
         tokens += new
 
 
-def reference_probs(head, target, tokens: list[int], drafts: list[int], fuse) -> list[torch.Tensor]:
+def reference_probs(drafter, target, tokens: list[int], drafts: list[int], fuse) -> list[torch.Tensor]:
     """The draft distributions recomputed from scratch: no cache, true features for committed rows."""
-    f = features(target, tokens[:-1], target_layers(head, target))  # f_0 … f_{n-2}
+    head = drafter.module
+    f = features(target, tokens[:-1], drafter.feature_layers)  # f_0 … f_{n-2}
     rows = fuse(f)[None]  # [1, n-1, H]
     ids = tokens[1:]
     out = []
@@ -53,10 +56,6 @@ def reference_probs(head, target, tokens: list[int], drafts: list[int], fuse) ->
         rows = torch.cat([rows, hidden[:, -1:]], dim=1)  # the predicted feature feeds the next row
         ids = ids + [d]
     return out
-
-
-def target_layers(head, target) -> tuple[int, ...]:
-    return getattr(head, "feature_layer_ids", (target.num_layers - 1,))
 
 
 # ---------------------------------------------------------------- EAGLE-1
@@ -114,7 +113,7 @@ def test_eagle1_runtime_matches_from_scratch_reference(tiny_target, eagle1):
     prompt = list(range(100, 113))
     checked = 0
     for tokens, proposal in drive(tiny_target, eagle1, prompt, accept=[0, 2, 4, 1, 3, 0], k=4):
-        ref = reference_probs(eagle1.module, tiny_target, tokens, proposal.tokens.tolist(), fuse=lambda f: f)
+        ref = reference_probs(eagle1, tiny_target, tokens, proposal.tokens.tolist(), fuse=lambda f: f)
         assert proposal.probs.shape == (4, 49152) and proposal.probs.dtype == torch.float32
         for q, r in zip(proposal.probs, ref):
             assert torch.allclose(q.log(), r.log(), atol=1e-4)  # relative: q is near-uniform over 49k tokens
@@ -141,3 +140,173 @@ def test_shift_left():
     assert shift_left(x, 1).tolist() == [[2, 3, 4, 0]]
     assert shift_left(x, 3, fill=-1).tolist() == [[4, -1, -1, -1]]
     assert shift_left(x, 5).tolist() == [[0, 0, 0, 0]]
+
+
+# ---------------------------------------------------------------- EAGLE-3
+
+LAYERS = [0, 2, -1]  # the tiny target has 4 layers
+
+
+def sparse_vocab(v: int = 49152, vd: int = 3000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random reduced vocabulary in the EAGLE-3 convention (sorted ids, d2t offsets, t2d mask)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(v, generator=g)[:vd].sort().values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(vd), t2d
+
+
+@pytest.fixture(scope="module")
+def eagle3(tiny_target):
+    cfg = Eagle3Config(feature_layers=LAYERS, seed=5)
+    return cfg.runtime(cfg.build_module(tiny_target, sparse_vocab()), tiny_target)
+
+
+def test_eagle3_default_layers_follow_the_field():
+    assert default_feature_layers(30) == (1, 14, 26)  # SmolLM2-135M
+    assert default_feature_layers(32) == (1, 15, 28)  # Llama-3.1-8B: SGLang captures 2, 16, 29 (inputs)
+
+
+def test_eagle3_shapes_dtypes_vocab_and_trainable_parts(tiny_target, eagle3):
+    head = eagle3.module
+    assert eagle3.feature_layers == (0, 2, 3)
+    ids = torch.randint(0, 1000, (2, 6))
+    hidden, logits = head(ids, torch.randn(2, 6, 3 * 64))
+    assert hidden.shape == (2, 6, 64) and logits.shape == (2, 6, 3000)
+    hidden2, logits2 = head(ids, hidden)  # its own output feeds the next step
+    assert hidden2.shape == (2, 6, 64) and logits2.dtype == torch.float32
+    full = head.target_logits(logits[0, 0])
+    assert full.shape == (49152,)
+    d2t, t2d = sparse_vocab()
+    assert torch.equal(full[t2d], logits[0, 0]) and torch.isinf(full[~t2d]).all()
+    assert torch.equal(head.draft_ids, torch.arange(3000) + d2t)
+    assert torch.equal(head.lm_head.weight, tiny_target.model.lm_head.weight[head.draft_ids])
+    trainable = {n.split(".")[0] for n, p in head.named_parameters() if p.requires_grad}
+    assert trainable == {"fc", "midlayer", "norm", "lm_head"}
+    bf = Target(copy.deepcopy(tiny_target.model).to(torch.bfloat16), tiny_target.tokenizer, "bf", fingerprint="x")
+    head_bf = Eagle3Config(feature_layers=LAYERS).build_module(bf)
+    h, lg = head_bf(ids, torch.randn(2, 6, 192, dtype=torch.bfloat16))
+    assert h.dtype == lg.dtype == torch.bfloat16 and lg.shape == (2, 6, 49152)  # default: the full vocabulary
+    assert head_bf.t2d.all() and not head_bf.d2t.any()
+
+
+def test_eagle3_layer_with_zero_embedding_matches_transformers(eagle3):
+    """Our 2H-input layer = transformers' LlamaDecoderLayer when the embedding half is zero.
+
+    With emb = 0, input_layernorm(emb) = 0, so q/k/v only see W[:, H:] @ hidden_norm(hidden): a
+    LlamaDecoderLayer whose input norm is our hidden_norm and whose projections are W[:, H:].
+    """
+    from transformers import LlamaModel
+
+    head = eagle3.module
+    layer = head.midlayer
+    hf = LlamaModel(head.layer_config).eval()
+    hf.norm = torch.nn.Identity()
+    ref_layer = hf.layers[0]
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(ref_layer.self_attn, name).weight.copy_(getattr(layer.self_attn, name).weight[:, 64:])
+        ref_layer.self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
+        ref_layer.mlp.load_state_dict(layer.mlp.state_dict())
+        ref_layer.input_layernorm.load_state_dict(layer.hidden_norm.state_dict())
+        ref_layer.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
+        torch.manual_seed(1)
+        h = torch.randn(2, 7, 64)
+        pad = torch.tensor([[1] * 7, [0, 0] + [1] * 5])  # left padding in row 1
+        pos = (pad.cumsum(-1) - 1).clamp_min(0)
+        ref = hf(inputs_embeds=h, attention_mask=pad, position_ids=pos).last_hidden_state
+        cos, sin = head.rotary_emb(h, pos)
+        mask = causal_mask(7, 0, h.dtype, h.device, pad)
+        ours = layer(torch.zeros_like(h), h, cos, sin, mask)
+        assert torch.allclose(ours[0], ref[0], atol=1e-5)
+        assert torch.allclose(ours[1, 2:], ref[1, 2:], atol=1e-5)
+        # through a cache in two chunks = one pass
+        cache = head.new_cache()
+        p = torch.arange(7)[None]
+        cos, sin = head.rotary_emb(h, p)
+        a = layer(torch.zeros_like(h[:1, :3]), h[:1, :3], cos[:, :3], sin[:, :3], causal_mask(3, 0, h.dtype, h.device), cache)
+        b = layer(torch.zeros_like(h[:1, 3:]), h[:1, 3:], cos[:, 3:], sin[:, 3:], causal_mask(4, 3, h.dtype, h.device), cache)
+        ref = hf(inputs_embeds=h[:1]).last_hidden_state
+        assert torch.allclose(torch.cat([a, b], 1), ref, atol=1e-5)
+
+
+def test_ttt_attention_equals_explicit_block_mask():
+    """The diagonal trick = SDPA over [k0, k1 … kj] with the mask EAGLE-3's TTT implies."""
+    torch.manual_seed(0)
+    b, h, s, d, j = 2, 3, 5, 8, 3
+    q = torch.randn(b, h, s, d)
+    ks = [torch.randn(b, h, s, d) for _ in range(j + 1)]
+    vs = [torch.randn(b, h, s, d) for _ in range(j + 1)]
+    mask = causal_mask(s, 0, torch.float32, torch.device("cpu"))
+    ours = attend(q, ks[0], vs[0], mask, ks[1:], vs[1:], d**-0.5)
+    eye = torch.eye(s, dtype=torch.bool)
+    allowed = torch.cat([torch.tril(torch.ones(s, s, dtype=torch.bool))] + [eye] * j, dim=1)  # [S, (j+1)S]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=allowed)
+    assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_unroll_equals_chained_decoding(tiny_target, eagle3):
+    """Step j, row t of the unroll = the (j+1)-th chained draft after true rows 0 … t (teacher-forced tokens)."""
+    head = eagle3.module
+    torch.manual_seed(2)
+    x = torch.randint(0, 5000, (1, 9))
+    f = features(tiny_target, x[0].tolist(), eagle3.feature_layers)[None]  # [1, 9, 192]
+    with torch.no_grad():
+        steps = head.unroll(x, f, steps=3)
+        for t in range(9):
+            rows, ids = head.fc(f[:, : t + 1]), x[:, 1 : t + 2]
+            for j in range(3):
+                if t + j + 2 > 8:
+                    break
+                hidden, logits = head(ids, rows)
+                assert torch.allclose(logits[0, -1], steps[j][1][0, t], atol=1e-4), (t, j)
+                assert torch.allclose(hidden[0, -1], steps[j][0][0, t], atol=1e-4), (t, j)
+                rows = torch.cat([rows, hidden[:, -1:]], 1)
+                ids = torch.cat([ids, x[:, t + j + 2 : t + j + 3]], 1)
+
+
+def test_unroll_backpropagates_into_trainable_parts_only(tiny_target):
+    head = Eagle3Config(feature_layers=LAYERS).build_module(tiny_target)
+    x = torch.randint(0, 5000, (2, 6))
+    steps = head.unroll(x, torch.randn(2, 6, 192), steps=2, attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
+    sum(lg.float().logsumexp(-1).sum() for _, lg in steps).backward()
+    assert head.fc.weight.grad is not None and head.midlayer.self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert head.embed_tokens.weight.grad is None
+
+
+def test_eagle3_runtime_matches_from_scratch_reference(tiny_target, eagle3):
+    prompt = list(range(300, 311))
+    _, t2d = sparse_vocab()
+    for tokens, proposal in drive(tiny_target, eagle3, prompt, accept=[0, 3, 4, 1], k=4):
+        assert t2d[proposal.tokens].all()  # drafts come from the draft vocabulary
+        assert (proposal.probs[:, ~t2d] == 0).all()  # q is zero outside it
+        ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(), fuse=eagle3.module.fc)
+        for q, r in zip(proposal.probs, ref):
+            assert torch.allclose(q[t2d].log(), r[t2d].log(), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(feature_layers=[1, 2]), "drafter.feature_layers"),
+        (dict(feature_layers=[0, 1, 4]), r"drafter.feature_layers\[2\]"),
+        (dict(feature_layers=[0, -5, 1]), r"drafter.feature_layers\[1\]"),
+        (dict(feature_layers=[1, 1, 2]), "drafter.feature_layers"),
+        (dict(feature_layers=LAYERS, draft_vocab_size=50000), "drafter.draft_vocab_size"),
+        (dict(feature_layers=LAYERS, draft_vocab_size=1000), "drafter.draft_vocab"),
+    ],
+)
+def test_eagle3_bad_config_names_the_field(tiny_target, kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        Eagle3Config(**kwargs).build(tiny_target)
+
+
+def test_eagle3_bad_vocab_refused(tiny_target):
+    d2t, t2d = sparse_vocab()
+    bad = t2d.clone()
+    bad[~t2d.nonzero()[0]] = True  # one extra target id marked
+    for vocab, msg in [((d2t, bad), "t2d does not mark"), ((d2t, t2d[:100]), "covers 100 tokens"), ((d2t + 50000, t2d), "outside")]:
+        with pytest.raises(ConfigError, match=msg):
+            Eagle3Config(feature_layers=LAYERS).build_module(tiny_target, vocab)
+    with pytest.raises(ConfigError, match="draft_vocab_size = 10 but"):
+        Eagle3Config(feature_layers=LAYERS, draft_vocab_size=10).build_module(tiny_target, (d2t, t2d))

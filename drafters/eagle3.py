@@ -1,0 +1,416 @@
+"""EAGLE-3 head (Li et al. 2025): fused low/mid/high target features, one decoder layer whose
+attention reads concat(embedding, hidden), a reduced draft vocabulary, training-time test.
+
+Training API (stable; the training recipe calls exactly this)::
+
+    head = Eagle3Config(feature_layers=[1, 14, 26]).build_module(target, vocab)   # Eagle3Head
+    steps = head.unroll(input_ids, features, steps=7, attention_mask=None, position_ids=None)
+    for j, (hidden_j, logits_j) in enumerate(steps): ...
+
+    input_ids      [B, S] long     the sequence x_0 … x_{S-1} itself (NOT shifted: unroll shifts)
+    features       [B, S, 3H]      f_t = concat of the target's outputs of feature_layers at position t
+                                   (Target.forward(feature_layers=head layers) returns exactly this)
+    attention_mask [B, S]          1 = real token, 0 = padding; default all real
+    position_ids   [B, S] long     default t
+    → steps[j] = (hidden [B, S, H], logits [B, S, Vd])  for j = 0 … steps-1
+      row t of step j reads token x_{t+j+1} at position t+j and predicts x_{t+j+2}: its target
+      distribution is the target's output at position t+j+1 (restricted to the draft vocab via
+      ``head.draft_ids``). Rows with t+j+2 ≥ S (and padding) have no target: mask them out.
+
+Step 0 is plain teacher forcing (row t pairs the true feature f_t with x_{t+1}). Step j ≥ 1
+feeds each row the head's own step-(j-1) output instead of a target feature, exactly as in
+decoding. How step j attends (EAGLE-3's and SpecForge's scheme, kept as is): row t sees the
+step-0 keys of rows 0 … t (true-feature rows, causal mask) plus, for each step 1 … j, only the
+key of its own row t. That is exactly what decoding sees when the last true row is t and j
+drafts were chained after it (cache rows 0 … t, then one row per draft) — a test checks
+unroll == chained decoding row by row. Gradients flow through all steps (nothing detached).
+
+Lower-level, one step: ``head(input_ids, hidden, position_ids, attention_mask, cache, ttt)`` →
+``(hidden [B,S,H], logits [B,S,Vd])`` where row t pairs ``hidden[t]`` with ``input_ids[t]`` (the
+caller aligns: ``input_ids = shift_left(x, 1)`` for target features). ``hidden`` is either fused
+target features [B,S,3H] (→ fc) or the head's own previous output [B,S,H] (used as is).
+
+Vocabulary (EAGLE-3 / SGLang convention): ``d2t`` [Vd] long holds offsets,
+``target_id = draft_id + d2t[draft_id]``; ``t2d`` [V] bool marks target ids in the draft vocab.
+Both are buffers, saved in ``model.safetensors`` under those names. ``head.draft_ids`` [Vd] is
+``arange(Vd) + d2t``; ``head.target_logits(logits)`` scatters draft logits into the target's
+vocabulary with −inf elsewhere. Without a draft vocabulary the head uses the target's full one.
+
+Parameter names follow EAGLE-3 / SGLang checkpoints (``fc``, ``midlayer.*``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``); ``embed_tokens`` is a frozen copy of the target's, not stored.
+Trainable: fc, midlayer, norm, lm_head. ``norm`` and ``lm_head`` start from the target's
+final norm and the target's lm_head rows of the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError, DraftsmithError
+from ..target import Target, describe
+from .common import (
+    causal_mask,
+    default_positions,
+    draft_layer_config,
+    frozen_copy,
+    place,
+    resolve_layer,
+    seeded,
+    shift_left,
+    target_parts,
+    text_config,
+)
+from .eagle_runtime import EagleDrafter
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """The field's low/mid/high layers in our convention (id i = output of decoder layer i, 0-based).
+
+    EAGLE-3 and SGLang capture the *inputs* of layers 2, N//2 and N-3; SpecForge's HF backend
+    hooks the *outputs* of layers 1, N//2-1, N-4 — the same tensors, which are ours.
+    SmolLM2-135M (30 layers): (1, 14, 26); Llama-3.1-8B (32 layers): (1, 15, 28).
+    """
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+@dataclass
+class UnrollKV:
+    """Keys/values of the steps unrolled so far: entry 0 is attended causally, entries ≥ 1 only on the diagonal."""
+
+    keys: list[Tensor] = field(default_factory=list)
+    """[B, kv_heads, S, d] per step."""
+    values: list[Tensor] = field(default_factory=list)
+
+
+def attend(
+    q: Tensor, k0: Tensor, v0: Tensor, mask: Tensor, diag_k: list[Tensor], diag_v: list[Tensor], scale: float
+) -> Tensor:
+    """Attention where query row t sees k0 under ``mask`` and row t of every ``diag_k[i]``.
+
+    q: [B, h, S, d]; k0, v0: [B, h, L, d]; mask: [B|1, 1, S, L] additive; diag_k, diag_v: lists of
+    [B, h, S, d]. Returns [B, h, S, d]. Scores and softmax in float32. With no diagonal entries it
+    is ordinary masked attention.
+    """
+    scores = torch.matmul(q, k0.transpose(2, 3)).float() * scale + mask.float()  # [B, h, S, L]
+    if diag_k:
+        diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in diag_k]  # each [B, h, S, 1]
+        scores = torch.cat([scores, *diag], dim=-1)  # [B, h, S, L + J]
+    weights = scores.softmax(-1).to(q.dtype)
+    length = k0.shape[2]
+    out = torch.matmul(weights[..., :length], v0)  # [B, h, S, d]
+    for i, v in enumerate(diag_v):
+        out = out + weights[..., length + i : length + i + 1] * v
+    return out
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v projections read 2H inputs (concat(embedding, hidden))."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scaling = head_dim**-0.5
+        self.q_proj = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None, ttt: UnrollKV | None = None
+    ) -> Tensor:
+        """x: [B, S, 2H]; cos/sin: [B, S, d]; mask: [B|1, 1, S, L] → [B, S, H].
+
+        cache: a HF cache (decoding; extended in place, L = past + S); ttt: the unroll's K/V
+        (training; this step's keys are appended, L = S); neither: plain causal, L = S.
+        """
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, h, S, d]
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        diag_k: list[Tensor] = []
+        diag_v: list[Tensor] = []
+        if cache is not None:
+            k, v = cache.update(k, v, 0)  # [B, kv, past + S, d]
+        elif ttt is not None:
+            ttt.keys.append(k)
+            ttt.values.append(v)
+            k, v = ttt.keys[0], ttt.values[0]
+            diag_k, diag_v = ttt.keys[1:], ttt.values[1:]
+        groups = self.num_heads // self.num_kv_heads
+        out = attend(
+            q,
+            repeat_kv(k, groups),
+            repeat_kv(v, groups),
+            mask,
+            [repeat_kv(t, groups) for t in diag_k],
+            [repeat_kv(t, groups) for t in diag_v],
+            self.scaling,
+        )  # [B, h, S, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """residual = hidden; attn(concat(input_layernorm(emb), hidden_norm(hidden))) + residual; then Llama MLP block."""
+
+    def __init__(self, layer_config: Any):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        c = layer_config
+        h, eps = int(c.hidden_size), float(c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias)
+        self.mlp = LlamaMLP(c)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+
+    def forward(
+        self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None, ttt: UnrollKV | None = None
+    ) -> Tensor:
+        """emb, hidden: [B, S, H] → [B, S, H] (pre-norm)."""
+        residual = hidden
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
+        hidden = residual + self.self_attn(x, cos, sin, mask, cache, ttt)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft model. Shapes and alignment in the module docstring."""
+
+    def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int):
+        """embed: frozen copy of the target's embedding; layer_config: a one-layer LlamaConfig."""
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        h = int(layer_config.hidden_size)
+        self.hidden_size = h
+        self.layer_config = layer_config
+        self.embed_tokens = embed
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(layer_config)
+        self.norm = LlamaRMSNorm(h, eps=float(layer_config.rms_norm_eps))
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(layer_config)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(target_vocab_size) < draft_vocab_size)
+
+    @property
+    def draft_ids(self) -> Tensor:
+        """[Vd] long: the target id of each draft id (``arange(Vd) + d2t``)."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.layer_config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: Any = None,
+        ttt: UnrollKV | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """input_ids [B,S]; hidden [B,S,3H] (target features) or [B,S,H] (own output) → ([B,S,H], [B,S,Vd])."""
+        if hidden.shape[-1] == 3 * self.hidden_size:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))  # [B, S, H]
+        elif hidden.shape[-1] != self.hidden_size:
+            raise DraftsmithError(
+                f"EAGLE-3 head got hidden states of width {hidden.shape[-1]}; expected 3×{self.hidden_size} "
+                f"(three target layers concatenated) or {self.hidden_size} (its own previous output)"
+            )
+        b, s = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, S, H]
+        if position_ids is None:
+            position_ids = default_positions(b, s, past, hidden.device)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        mask = causal_mask(s, past, hidden.dtype, hidden.device, attention_mask)  # [B|1, 1, S, past+S]
+        out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
+        return out, self.lm_head(self.norm(out))
+
+    def unroll(
+        self,
+        input_ids: Tensor,
+        features: Tensor,
+        steps: int = 7,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Training-time test: ``steps`` chained steps over a whole sequence (see module docstring)."""
+        if steps < 1:
+            raise DraftsmithError(f"unroll needs at least 1 step, got {steps}")
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = default_positions(b, s, 0, input_ids.device)
+        kv = UnrollKV()
+        hidden, out = features, []
+        for j in range(steps):
+            hidden, logits = self(shift_left(input_ids, j + 1), hidden, position_ids + j, attention_mask, ttt=kv)
+            out.append((hidden, logits))
+        return out
+
+    def target_logits(self, logits: Tensor) -> Tensor:
+        """[..., Vd] draft logits → [..., V] over the target vocabulary, −inf outside the draft vocab."""
+        out = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        out[..., self.draft_ids] = logits
+        return out
+
+
+# ---------------------------------------------------------------- draft vocabulary
+
+
+def vocab_tensors(vocab: Any) -> tuple[Tensor, Tensor]:
+    """(d2t, t2d) from a DraftVocab-like object (``.d2t``, ``.t2d``), a pair, a dict, or a safetensors path."""
+    if isinstance(vocab, str):
+        if not os.path.isfile(vocab):
+            raise ConfigError(f"drafter.draft_vocab = '{vocab}' does not exist; write it with draftsmith prepare")
+        from safetensors.torch import load_file
+
+        try:
+            vocab = load_file(vocab)
+        except Exception as e:
+            raise ConfigError(f"drafter.draft_vocab = '{vocab}' is not a safetensors file with d2t and t2d: {e}") from e
+    if isinstance(vocab, dict):
+        if "d2t" not in vocab or "t2d" not in vocab:
+            raise ConfigError(f"the draft vocabulary needs tensors 'd2t' and 't2d', found {sorted(vocab)}")
+        return torch.as_tensor(vocab["d2t"]), torch.as_tensor(vocab["t2d"])
+    if isinstance(vocab, (tuple, list)) and len(vocab) == 2:
+        return torch.as_tensor(vocab[0]), torch.as_tensor(vocab[1])
+    if hasattr(vocab, "d2t") and hasattr(vocab, "t2d"):
+        return torch.as_tensor(vocab.d2t), torch.as_tensor(vocab.t2d)
+    raise ConfigError(f"cannot read a draft vocabulary (d2t, t2d) from {type(vocab).__name__}")
+
+
+def check_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int) -> None:
+    """Refuse a draft vocabulary that does not fit the target (ConfigError naming drafter.draft_vocab)."""
+    where = "drafter.draft_vocab"
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or t2d.dim() != 1:
+        raise ConfigError(f"{where}: d2t must be a 1-D integer tensor and t2d a 1-D mask")
+    if t2d.shape[0] != target_vocab:
+        raise ConfigError(f"{where}: t2d covers {t2d.shape[0]} tokens but the target's vocabulary has {target_vocab}")
+    vd = d2t.shape[0]
+    if not 0 < vd <= target_vocab:
+        raise ConfigError(f"{where}: {vd} draft tokens for a target vocabulary of {target_vocab}")
+    ids = torch.arange(vd) + d2t.long().cpu()
+    mask = t2d.bool().cpu()
+    if ids.min() < 0 or ids.max() >= target_vocab or ids.unique().numel() != vd:
+        raise ConfigError(f"{where}: d2t maps draft ids outside the target vocabulary or onto the same target id")
+    if int(mask.sum()) != vd or not bool(mask[ids].all()):
+        raise ConfigError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
+
+
+# ---------------------------------------------------------------- builder and config
+
+
+def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0) -> Eagle3Head:
+    """An EAGLE-3 head for a target with HF config ``arch`` around ``embed``; seeded-random, full-vocab mapping."""
+    vocab = int(text_config(arch).vocab_size)
+    with seeded(seed):
+        return Eagle3Head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab)
+
+
+@dataclass
+class Eagle3Config:
+    type: Literal["eagle3"] = "eagle3"
+    feature_layers: list[int] = field(default_factory=list)
+    """The three target layers fused (low, middle, high); id i = output of decoder layer i (0-based,
+    negative from the end). Empty = the field's default (1, N//2-1, N-4), e.g. [1, 14, 26] for SmolLM2."""
+    draft_vocab_size: int = 0
+    """Tokens in the draft vocabulary; 0 = taken from draft_vocab, or the target's full vocabulary."""
+    draft_vocab: str = ""
+    """A safetensors file with d2t [Vd] and t2d [V] (made by draftsmith prepare); empty = the full vocabulary."""
+    seed: int = 0
+    """Seed of the random initialization of fc and the decoder layer."""
+
+    target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.",)
+    """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
+
+    def validate(self) -> None:
+        if len(self.feature_layers) not in (0, 3):
+            raise ConfigError(
+                f"drafter.feature_layers = {self.feature_layers}: EAGLE-3 fuses exactly 3 target layers "
+                f"(low, middle, high); leave it empty for the default"
+            )
+        if self.draft_vocab_size < 0:
+            raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} must be ≥ 0 (0 = full vocabulary)")
+
+    def resolve(self, target: Target) -> Eagle3Config:
+        """This config checked against ``target``, with feature_layers made explicit (0-based)."""
+        self.validate()
+        n = target.num_layers
+        given = self.feature_layers or list(default_feature_layers(n))
+        layers = [resolve_layer(x, n, f"drafter.feature_layers[{i}]") for i, x in enumerate(given)]
+        if len(set(layers)) != 3:
+            raise ConfigError(f"drafter.feature_layers = {given} names the same layer twice; give 3 distinct layers")
+        if self.draft_vocab_size > target.vocab_size:
+            raise ConfigError(
+                f"drafter.draft_vocab_size = {self.draft_vocab_size} is larger than the target's vocabulary "
+                f"({target.vocab_size})"
+            )
+        return dataclasses.replace(self, feature_layers=layers)
+
+    def build(self, target: Target) -> EagleDrafter:
+        cfg = self.resolve(target)
+        return cfg.runtime(cfg.build_module(target), target)
+
+    def build_module(self, target: Target, vocab: Any = None) -> Eagle3Head:
+        """A fresh head for ``target``. vocab: a DraftVocab (``.d2t``, ``.t2d``), a pair, or None for
+        ``draft_vocab`` (or the full vocabulary when that is empty too)."""
+        cfg = self.resolve(target)
+        d2t, t2d = cfg._vocab(target, vocab)
+        own = target_parts(target.model)
+        head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed)
+        head = place(head, target.device, target.dtype)
+        head.set_vocab(d2t.to(target.device), t2d.to(target.device))
+        with torch.no_grad():
+            head.norm.weight.copy_(own.norm.weight)
+            head.lm_head.weight.copy_(own.lm_head.weight[head.draft_ids])
+        return head
+
+    def _vocab(self, target: Target, vocab: Any) -> tuple[Tensor, Tensor]:
+        v = target.vocab_size
+        if vocab is None and self.draft_vocab:
+            vocab = self.draft_vocab
+        if vocab is None:
+            if self.draft_vocab_size not in (0, v):
+                raise ConfigError(
+                    f"drafter.draft_vocab_size = {self.draft_vocab_size} needs a draft vocabulary: set drafter.draft_vocab "
+                    f"to the file written by draftsmith prepare (or 0 for the full vocabulary)"
+                )
+            return torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
+        d2t, t2d = vocab_tensors(vocab)
+        check_vocab(d2t, t2d, v)
+        if self.draft_vocab_size and self.draft_vocab_size != d2t.shape[0]:
+            raise ConfigError(
+                f"drafter.draft_vocab_size = {self.draft_vocab_size} but the draft vocabulary has {d2t.shape[0]} tokens"
+            )
+        return d2t.long(), t2d.bool()
+
+    def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> Eagle3Head:
+        """The head's structure for loading (d2t/t2d come from the checkpoint)."""
+        cfg = self.resolve(target)
+        head = build_eagle3(target.config, frozen_copy(target_parts(target.model).embed), cfg.draft_vocab_size, cfg.seed)
+        return place(head, target.device, target.dtype)
+
+    def runtime(self, module: Eagle3Head, target: Target) -> EagleDrafter:
+        cfg = dataclasses.replace(self.resolve(target), draft_vocab_size=int(module.d2t.shape[0]), draft_vocab="")
+        return EagleDrafter(module, tuple(cfg.feature_layers), cfg, describe(target))
+
+    def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
+        return {"draft_vocab_size": int(module.d2t.shape[0])}
