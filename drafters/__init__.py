@@ -15,8 +15,9 @@ from .eagle1 import Eagle1Config, Eagle1Head
 from .eagle3 import Eagle3Config, Eagle3Head
 from .hf_lm import HFDrafter, HFDrafterConfig
 from .layer_skip import LayerSkipConfig
+from .medusa import MedusaConfig, MedusaHeads
 
-DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, Eagle1Config, Eagle3Config, SavedDrafterConfig]
+DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, Eagle1Config, Eagle3Config, MedusaConfig, SavedDrafterConfig]
 
 __all__ = [
     "Drafter",
@@ -28,6 +29,8 @@ __all__ = [
     "HFDrafter",
     "HFDrafterConfig",
     "LayerSkipConfig",
+    "MedusaConfig",
+    "MedusaHeads",
     "Proposal",
     "SavedDrafterConfig",
     "families",

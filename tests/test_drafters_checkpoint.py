@@ -12,6 +12,7 @@ import torch
 from draftsmith import drafters
 from draftsmith.drafters.eagle1 import Eagle1Config
 from draftsmith.drafters.eagle3 import Eagle3Config
+from draftsmith.drafters.medusa import MedusaConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
@@ -19,6 +20,7 @@ from draftsmith.target import Target
 FAMILIES = {
     "eagle1": Eagle1Config(seed=1),
     "eagle3": Eagle3Config(feature_layers=[1, 2, 3], seed=2),
+    "medusa": MedusaConfig(num_heads=3, num_layers=2, seed=3),
 }
 
 

@@ -1,0 +1,197 @@
+"""Medusa heads (Cai et al. 2024): K heads on the target's last hidden state, each predicting
+one more token ahead, proposed as a chain without any extra target forward.
+
+Training API (stable; the training recipe calls exactly this)::
+
+    heads = MedusaConfig(num_heads=4).build_module(target)      # MedusaHeads
+    logits = heads(features)                                    # [K, B, S, V]
+    labels = medusa_labels(input_ids, heads.num_heads)          # [K, B, S], -100 = no label
+
+    features [B, S, H]   f_t = the target's output of its LAST decoder layer at position t (pre
+                         final norm; the heads apply a frozen copy of the target's final norm
+                         first, so they read exactly what the target's lm_head reads)
+    → logits[k, :, t]    predicts x_{t+k+2}: head 0 predicts the token AFTER the one the target
+                         itself predicts from f_t (x_{t+1}), head k one more step ahead
+    labels[k, :, t]      = x_{t+k+2}, or -100 past the end of the sequence
+
+Memory: [K, B, S, V] logits can be large; ``heads.head_logits(k, heads.normalize(features))``
+computes one head at a time. Each head is ``num_layers`` residual blocks ``x + SiLU(W x + b)``
+(W starts at zero, as in Medusa) and a projection to the vocabulary initialized from the
+target's lm_head. Every block and projection is its own module (Medusa's reference code
+repeats ONE block object ``[ResBlock(H)] * n``, silently sharing its weights; a test checks
+that no two parameters share storage here). Trainable: all but ``feature_norm``.
+
+Decoding: after each update the drafter keeps the last feature it received, f_{n-1} (the
+position whose target output was the last committed token x_n), and proposes
+d_{i+1} ~ head_i(f_{n-1}) for i < min(k, K) — at most K drafts, each with its own q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError, DraftsmithError
+from ..eval.sampling import Warp
+from ..target import Target, describe
+from .base import Proposal
+from .common import frozen_copy, place, seeded, target_parts, text_config
+
+IGNORE = -100
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Linear(x)); the weight starts at zero so a fresh block is near the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        self.act = nn.SiLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K independent heads over normalized target features. Shapes in the module docstring."""
+
+    def __init__(self, feature_norm: nn.Module, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int):
+        """feature_norm: frozen copy of the target's final norm."""
+        super().__init__()
+        self.num_heads = num_heads
+        self.hidden_size = hidden_size
+        self.feature_norm = feature_norm
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)], nn.Linear(hidden_size, vocab_size, bias=False))
+            for _ in range(num_heads)
+        )
+
+    def normalize(self, features: Tensor) -> Tensor:
+        """[..., H] target features (pre-norm) → what the target's lm_head reads."""
+        if features.shape[-1] != self.hidden_size:
+            raise DraftsmithError(
+                f"Medusa heads got features of width {features.shape[-1]}, expected {self.hidden_size} "
+                f"(the target's last-layer hidden state)"
+            )
+        return self.feature_norm(features.to(self.heads[0][-1].weight.dtype))
+
+    def head_logits(self, k: int, normed: Tensor) -> Tensor:
+        """Head k on normalized features [..., H] → [..., V]."""
+        return self.heads[k](normed)
+
+    def forward(self, features: Tensor) -> Tensor:
+        """features [B, S, H] → logits [K, B, S, V]."""
+        normed = self.normalize(features)
+        return torch.stack([head(normed) for head in self.heads])
+
+
+def medusa_labels(input_ids: Tensor, num_heads: int, ignore_index: int = IGNORE) -> Tensor:
+    """[B, S] tokens → [K, B, S] labels: labels[k, b, t] = input_ids[b, t+k+2], ignore_index past the end."""
+    b, s = input_ids.shape
+    out = input_ids.new_full((num_heads, b, s), ignore_index)
+    for k in range(num_heads):
+        shift = k + 2
+        if shift < s:
+            out[k, :, : s - shift] = input_ids[:, shift:]
+    return out
+
+
+class MedusaDrafter:
+    """Drafter protocol over Medusa heads: K independent proposals from the last target feature."""
+
+    def __init__(self, module: MedusaHeads, feature_layer: int, config: Any, target_info: dict[str, Any]):
+        self.module = module
+        self.feature_layers = (feature_layer,)
+        self.config = config
+        self.target_info = target_info
+        self.reset()
+
+    def reset(self) -> None:
+        self.last: Tensor | None = None  # [H] the feature of the last position with one
+        self.num_tokens = 0
+        self.num_features = 0
+
+    def update(self, tokens: Tensor, features: Tensor | None) -> None:
+        self.num_tokens += tokens.shape[0]
+        if features is not None and features.shape[0] > 0:
+            self.last = features[-1]
+            self.num_features += features.shape[0]
+        if self.num_features != self.num_tokens - 1:
+            raise DraftsmithError(
+                f"Medusa drafter holds {self.num_tokens} tokens but {self.num_features} target features; it needs "
+                f"the feature of every committed position but the last (the decoder must request "
+                f"drafter.feature_layers = {self.feature_layers})"
+            )
+
+    @torch.inference_mode()
+    def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+        if self.last is None:
+            raise DraftsmithError("Medusa drafter asked to propose before any target features arrived")
+        normed = self.module.normalize(self.last)  # [H]
+        drafts: list[int] = []
+        probs: list[Tensor] = []
+        for i in range(min(k, self.module.num_heads)):
+            token, q = warp.choose(self.module.head_logits(i, normed), generator)
+            drafts.append(token)
+            if q is not None:
+                probs.append(q)
+        return Proposal(
+            tokens=torch.tensor(drafts, device=normed.device, dtype=torch.long),
+            probs=torch.stack(probs) if probs else None,
+        )
+
+
+def build_medusa(arch: Any, feature_norm: nn.Module, num_heads: int, num_layers: int, seed: int = 0) -> MedusaHeads:
+    """Medusa heads for a target with HF config ``arch``; random blocks, zero block weights."""
+    tc = text_config(arch)
+    with seeded(seed):
+        return MedusaHeads(feature_norm, int(tc.hidden_size), int(tc.vocab_size), num_heads, num_layers)
+
+
+@dataclass
+class MedusaConfig:
+    type: Literal["medusa"] = "medusa"
+    num_heads: int = 4
+    """K: heads, i.e. the most tokens proposed per round (head k predicts k+1 tokens past the target's next)."""
+    num_layers: int = 1
+    """Residual SiLU blocks per head."""
+    seed: int = 0
+    """Seed of the random initialization of the block biases."""
+
+    target_parts: ClassVar[tuple[str, ...]] = ("feature_norm.",)
+    """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
+
+    def validate(self) -> None:
+        if self.num_heads < 1:
+            raise ConfigError(f"drafter.num_heads = {self.num_heads}: Medusa needs at least 1 head")
+        if self.num_layers < 1:
+            raise ConfigError(f"drafter.num_layers = {self.num_layers}: each Medusa head needs at least 1 residual block")
+
+    def build(self, target: Target) -> MedusaDrafter:
+        return self.runtime(self.build_module(target), target)
+
+    def build_module(self, target: Target) -> MedusaHeads:
+        """Fresh heads: frozen copy of the target's final norm, vocabulary projections = the target's lm_head."""
+        self.validate()
+        own = target_parts(target.model)
+        heads = build_medusa(target.config, frozen_copy(own.norm), self.num_heads, self.num_layers, self.seed)
+        heads = place(heads, target.device, target.dtype)
+        with torch.no_grad():
+            for head in heads.heads:
+                head[-1].weight.copy_(own.lm_head.weight)
+        return heads
+
+    def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> MedusaHeads:
+        self.validate()
+        heads = build_medusa(target.config, frozen_copy(target_parts(target.model).norm), self.num_heads, self.num_layers)
+        return place(heads, target.device, target.dtype)
+
+    def runtime(self, module: MedusaHeads, target: Target) -> MedusaDrafter:
+        return MedusaDrafter(module, target.num_layers - 1, self, describe(target))
+
+    def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
+        return {}
