@@ -11,16 +11,19 @@ from typing import Union
 
 from .base import Drafter, Proposal
 from .checkpoint import SavedDrafterConfig, families, load, save
+from .draft_lm import DraftLMConfig, DraftLMDrafter
 from .eagle1 import Eagle1Config, Eagle1Head
 from .eagle3 import Eagle3Config, Eagle3Head
 from .hf_lm import HFDrafter, HFDrafterConfig
 from .layer_skip import LayerSkipConfig
 from .medusa import MedusaConfig, MedusaHeads
 
-DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, Eagle1Config, Eagle3Config, MedusaConfig, SavedDrafterConfig]
+DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, DraftLMConfig, Eagle1Config, Eagle3Config, MedusaConfig, SavedDrafterConfig]
 
 __all__ = [
     "Drafter",
+    "DraftLMConfig",
+    "DraftLMDrafter",
     "DrafterConfig",
     "Eagle1Config",
     "Eagle1Head",

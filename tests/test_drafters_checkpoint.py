@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from draftsmith import drafters
+from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.eagle1 import Eagle1Config
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.medusa import MedusaConfig
@@ -18,6 +19,8 @@ from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
 FAMILIES = {
+    "draft_lm": DraftLMConfig(num_layers=2, seed=4),
+    "draft_lm+lora": DraftLMConfig(num_layers=2, layer_init="random", lora_rank=4, lora_targets=["q_proj", "up_proj"]),
     "eagle1": Eagle1Config(seed=1),
     "eagle3": Eagle3Config(feature_layers=[1, 2, 3], seed=2),
     "medusa": MedusaConfig(num_heads=3, num_layers=2, seed=3),
@@ -69,9 +72,11 @@ def test_save_load_bit_exact(tiny_target, tmp_path, family):
     saved = dict(drafter.module.state_dict())
     for name, t in loaded.module.state_dict().items():
         assert torch.equal(t, saved[name]), name
+    flags = [(n, p.requires_grad) for n, p in drafter.module.named_parameters()]
+    assert flags == [(n, p.requires_grad) for n, p in loaded.module.named_parameters()]  # trainable parts kept
     meta = json.load(open(os.path.join(path, "config.json")))
     assert meta["target"]["fingerprint"] == tiny_target.fingerprint
-    assert meta["drafter"]["type"] == family
+    assert meta["drafter"]["type"] == family.split("+")[0]
     # frozen parts copied from the target are not stored
     from safetensors import safe_open
 
