@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.overrides)
     summary = run_training(recipe, resume=args.resume)
-    if summary.get("world_rank", 0) == 0:
+    if summary["rank"] == 0:
         heldout = ", ".join(f"{k} {v:.4f}" for k, v in summary["heldout"].items())
         print(f"trained {summary['method']} for {summary['steps']} steps on {summary['world_size']} process(es) "
               f"(ZeRO-{summary['zero_stage']}, {summary['dtype']}); held-out: {heldout}")

@@ -71,3 +71,60 @@ def mtbench_first_turns() -> list[str]:
     from draftsmith.eval.prompts import load_questions
 
     return [q.turns[0] for q in load_questions("mtbench")]
+
+
+# ---------------------------------------------------------------- training (tests/test_train_*.py)
+
+
+def write_tokenized(path: str, input_ids: list[list[int]], loss_mask: list[list[int]], tokenizer) -> str:
+    """A tokenized dataset folder with the columns and manifest ``draftsmith prepare`` writes."""
+    import json
+
+    import datasets
+
+    from draftsmith.data.tokenized import MANIFEST, tokenized_features
+    from draftsmith.target import tokenizer_fingerprint
+
+    n = len(input_ids)
+    ds = datasets.Dataset.from_dict(
+        {"conv_id": [str(i) for i in range(n)], "source": ["synthetic"] * n, "input_ids": input_ids, "loss_mask": loss_mask},
+        features=tokenized_features(),
+    )
+    ds.save_to_disk(path)
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump({"tokenizer_hash": tokenizer_fingerprint(tokenizer)}, f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_tokenized(smollm2_tokenizer):
+    """``make_tokenized(path, input_ids, loss_mask)`` writes a tokenized dataset folder (SmolLM2 tokenizer)."""
+    return lambda path, input_ids, loss_mask: write_tokenized(str(path), input_ids, loss_mask, smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A 4-layer tiny Llama target saved as a HF folder with the SmolLM2 tokenizer.
+
+    Its final norm is scaled ×20 so that its next-token distributions are peaked like a
+    trained LM's (a random init gives nearly uniform ones, where every drafter looks good).
+    """
+    path = str(tmp_path_factory.mktemp("tiny_target"))
+    model = tiny_llama(layers=4)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(20.0)
+    model.save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_train_data(tmp_path_factory, smollm2_tokenizer) -> str:
+    """48 records of 20–39 tokens (ids 100–599), the last two thirds of each loss-masked."""
+    g = torch.Generator().manual_seed(0)
+    ids, masks = [], []
+    for _ in range(48):
+        n = int(torch.randint(20, 40, (1,), generator=g))
+        ids.append(torch.randint(100, 600, (n,), generator=g).tolist())
+        masks.append([0] * (n // 3) + [1] * (n - n // 3))
+    return write_tokenized(str(tmp_path_factory.mktemp("tiny_train_data")), ids, masks, smollm2_tokenizer)

@@ -1,10 +1,154 @@
-"""Config of the training stage (``draftsmith train``)."""
+"""Config of the training stage (``draftsmith train``): the recipe YAML's ``train:`` section.
+
+Learning rate, schedule and losses live here; engine settings (ZeRO stage, bf16/fp32,
+gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, named by
+``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import ConfigError
+from .losses import TokenLoss
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["constant", "linear", "cosine"] = "cosine"
+    """Decay after warmup: constant, linear to min_lr_ratio·lr, or cosine to min_lr_ratio·lr."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak."""
+
+
+@dataclass
+class LossConfig:
+    kind: TokenLoss = "forward_kl"
+    """Token loss between the drafter's q and the target's p: forward_kl, reverse_kl, jsd, tvd,
+    ce (on the target's argmax) or soft_ce (−Σ p log q; EAGLE's choice)."""
+    temperature: float = 1.0
+    """Both distributions are softmax(logits / temperature) inside the loss."""
+    jsd_beta: float = 0.5
+    """β of the generalized JSD (DistillSpec): 0.5 is symmetric JSD."""
+    token_weight: float = 1.0
+    """Weight of the token loss (EAGLE-1 uses 0.1 beside feature_weight 1.0)."""
+    feature_weight: float = 0.0
+    """Weight of the smooth-L1 feature regression (EAGLE-1 only; 1.0 in the paper)."""
+    step_decay: float = 0.8
+    """Weight decay per unrolled step (EAGLE-3) or per head (Medusa): weights 1, d, d², …"""
+
+    def validate(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError(f"train.loss.temperature = {self.temperature} must be > 0")
+        if not 0.0 < self.jsd_beta < 1.0:
+            raise ConfigError(f"train.loss.jsd_beta = {self.jsd_beta} must be in (0, 1)")
+        if self.token_weight < 0 or self.feature_weight < 0 or self.token_weight + self.feature_weight == 0:
+            raise ConfigError("train.loss.token_weight and feature_weight must be ≥ 0 and not both 0")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ConfigError(f"train.loss.step_decay = {self.step_decay} must be in (0, 1]")
+
+
+@dataclass
+class OnPolicyConfig:
+    fraction: float = 0.0
+    """Share of micro-batches whose responses the drafter samples itself and the target scores
+    (DistillSpec's on-policy data); 0 = only the dataset's responses, 1 = only on-policy."""
+    max_new_tokens: int = 64
+    """Length of each sampled response."""
+    temperature: float = 1.0
+    """Sampling temperature of the drafter."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ConfigError(f"train.on_policy.fraction = {self.fraction} must be in [0, 1]")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"train.on_policy.max_new_tokens = {self.max_new_tokens} must be ≥ 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"train.on_policy.temperature = {self.temperature} must be > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    """Optimizer steps between checkpoints (one is always written at the end); 0 = only at the end."""
+    keep: int = 2
+    """How many recent checkpoints to keep in <run_dir>/checkpoints."""
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10
+    """Optimizer steps between log lines (jsonl, wandb, progress bar postfix)."""
+    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto = online when a wandb key is configured (WANDB_API_KEY or ~/.netrc), else offline."""
+    wandb_project: str = "draftsmith"
+    progress: bool = True
+    """Show a progress bar (rank 0) with tokens/s and ETA."""
+
+
+@dataclass
+class TrainEvalConfig:
+    heldout: int = 32
+    """Records held out of training (chosen by seed) for the held-out metrics."""
+    every: int = 0
+    """Optimizer steps between held-out evaluations (expected acceptance Σ min(p, q), accuracy
+    per unrolled step, loss); 0 = only at the end."""
+    decoder_every: int = 0
+    """Optimizer steps between evaluations in the real speculative decoder (τ, greedy, the recipe's
+    ``decode``/``eval`` sections); 0 = never during training."""
+    decoder_at_end: bool = False
+    """Also evaluate the final drafter in the decoder."""
+    decoder_prompts: int = 5
+    """Prompts per decoder evaluation (from the recipe's ``eval.prompts``)."""
 
 
 @dataclass
 class TrainConfig:
-    """Optimizer, schedule, losses and checkpointing (filled by the training recipes)."""
+    dataset: str = ""
+    """Tokenized dataset folder (``draftsmith prepare`` output: input_ids, loss_mask, …)."""
+    features: str = ""
+    """Offline feature cache folder; empty = run the frozen target online on every batch."""
+    deepspeed: str = "zero2"
+    """Engine settings: a name in configs/deepspeed/ (zero0 … zero3) or a path to a JSON file."""
+    steps: int = 1000
+    """Optimizer steps to train for."""
+    batch_size: int = 4
+    """Sequences per micro-batch per process (gradient accumulation is in the DeepSpeed JSON)."""
+    max_length: int = 1024
+    """Sequences are cut to this many tokens."""
+    seed: int = 0
+    """Seeds the drafter's init, the data order and the held-out split."""
+    max_bad_steps: int = 10
+    """Micro-batches with a NaN/inf loss that are skipped (and counted) before the run stops."""
+    ttt_steps: int = 7
+    """EAGLE-3 training-time test: how many steps the head is unrolled on its own outputs."""
+    feature_noise: float = 0.0
+    """EAGLE-1/-3: add uniform noise U(−a, a) to the target features fed to the head (EAGLE: 0.1)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "max_length", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} = {getattr(self, name)} must be at least 1")
+        if self.max_bad_steps < 0:
+            raise ConfigError(f"train.max_bad_steps = {self.max_bad_steps} must be ≥ 0")
+        if self.feature_noise < 0:
+            raise ConfigError(f"train.feature_noise = {self.feature_noise} must be ≥ 0")

@@ -1,0 +1,141 @@
+"""Training config, engine JSON checks, LR schedule and the resumable data order (no engine started)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from draftsmith.config import CONFIG_DIR, load_recipe
+from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.train import data as D
+from draftsmith.train.common import lr_lambda
+from draftsmith.train.distributed import DEEPSPEED_CONFIG_DIR, load_engine_config
+from draftsmith.train.run import run_training
+
+CPU = torch.device("cpu")
+
+
+def test_unknown_loss_names_the_choices():
+    with pytest.raises(ConfigError, match="'train.loss.kind' = 'kl' is not valid; choose one of: forward_kl"):
+        load_recipe(None, ["train.loss.kind=kl"])
+
+
+def test_unknown_method_names_the_choices():
+    with pytest.raises(ConfigError, match="'drafter.type' = 'eagle9' is not valid; choose one of: .*eagle1"):
+        load_recipe(None, ["drafter.type=eagle9"])
+    # a drafter family that exists but is not trained (layer-skip reuses the target's layers)
+    with pytest.raises(ConfigError, match="drafter.type = 'layer_skip' has no training recipe; the trainable methods are: .*eagle1"):
+        run_training(load_recipe(None, ["drafter.type=layer_skip"]))
+
+
+def test_bad_train_values_are_named():
+    with pytest.raises(ConfigError, match="train.steps = 0 must be at least 1"):
+        load_recipe(None, ["train.steps=0"])
+    with pytest.raises(ConfigError, match="train.loss.jsd_beta"):
+        load_recipe(None, ["train.loss.jsd_beta=1.5"])
+    with pytest.raises(ConfigError, match="train.on_policy.fraction"):
+        load_recipe(None, ["train.on_policy.fraction=2"])
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3"])
+def test_shipped_engine_configs_load_and_resolve_auto_precision(name):
+    cfg = load_engine_config(name, micro_batch_size=3, device=CPU)
+    assert cfg["zero_optimization"]["stage"] == int(name[-1])
+    assert cfg["bf16"]["enabled"] is False  # "auto" → fp32 on a CPU
+    assert cfg["train_micro_batch_size_per_gpu"] == 3
+    assert "optimizer" not in cfg and "scheduler" not in cfg
+
+
+def _write(tmp_path, obj) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_zero_stage_that_does_not_exist(tmp_path):
+    with pytest.raises(ConfigError, match="zero_optimization.stage = 4 does not exist; choose 0, 1, 2 or 3"):
+        load_engine_config(_write(tmp_path, {"zero_optimization": {"stage": 4}}), 1, CPU)
+
+
+def test_fp16_on_cpu_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="fp16, which DeepSpeed does not support on CPU; use bf16 or fp32"):
+        load_engine_config(_write(tmp_path, {"fp16": {"enabled": True}}), 1, CPU)
+
+
+def test_learning_rate_in_the_engine_json_is_refused(tmp_path):
+    bad = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match="sets 'optimizer', which belongs in the recipe YAML .train.optimizer."):
+        load_engine_config(_write(tmp_path, bad), 1, CPU)
+
+
+def test_unknown_engine_config_lists_the_shipped_ones():
+    with pytest.raises(ConfigError, match="choose one of: zero0, zero1, zero2, zero3"):
+        load_engine_config("zero9", 1, CPU)
+
+
+def test_every_shipped_deepspeed_json_is_engine_settings_only():
+    import os
+
+    for name in os.listdir(DEEPSPEED_CONFIG_DIR):
+        if name.endswith(".json"):
+            load_engine_config(os.path.join(DEEPSPEED_CONFIG_DIR, name), 1, CPU)
+    assert os.path.dirname(DEEPSPEED_CONFIG_DIR) == CONFIG_DIR
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    f = lr_lambda("cosine", warmup=2, total=10, min_ratio=0.1)
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0)
+    assert f(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(10) == pytest.approx(0.1) and f(50) == pytest.approx(0.1)
+    assert lr_lambda("linear", 0, 10, 0.0)(5) == pytest.approx(0.5)
+    assert lr_lambda("constant", 0, 10, 0.0)(7) == 1.0
+
+
+def test_batch_order_is_a_pure_function_of_the_step():
+    ids = list(range(10, 40))  # 30 records
+    ranks = [D.BatchOrder(ids, batch_size=4, world_size=2, rank=r, seed=3) for r in (0, 1)]
+    assert ranks[0].steps_per_epoch == 3  # 30 // (4·2); the remaining 6 records wait for the next epoch
+    epoch0 = [x for step in range(3) for r in ranks for x in r.at(step)]
+    assert len(epoch0) == len(set(epoch0)) == 24 and set(epoch0) <= set(ids)  # disjoint across ranks and steps
+    assert ranks[0].at(3) != ranks[0].at(0)  # a new epoch is reshuffled
+    fresh = D.BatchOrder(ids, batch_size=4, world_size=2, rank=1, seed=3)
+    assert [fresh.at(s) for s in (5, 1, 4)] == [ranks[1].at(s) for s in (5, 1, 4)]  # resume anywhere, same batches
+    with pytest.raises(DraftsmithError, match="cannot fill one micro-batch"):
+        D.BatchOrder(ids[:5], batch_size=4, world_size=2, rank=0, seed=0).steps_per_epoch
+
+
+def test_heldout_split_and_shards():
+    split = D.split_heldout(20, 5, seed=1)
+    assert len(split.heldout) == 5 and sorted(split.train + split.heldout) == list(range(20))
+    assert D.split_heldout(20, 5, seed=1) == split
+    with pytest.raises(DraftsmithError, match="leaves no training records"):
+        D.split_heldout(5, 5, seed=0)
+    shards = [D.heldout_batches(list(range(7)), 2, 2, r) for r in (0, 1)]
+    assert shards == [[[0, 1], [2]], [[3, 4], [5]]]  # same number of batches on every rank
+
+
+def test_collate_truncates_pads_and_masks_exactly():
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]},
+        {"input_ids": [1, 2], "loss_mask": [0, 1]},
+        {"input_ids": [3, 3, 3, 3], "loss_mask": [0, 0, 0, 0]},
+    ]
+    b = D.collate(rows, pad_id=0, max_length=4)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8], [1, 2, 0, 0], [3, 3, 3, 3]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert b.loss_mask.tolist() == [[False, False, True, True], [False, True, False, False], [False] * 4]
+    assert b.tokens == 10 and b.empty_rows == 1
+    with pytest.raises(DraftsmithError, match="input_ids but 1 loss_mask"):
+        D.collate([{"input_ids": [1, 2], "loss_mask": [1]}], 0, 8)
+
+
+def test_collate_pads_cached_features_with_zeros():
+    rows = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "hidden": torch.ones(3, 2)},
+            {"input_ids": [4], "loss_mask": [1], "hidden": torch.full((1, 2), 2.0)}]
+    b = D.collate(rows, pad_id=0, max_length=8)
+    assert b.hidden.shape == (2, 3, 2)
+    assert b.hidden[1].tolist() == [[2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]

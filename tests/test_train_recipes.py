@@ -1,0 +1,111 @@
+"""Each training recipe, in this process, on a tiny target: it learns, saves a loadable drafter,
+and handles bad batches (no valid token, NaN loss) with a count and a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from draftsmith.config import load_recipe
+from draftsmith.errors import DraftsmithError
+from draftsmith.target import load_target
+from draftsmith.train.run import run_training
+
+
+def tiny_recipe(run_dir, target_dir: str, data_dir: str, method: str, *overrides: str):
+    return load_recipe(None, [
+        f"target.name={target_dir}", "target.dtype=float32", f"drafter.type={method}",
+        f"train.dataset={data_dir}", "train.batch_size=4", "train.max_length=48", "train.eval.heldout=8",
+        "train.deepspeed=zero0", "train.logging.wandb=disabled", "train.logging.progress=false",
+        "train.logging.every=1", f"run_dir={run_dir}", *overrides,
+    ])
+
+
+def read_log(run_dir, rank: int = 0) -> list[dict]:
+    with open(os.path.join(run_dir, "logs", f"train.rank{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def heldout(log: list[dict], name: str) -> list[float]:
+    return [r[f"heldout/{name}"] for r in log if f"heldout/{name}" in r]
+
+
+def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, tiny_train_data):
+    from draftsmith.drafters import load
+    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+    from draftsmith.eval.reference import target_greedy
+
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=12", "train.eval.every=12",
+                         "train.optimizer.lr=0.003", "train.loss.kind=soft_ce", "train.loss.feature_weight=1.0",
+                         "train.loss.token_weight=0.1", "train.feature_noise=0.05")
+    summary = run_training(recipe)
+    log = read_log(tmp_path)
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    acceptance = heldout(log, "acceptance")
+    assert len(acceptance) == 2 and acceptance[1] > acceptance[0] * 1.5  # untrained head vs trained one
+    assert summary["heldout"]["heldout/acceptance"] == acceptance[1]
+
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    assert summary["target_fingerprint"] == target.fingerprint  # the target was frozen: same weights
+    drafter = load(summary["drafter"], target)
+    prompt = target.render_chat([{"role": "user", "content": "Name three colors."}])
+    out = speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=12))
+    assert out.tokens == target_greedy(target, prompt, 12)[: len(out.tokens)]
+
+
+def flaky_smooth_l1(monkeypatch, nan_calls) -> None:
+    """Make the recipe's training loss NaN on the given (1-based) training calls."""
+    from draftsmith.train import losses
+
+    real, calls = losses.smooth_l1, [0]
+
+    def smooth_l1(pred, target, mask, beta=1.0):
+        out = real(pred, target, mask, beta)
+        if not torch.is_grad_enabled():  # held-out evaluation
+            return out
+        calls[0] += 1
+        return out * float("nan") if nan_calls(calls[0]) else out
+
+    monkeypatch.setattr(losses, "smooth_l1", smooth_l1)
+
+
+def test_nan_loss_is_skipped_and_counted(tmp_path, monkeypatch, tiny_target_dir, tiny_train_data):
+    flaky_smooth_l1(monkeypatch, lambda n: n in (2, 4))
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=4", "train.max_bad_steps=2",
+                         "train.loss.feature_weight=1.0", "train.deepspeed=zero2")
+    summary = run_training(recipe)
+    assert summary["skipped"] == {"non_finite_loss": 2}
+    assert summary["steps"] == 4 and summary["micro_steps"] == 6  # two micro-batches dropped, not stepped on
+    log = read_log(tmp_path)
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log if "loss" in r)
+    assert log[-2]["skipped/non_finite_loss"] == 2
+
+
+def test_nan_loss_stops_after_max_bad_steps(tmp_path, monkeypatch, tiny_target_dir, tiny_train_data):
+    flaky_smooth_l1(monkeypatch, lambda n: n >= 2)
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=10", "train.max_bad_steps=2",
+                         "train.loss.feature_weight=1.0")
+    with pytest.raises(DraftsmithError, match=r"NaN or infinite on 3 micro-batches \(train.max_bad_steps = 2\); "
+                                              r"stopping at step 1. Lower train.optimizer.lr"):
+        run_training(recipe)
+
+
+def test_batches_without_valid_tokens_are_skipped_and_counted(tmp_path, tiny_target_dir, make_tokenized):
+    from draftsmith.train.data import BatchOrder, split_heldout
+
+    # 16 records, every other one with no loss token (a prompt with no answer left after truncation)
+    ids = [[100 + i, 200 + i, 300 + i, 400 + i, 500 + i, 100 + i] for i in range(16)]
+    masks = [[0, 0, 1, 1, 1, 1] if i % 2 else [0] * 6 for i in range(16)]
+    data = make_tokenized(tmp_path / "data", ids, masks)
+    recipe = tiny_recipe(tmp_path / "run", tiny_target_dir, data, "eagle1", "train.steps=5", "train.batch_size=1",
+                         "train.eval.heldout=4")
+    summary = run_training(recipe)
+    order = BatchOrder(split_heldout(16, 4, 0).train, 1, 1, 0, 0)
+    empties = sum(1 for step in range(summary["micro_steps"]) if order.at(step)[0] % 2 == 0)
+    assert summary["steps"] == 5 and summary["micro_steps"] == 5 + empties and empties > 0
+    assert summary["skipped"] == {"no_valid_tokens": empties}

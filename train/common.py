@@ -1,0 +1,412 @@
+"""Helpers the training recipes share. No base class: each recipe's loop stays in its own file.
+
+A recipe reads like this (see ``eagle1.py``)::
+
+    run = common.start(recipe, world)                 # run folder, seeds, frozen target, data
+    engine = common.build_engine(run, module)         # DeepSpeed around the drafter only
+    common.restore(run, engine, resume)               # latest checkpoint of the run folder, if any
+    for batch in common.micro_batches(run):           # from the saved data position to train.steps
+        if common.optimizer_step(run, engine, lambda: my_loss(batch), batch.tokens):
+            common.after_step(run, engine, my_heldout_metrics)  # logging, evaluation, checkpoint cadence
+    common.finish(run, engine, my_heldout_metrics)    # final checkpoint, drafter folder, summary
+
+``optimizer_step`` is where a bad micro-batch (no valid token, a NaN/inf loss on any
+rank) is skipped on *every* rank — so collectives stay in step — and counted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError, DraftsmithError
+from ..files import write_json
+from ..schema import to_dict
+from ..target import Target, TargetOutput, load_target
+from . import checkpoint, distributed
+from .data import Batch, BatchOrder, Split, collate, heldout_batches, load_rows, split_heldout
+from .distributed import World
+from .losses import EmptyBatchError
+from .monitor import Monitor
+
+Metrics = dict[str, tuple[float, float]]
+"""Held-out metric name → (sum over valid positions, number of valid positions)."""
+
+
+@dataclass
+class TrainState:
+    """Everything besides tensors that a resumed run needs (saved as trainer_state.json)."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    micro_step: int = 0
+    """Micro-batches consumed: the data position."""
+    tokens: int = 0
+    """Real tokens processed, all ranks together."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Micro-batches skipped on every rank, by reason."""
+    world_size: int = 1
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    recipe: Any
+    world: World
+    target: Target
+    rows: Sequence[dict[str, Any]]
+    split: Split
+    order: BatchOrder
+    ds_config: dict[str, Any]
+    dtype: torch.dtype
+    """The engine's compute dtype (bf16 or fp32)."""
+    state: TrainState
+    monitor: Monitor | None = None
+    pending: dict[str, list[float]] = field(default_factory=dict)
+    """Loss parts of the micro-batches since the last log line."""
+    started: float = field(default_factory=time.perf_counter)
+    wall_s: float = 0.0
+    """Wall time of this process's training loop so far (excludes setup)."""
+
+    @property
+    def cfg(self) -> Any:
+        return self.recipe.train
+
+    @property
+    def run_dir(self) -> str:
+        return self.recipe.run_dir
+
+    @property
+    def offline(self) -> bool:
+        return bool(self.cfg.features)
+
+
+# ------------------------------------------------------------------ setup
+
+
+def trainable(recipe: Any) -> Any:
+    """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
+    from ..drafters.checkpoint import trainable_families
+
+    if not hasattr(recipe.drafter, "build_module"):
+        raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
+                          f"{', '.join(trainable_families())}")
+    return recipe.drafter
+
+
+def start(recipe: Any, world: World) -> Run:
+    """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
+    from ..config import save_recipe
+
+    cfg = recipe.train
+    os.makedirs(recipe.run_dir, exist_ok=True)
+    if world.is_main:
+        save_recipe(recipe)
+    checkpoint.seed_everything(cfg.seed)
+    target = load_target(recipe.target.name, recipe.target.dtype, str(world.device))
+    ds_config = distributed.load_engine_config(cfg.deepspeed, cfg.batch_size, world.device)
+    rows = load_rows(cfg.dataset, cfg.features, target)
+    split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed)
+    order = BatchOrder(split.train, cfg.batch_size, world.world_size, world.rank, cfg.seed)
+    order.steps_per_epoch  # noqa: B018 — fail now, not after the engine is built, if data is too small
+    state = TrainState(world_size=world.world_size, seed=cfg.seed)
+    return Run(recipe, world, target, rows, split, order, ds_config, distributed.engine_dtype(ds_config), state)
+
+
+def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate after ``step`` optimizer steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return min_ratio + (1 - min_ratio) * (1 - progress)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_engine(run: Run, module: torch.nn.Module) -> Any:
+    """The DeepSpeed engine around the drafter; the target stays outside, frozen."""
+    cfg = run.cfg
+    sched = cfg.schedule
+    return distributed.build_engine(
+        module,
+        run.ds_config,
+        lr=cfg.optimizer.lr,
+        betas=cfg.optimizer.betas,
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+        lr_lambda=lr_lambda(sched.kind, sched.warmup_steps, cfg.steps, sched.min_lr_ratio),
+        frozen=run.target.model,
+    )
+
+
+def restore(run: Run, engine: Any, resume: str | None = None) -> None:
+    """Continue from ``resume`` (a checkpoint folder) or the run folder's latest checkpoint, if any."""
+    path = resume or checkpoint.latest_checkpoint(run.run_dir)
+    if path:
+        saved = checkpoint.load_checkpoint(engine, run.world, path)
+        run.state = TrainState(**{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__})
+        if run.state.world_size != run.world.world_size:
+            # the data position is counted in micro-batches of world_size × batch_size records
+            run.state.micro_step = run.state.micro_step * run.state.world_size // run.world.world_size
+            run.state.world_size = run.world.world_size
+    lg = run.cfg.logging
+    run.monitor = Monitor(run.run_dir, run.world.rank, run.cfg.steps, run.state.step, to_dict(run.recipe),
+                          wandb=lg.wandb, wandb_project=lg.wandb_project, progress=lg.progress)
+    if path:
+        run.monitor.note(f"resumed from {path} at step {run.state.step} (micro-batch {run.state.micro_step})")
+
+
+def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> None:
+    """Held-out metrics of the untrained drafter (step 0), when periodic evaluation is on."""
+    if run.state.step == 0 and run.cfg.eval.every > 0:
+        log_heldout(run, engine, heldout_fn)
+
+
+# ------------------------------------------------------------------ data
+
+
+def micro_batches(run: Run) -> Iterator[Batch]:
+    """This rank's micro-batches from the saved data position on, on its device, until ``train.steps``
+    optimizer steps are done; advances the data position."""
+    pad = _pad_id(run.target)
+    for step, ids in run.order.from_step(run.state.micro_step):
+        if run.state.step >= run.cfg.steps:
+            return
+        batch = collate([run.rows[i] for i in ids], pad, run.cfg.max_length)
+        run.state.micro_step = step + 1
+        yield batch.to(run.world.device)
+
+
+def _pad_id(target: Target) -> int:
+    tok = target.tokenizer
+    pad = getattr(tok, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tok, "eos_token_id", None)
+    return int(pad or 0)
+
+
+@torch.no_grad()
+def target_forward(run: Run, batch: Batch, feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+    """The frozen target on a batch: logits [B, S, V] and the features of ``feature_layers``."""
+    return run.target.forward(batch.input_ids, feature_layers=feature_layers, attention_mask=batch.attention_mask)
+
+
+def features_and_logits(run: Run, batch: Batch, layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """The target's features of ``layers`` [B, S, len(layers)·H] and its logits [B, S, V].
+
+    Online: one forward of the frozen target. Offline: read from the feature cache.
+    """
+    if not run.offline:
+        out = target_forward(run, batch, layers)
+        return out.features, out.logits
+    raise DraftsmithError("offline training from a feature cache needs draftsmith.data.feature_cache")
+
+
+def uniform_noise(x: Tensor, amplitude: float) -> Tensor:
+    """x + U(−a, a) elementwise (EAGLE's feature noise); x itself when a = 0."""
+    if amplitude <= 0:
+        return x
+    return x + (torch.rand_like(x) * 2 - 1) * amplitude
+
+
+# ------------------------------------------------------------------ the step
+
+
+def optimizer_step(run: Run, engine: Any, compute: Callable[[], tuple[Tensor, dict[str, float]]], tokens: int) -> bool:
+    """Loss from ``compute()``, then ``engine.backward`` and ``engine.step``. True when the optimizer stepped.
+
+    If ``compute`` finds no valid token (EmptyBatchError) or the loss is not finite on any
+    rank, every rank skips this micro-batch (nothing is accumulated) and counts the reason;
+    more than ``train.max_bad_steps`` non-finite losses stop the run.
+    """
+    loss, parts, empty = None, {}, False
+    try:
+        loss, parts = compute()
+    except EmptyBatchError:
+        empty = True
+    bad = not empty and not bool(torch.isfinite(loss.detach()))
+    n_empty, n_bad = distributed.all_sum([float(empty), float(bad)])
+    if n_empty or n_bad:
+        reason = "non_finite_loss" if n_bad else "no_valid_tokens"
+        run.state.skipped[reason] = run.state.skipped.get(reason, 0) + 1
+        bad_total = run.state.skipped.get("non_finite_loss", 0)
+        if bad_total > run.cfg.max_bad_steps:
+            raise DraftsmithError(
+                f"the loss was NaN or infinite on {bad_total} micro-batches (train.max_bad_steps = "
+                f"{run.cfg.max_bad_steps}); stopping at step {run.state.step}. Lower train.optimizer.lr, add warmup "
+                f"(train.schedule.warmup_steps), use fp32, or check the data; the last checkpoint is intact"
+            )
+        run.monitor.note(f"step {run.state.step}: skipped a micro-batch ({reason}); counts so far {run.state.skipped}")
+        return False
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.backward(loss)
+    engine.step()
+    run.monitor.count_tokens(tokens)
+    for k, v in {"loss": float(loss.detach()), **parts}.items():
+        run.pending.setdefault(k, []).append(float(v))
+    if boundary:
+        run.state.step += 1
+        run.monitor.advance()
+    return boundary
+
+
+def after_step(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> None:
+    """After an optimizer step: logging, held-out evaluation, decoder evaluation and checkpoint cadence.
+
+    The time spent evaluating and checkpointing is left out of the training throughput.
+    """
+    cfg, step = run.cfg, run.state.step
+    done = step >= cfg.steps  # finish() evaluates and saves the last step
+    if _due(step, cfg.logging.every) or done:
+        log_train(run, engine)
+    t0 = time.perf_counter()
+    if _due(step, cfg.eval.every) and not done:
+        log_heldout(run, engine, heldout_fn)
+    if _due(step, cfg.eval.decoder_every) and not done:
+        decoder_eval(run, engine)
+    if _due(step, cfg.checkpoint.every) and not done:
+        save_checkpoint(run, engine)
+    run.monitor.discount(time.perf_counter() - t0)
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def log_train(run: Run, engine: Any) -> None:
+    seconds, local_tokens = run.monitor.throughput()
+    run.wall_s += seconds
+    global_tokens, = distributed.all_sum([float(local_tokens)])
+    run.state.tokens += int(global_tokens)
+    local = {k: sum(v) / len(v) for k, v in run.pending.items() if v}
+    run.pending.clear()
+    shared = {
+        "lr": float(engine.get_lr()[0]),
+        "tokens_per_s": global_tokens / seconds if seconds > 0 else 0.0,
+        "tokens": run.state.tokens,
+        "micro_step": run.state.micro_step,
+        **{f"skipped/{k}": v for k, v in run.state.skipped.items()},
+        **distributed.memory_stats(run.world.device),
+    }
+    run.monitor.log(run.state.step, local, shared)
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+@torch.no_grad()
+def heldout_metrics(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
+    """Average ``fn`` over the held-out split (sharded over ranks, summed over all of them)."""
+    pad = _pad_id(run.target)
+    engine.eval()
+    totals: dict[str, list[float]] = {}
+    for ids in heldout_batches(run.split.heldout, run.cfg.batch_size, run.world.world_size, run.world.rank):
+        batch = collate([run.rows[i] for i in ids], pad, run.cfg.max_length).to(run.world.device)
+        for name, (s, n) in fn(engine, batch).items():
+            acc = totals.setdefault(name, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + s, acc[1] + n
+    engine.train()
+    names = sorted(totals)
+    summed = distributed.all_sum([x for name in names for x in totals[name]])
+    return {name: summed[2 * i] / summed[2 * i + 1] for i, name in enumerate(names) if summed[2 * i + 1] > 0}
+
+
+def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, float]:
+    """(mean · count, count) of a masked mean, or (0, 0) when the mask is empty."""
+    n = float(mask.sum())
+    if n == 0:
+        return 0.0, 0.0
+    return float(value()) * n, n
+
+
+def log_heldout(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
+    metrics = {f"heldout/{k}": v for k, v in heldout_metrics(run, engine, fn).items()}
+    run.monitor.log(run.state.step, {}, metrics)
+    run.monitor.note(f"step {run.state.step} held-out: " + ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def decoder_eval(run: Run, engine: Any) -> dict[str, Any] | None:
+    """Save the drafter and run it in the real speculative decoder on rank 0 (the others wait)."""
+    path = save_drafter(run, engine)
+    summary = None
+    if run.world.is_main:
+        from ..drafters import load
+        from ..eval.prompts import load_questions
+        from ..eval.run import evaluate
+
+        questions = load_questions(run.recipe.eval.prompts, run.cfg.eval.decoder_prompts)
+        stats, _ = evaluate(run.target, load(path, run.target), questions, run.recipe.decode, progress=False)
+        summary = stats.summary()
+        run.monitor.log(run.state.step, {}, {"decoder/tau_with_bonus": summary["tau_with_bonus"],
+                                             "decoder/acceptance_rate": summary["acceptance_rate"],
+                                             "decoder/tokens_per_s": summary["tokens_per_s"]})
+        run.monitor.note(f"step {run.state.step} decoder: tau (bonus counted) {summary['tau_with_bonus']:.3f}, "
+                         f"acceptance {summary['acceptance_rate']:.3f}")
+    distributed.barrier()
+    return summary
+
+
+# ------------------------------------------------------------------ saving
+
+
+def save_checkpoint(run: Run, engine: Any) -> str:
+    return checkpoint.save_checkpoint(engine, run.world, run.run_dir, asdict(run.state), run.cfg.checkpoint.keep)
+
+
+def save_drafter(run: Run, engine: Any) -> str:
+    """Write the drafter in the drafters format to ``<run_dir>/drafter`` (ZeRO-3 weights gathered)."""
+    from ..drafters import save
+
+    path = os.path.join(run.run_dir, "drafter")
+    with distributed.full_weights(engine) as module:
+        state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} if run.world.is_main else None
+    if run.world.is_main:
+        config = run.recipe.drafter
+        fresh = config.build_module(run.target)
+        fresh.load_state_dict(state)
+        save(config.runtime(fresh, run.target), path)
+    distributed.barrier()
+    return path
+
+
+def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> dict[str, Any]:
+    """Final held-out metrics, checkpoint, drafter folder, optional decoder eval; write train_summary.json."""
+    heldout = log_heldout(run, engine, heldout_fn)
+    save_checkpoint(run, engine)
+    drafter_path = save_drafter(run, engine)
+    decoder = decoder_eval(run, engine) if run.cfg.eval.decoder_at_end else None
+    summary = {
+        "method": run.recipe.drafter.type,
+        "steps": run.state.step,
+        "micro_steps": run.state.micro_step,
+        "tokens": run.state.tokens,
+        "skipped": run.state.skipped,
+        "world_size": run.world.world_size,
+        "zero_stage": distributed.zero_stage(engine),
+        "dtype": str(run.dtype).replace("torch.", ""),
+        "online_target": not run.offline,
+        "train_wall_s": round(run.wall_s, 3),
+        "tokens_per_s": round(run.state.tokens / run.wall_s, 3) if run.wall_s > 0 else None,
+        "heldout": heldout,
+        "decoder": decoder,
+        "drafter": drafter_path,
+        "target_fingerprint": run.target.fingerprint,
+    }
+    if run.world.is_main:
+        write_json(os.path.join(run.run_dir, "train_summary.json"), summary)
+    run.monitor.close(summary={k: v for k, v in heldout.items()})
+    return {**summary, "rank": run.world.rank}

@@ -1,0 +1,66 @@
+"""EAGLE-1 recipe (Li et al. 2024): feature regression + soft cross-entropy, teacher-forced.
+
+Row t of the head pairs the target's last-layer feature f_t with token x_{t+1}; it
+predicts f_{t+1} (smooth-L1 against the target's real feature) and, read out through
+the target's frozen norm and lm_head, the distribution of x_{t+2} (token loss against
+the target's own distribution at position t+1). A row counts when x_{t+2} is a
+loss-masked (assistant) token. Optional uniform noise on the input features makes the
+head robust to its own errors at decoding time (EAGLE: U(−0.1, 0.1)).
+
+Loss = feature_weight · smooth_l1 + token_weight · token_loss (EAGLE-1: 1.0 and 0.1, soft_ce).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..drafters.common import shift_left
+from . import common, losses
+from .data import Batch
+from .distributed import World
+
+
+def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+    cfg = recipe.train
+    config = common.trainable(recipe)
+    run = common.start(recipe, world)
+    engine = common.build_engine(run, config.build_module(run.target))
+    last_layer = (run.target.num_layers - 1,)
+    common.restore(run, engine, resume)
+
+    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        features, target_logits = common.features_and_logits(run, batch, last_layer)
+        pred, logits, mask = forward(engine, batch, common.uniform_noise(features, cfg.feature_noise), run.dtype)
+        regression = losses.smooth_l1(pred, shift_left(features, 1), mask)
+        token = losses.token_loss(cfg.loss.kind, logits[mask], shift_left(target_logits, 1)[mask],
+                                  mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
+        loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
+        return loss, {"loss/feature": regression.item(), "loss/token": token.item()}
+
+    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+        features, target_logits = common.features_and_logits(run, batch, last_layer)
+        pred, logits, mask = forward(engine, batch, features, run.dtype)
+        p_logits = shift_left(target_logits, 1)
+        return {
+            "feature_loss": common.masked_metric(lambda: losses.smooth_l1(pred, shift_left(features, 1), mask), mask),
+            "acceptance": common.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
+            "top1": common.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
+        }
+
+    common.baseline(run, engine, heldout)
+    for batch in common.micro_batches(run):
+        if common.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
+            common.after_step(run, engine, heldout)
+    return common.finish(run, engine, heldout)
+
+
+def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Teacher-forced head over a batch: (predicted features [B,S,H], logits [B,S,V], row mask [B,S]).
+
+    Row t gets f_t and x_{t+1}; it counts when x_{t+2} is a loss-masked token.
+    """
+    pred, logits = engine(shift_left(batch.input_ids, 1), features.to(dtype), attention_mask=batch.attention_mask)
+    return pred, logits, shift_left(batch.loss_mask, 2, fill=False)

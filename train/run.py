@@ -1,0 +1,34 @@
+"""``draftsmith train``: pick the recipe of the drafter's method and run it inside the process group.
+
+The method is the recipe's ``drafter.type``; each method's recipe is one file in ``train/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError
+from . import distributed, eagle1
+
+
+def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
+    """Method (drafter type) → the recipe's ``train(recipe, world, resume)``."""
+    return {"eagle1": eagle1.train}
+
+
+def run_training(recipe: Any, resume: str | None = None) -> dict[str, Any]:
+    """Train the recipe's drafter (one process, torchrun or the deepspeed launcher); return the summary."""
+    method = recipe.drafter.type
+    table = recipes()
+    if method not in table:
+        raise ConfigError(f"drafter.type = '{method}' has no training recipe; the trainable methods are: "
+                          f"{', '.join(table)}")
+    world = distributed.init_distributed()
+    try:
+        summary = table[method](recipe, world, resume)
+    except BaseException:
+        distributed.shutdown(wait_for_peers=False)  # a peer may be gone: no barrier
+        raise
+    distributed.shutdown()
+    return summary
