@@ -1,0 +1,332 @@
+"""``draftsmith prepare``: run the asked-for stages of the data pipeline and print what each did.
+
+Stages run in pipeline order, each reading what the previous one wrote:
+
+1. read      sources → ``<out>/conversations/`` (always, when regenerate or tokenize is asked)
+2. regenerate  → ``<out>/regenerate/`` shards → ``<out>/conversations_regenerated/``
+3. tokenize  conversations (regenerated ones when 'regenerate' is in the stages) → ``<out>/tokenized/``
+4. features  tokenized → ``<out>/features/``
+5. vocab     tokenized → ``<out>/draft_vocab.safetensors``
+
+Every stage records the spec it was made from and is skipped when nothing changed, so
+re-running prepare is cheap; the long stages (regenerate, features) resume after a kill.
+The summary (also written to ``<out>/summary.json``) counts records in, kept, skipped by
+reason, tokens, loss-masked tokens, sizes and times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import DraftsmithError
+from ..files import write_json
+from .config import STAGE_ORDER, DataConfig
+from .conversations import conversations_manifest, load_conversations, write_conversations
+from .normalize import SKIP_REASONS, ReadStats, iter_conversations
+from .shards import MANIFEST, read_json
+from .sources import SourceReport, source_identity
+
+@dataclass(frozen=True)
+class PreparedPaths:
+    """Where ``draftsmith prepare`` writes, under one output folder: ``PreparedPaths.at(root)``."""
+
+    root: str
+    tokenized: str
+    """The training dataset (see :mod:`draftsmith.data.tokenized`)."""
+    features: str
+    """The offline feature cache (see :mod:`draftsmith.data.feature_cache`)."""
+    vocab: str
+    """The EAGLE-3 draft vocabulary (see :mod:`draftsmith.data.vocab`)."""
+    conversations: str
+    regenerate: str
+    regenerated: str
+    cache: str
+
+    @classmethod
+    def at(cls, root: str) -> PreparedPaths:
+        names = {"tokenized": "tokenized", "features": "features", "vocab": "draft_vocab.safetensors",
+                 "conversations": "conversations", "regenerate": "regenerate",
+                 "regenerated": "conversations_regenerated", "cache": ".cache"}
+        return cls(root=root, **{k: os.path.join(root, v) for k, v in names.items()})
+
+
+@dataclass
+class StageRow:
+    stage: str
+    records_in: int | None = None
+    kept: int | None = None
+    skipped: int | None = None
+    tokens: int | None = None
+    loss_tokens: int | None = None
+    size_bytes: int | None = None
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class PrepareSummary:
+    out_dir: str
+    rows: list[StageRow] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"out_dir": self.out_dir, "stages": [asdict(r) for r in self.rows],
+                "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
+
+
+def run_prepare(recipe: Any, progress: bool = True) -> PrepareSummary:
+    """Run ``recipe.data.stages`` for ``recipe.target``; print and return the summary."""
+    cfg: DataConfig = recipe.data
+    paths = PreparedPaths.at(cfg.resolve_out_dir(recipe.run_dir))
+    stages = [s for s in STAGE_ORDER if s in cfg.stages]
+    summary = PrepareSummary(out_dir=paths.root)
+    env = _Env(recipe)
+
+    conv_folder = conv_hash = None
+    if "regenerate" in stages or "tokenize" in stages:
+        conv_folder, conv_hash = _read_stage(cfg, paths, summary)
+    if "regenerate" in stages:
+        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, conv_folder, conv_hash, summary, progress)
+    if "tokenize" in stages:
+        _tokenize_stage(cfg, paths, env, conv_folder, conv_hash, summary)
+    if "features" in stages:
+        _features_stage(cfg, paths, env, summary, progress)
+    if "vocab" in stages:
+        _vocab_stage(cfg, paths, env, summary)
+    write_json(os.path.join(paths.root, "summary.json"), summary.to_dict())
+    print_summary(summary)
+    return summary
+
+
+class _Env:
+    """The target, loaded only when a stage needs the model; the tokenizer alone otherwise."""
+
+    def __init__(self, recipe: Any):
+        self.recipe = recipe
+        self._target = None
+        self._tokenizer = None
+
+    @property
+    def folder(self) -> str:
+        from ..target import resolve_target_folder
+
+        return resolve_target_folder(self.recipe.target.name)
+
+    def target(self) -> Any:
+        if self._target is None:
+            from ..target import load_target
+
+            self._target = load_target(self.recipe.target)
+        return self._target
+
+    def tokenizer(self) -> Any:
+        if self._target is not None:
+            return self._target.tokenizer
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            except (OSError, ValueError) as e:
+                raise DraftsmithError(f"could not load the tokenizer of target '{self.recipe.target.name}': {e}") from e
+        return self._tokenizer
+
+    def vocab_size(self) -> int:
+        if self._target is not None:
+            return self._target.vocab_size
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(self.folder).vocab_size)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- stages
+
+
+def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) -> tuple[str, str]:
+    start = time.perf_counter()
+    spec = {"sources": [source_identity(s) for s in cfg.sources], "max_conversations": cfg.max_conversations}
+    manifest = conversations_manifest(paths.conversations)
+    note = "up to date (reused)"
+    if manifest is None or manifest.get("spec") != spec:
+        stats = ReadStats()
+        manifest = write_conversations(
+            paths.conversations, iter_conversations(cfg.sources, cfg.max_conversations, stats), spec=spec,
+            records_in=lambda: stats.records_in, skipped=lambda: dict(stats.skipped),
+            examples=lambda: stats.examples, sources=lambda: [asdict(r) for r in stats.sources],
+        )
+        note = ""
+    if manifest["num_conversations"] == 0:
+        raise DraftsmithError(f"no usable conversation in data.sources (skipped: {manifest['skipped']}); "
+                              f"check the paths, formats and role names")
+    summary.skipped.update(manifest["skipped"])
+    for k, v in manifest["examples"].items():
+        summary.examples.setdefault(k, v)
+    summary.sources = manifest["sources"]
+    stops = "; ".join(f"{s['name']}: {s['stopped']}" for s in manifest["sources"] if s["stopped"])
+    summary.rows.append(StageRow("read", manifest["records_in"], manifest["num_conversations"],
+                                 sum(manifest["skipped"].values()), seconds=time.perf_counter() - start,
+                                 note="; ".join(x for x in (note, stops) if x)))
+    return paths.conversations, manifest["hash"]
+
+
+def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, conv_hash: str,
+                      summary: PrepareSummary, progress: bool) -> tuple[str, str]:
+    from .regenerate import regenerate_conversations, regenerated_records
+
+    r = cfg.regenerate
+    target = env.target()
+    drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
+    report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
+                                      max_length=cfg.render.max_length, inputs_hash=conv_hash, drafter=drafter,
+                                      progress=progress)
+    start = time.perf_counter()
+    job_digest = _digest(read_json(os.path.join(paths.regenerate, MANIFEST)))
+    manifest = conversations_manifest(paths.regenerated)
+    if manifest is None or manifest.get("spec") != job_digest:
+        manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
+    summary.skipped.update(report.skipped)
+    finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
+    rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
+    summary.rows.append(StageRow("regenerate", report.conversations_in, report.kept, sum(report.skipped.values()),
+                                 tokens=report.new_tokens, seconds=report.seconds + time.perf_counter() - start,
+                                 note="; ".join(x for x in (report.note, f"{report.turns} turns ({finish})", rate) if x)))
+    return paths.regenerated, manifest["hash"]
+
+
+def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, conv_hash: str,
+                    summary: PrepareSummary) -> None:
+    from ..target import tokenizer_fingerprint
+    from .render import stop_token_ids
+    from .tokenized import tokenize_conversations, tokenized_manifest
+
+    start = time.perf_counter()
+    tokenizer = env.tokenizer()
+    stops = stop_token_ids(tokenizer, env.folder)
+    spec = {"conversations": conv_hash, "tokenizer_hash": tokenizer_fingerprint(tokenizer),
+            "max_length": cfg.render.max_length, "last_turn_only": cfg.render.last_turn_only, "stop_ids": stops}
+    try:
+        manifest = tokenized_manifest(paths.tokenized)
+    except DraftsmithError:
+        manifest = None
+    note = "up to date (reused)"
+    if manifest is None or manifest.get("spec") != spec:
+        conversations = load_conversations(conv_folder)
+        manifest = tokenize_conversations(
+            conversations, paths.tokenized, tokenizer,
+            max_length=cfg.render.max_length, last_turn_only=cfg.render.last_turn_only, stop_ids=stops,
+            num_proc=cfg.render.num_proc, map_batch_size=cfg.render.map_batch_size, cache_dir=paths.cache,
+            fingerprint=_digest(spec),
+            manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.recipe.target.name,
+                      "vocab_size": env.vocab_size(), "num_conversations": len(conversations)},
+        )
+        note = ""
+    if manifest["num_samples"] == 0:
+        raise DraftsmithError(f"every conversation was skipped while rendering ({manifest['skipped']}); "
+                              f"raise data.render.max_length or check the chat template")
+    summary.skipped.update(manifest["skipped"])
+    for k, v in manifest["skip_examples"].items():
+        summary.examples.setdefault(k, v)
+    summary.rows.append(StageRow("tokenize", manifest["num_conversations"], manifest["num_samples"],
+                                 sum(manifest["skipped"].values()), manifest["num_tokens"],
+                                 manifest["num_loss_tokens"], _folder_bytes(paths.tokenized),
+                                 time.perf_counter() - start, note))
+
+
+def _features_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, summary: PrepareSummary,
+                    progress: bool) -> None:
+    from .feature_cache import write_feature_cache
+    from .tokenized import load_tokenized, tokenized_manifest
+
+    start = time.perf_counter()
+    target = env.target()
+    data = load_tokenized(paths.tokenized, target)
+    f = cfg.features
+    manifest = write_feature_cache(data, paths.features, target, layer_ids=f.layer_ids, topk=f.topk,
+                                   shard_size=f.shard_size, batch_tokens=f.batch_tokens,
+                                   source_data_hash=tokenized_manifest(paths.tokenized)["data_hash"],
+                                   progress=progress)
+    rate = manifest.get("target_tokens_per_s")
+    note = "; ".join(x for x in (
+        manifest["note"], f"layers {manifest['layer_ids']}", f"{manifest['bytes_per_token']:.0f} bytes/token",
+        f"{rate:.0f} target tok/s" if rate else "",
+    ) if x)
+    summary.rows.append(StageRow("features", len(data), manifest["num_samples"], None, manifest["num_tokens"],
+                                 None, manifest["bytes"], time.perf_counter() - start, note))
+
+
+def _vocab_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, summary: PrepareSummary) -> None:
+    from .tokenized import load_tokenized, tokenized_manifest
+    from .vocab import build_draft_vocab
+
+    start = time.perf_counter()
+    manifest = tokenized_manifest(paths.tokenized)
+    data = load_tokenized(paths.tokenized, env.tokenizer())
+    size = min(cfg.vocab.size, manifest["vocab_size"])
+    vocab = build_draft_vocab(data, manifest["vocab_size"], size)
+    vocab.tokenizer_hash = manifest["tokenizer_hash"]
+    vocab.save(paths.vocab)
+    summary.rows.append(StageRow("vocab", None, None, None, None, manifest["num_loss_tokens"],
+                                 os.path.getsize(paths.vocab), time.perf_counter() - start,
+                                 f"{size} of {manifest['vocab_size']} ids cover {vocab.coverage:.2%} of loss tokens"))
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+# ---------------------------------------------------------------- printing
+
+
+def _fmt(v: int | None) -> str:
+    return "-" if v is None else f"{v:,}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_summary(summary: PrepareSummary) -> None:
+    """The summary as tables (rich): one row per stage, then skipped records by reason."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(120, Console().width))
+    table = Table(title=f"draftsmith prepare → {summary.out_dir}")
+    for col in ("stage", "records in", "kept", "skipped", "tokens", "loss tokens", "size", "time", "note"):
+        table.add_column(col, justify="left" if col in ("stage", "note") else "right",
+                         overflow="fold")
+    for r in summary.rows:
+        table.add_row(r.stage, _fmt(r.records_in), _fmt(r.kept), _fmt(r.skipped), _fmt(r.tokens),
+                      _fmt(r.loss_tokens), _size(r.size_bytes), f"{r.seconds:.1f}s", r.note)
+    console.print(table)
+    if summary.skipped:
+        skips = Table(title="skipped records by reason")
+        for col in ("reason", "count", "meaning", "first example"):
+            skips.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
+        for reason, count in summary.skipped.most_common():
+            skips.add_row(reason, f"{count:,}", SKIP_REASONS.get(reason, ""), summary.examples.get(reason, ""))
+        console.print(skips)
+    for s in summary.sources:
+        if s.get("stopped"):
+            console.print(f"source {s['name']} ({s['path']}): read {s['records']:,} records; {s['stopped']}")
+
+
+__all__ = ["PrepareSummary", "PreparedPaths", "SourceReport", "run_prepare"]

@@ -1,0 +1,119 @@
+"""EAGLE-3 reduced draft vocabulary: the N most frequent loss-masked target tokens.
+
+An EAGLE-3 drafter predicts over a small vocabulary (32k of Llama-3's 128k) to save
+its lm_head; the mapping to target ids follows EAGLE-3's reference code and SGLang /
+SpecForge, so exported drafters load there unchanged:
+
+* the draft vocabulary is the chosen target ids **sorted ascending**, draft id = rank;
+* ``d2t`` [N] int64 holds **offsets**: ``target_id = draft_id + d2t[draft_id]``;
+* ``t2d`` [V] bool marks the target ids that are in the draft vocabulary.
+
+Tokens are ranked by their count at loss-masked positions (ties: lower id first); when
+fewer than N distinct tokens occur, the rest is filled with the lowest unseen ids so the
+size is always N. ``coverage`` is the fraction of loss-masked tokens of the data that
+the draft vocabulary contains (the ceiling on what a drafter with it can accept there).
+Saved as safetensors (``d2t``, ``t2d``) with coverage and sizes in the metadata.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from ..errors import DraftsmithError
+from ..files import atomic_path
+
+
+@dataclass
+class DraftVocab:
+    d2t: Tensor
+    """[N] int64 offsets: target_id = draft_id + d2t[draft_id]."""
+    t2d: Tensor
+    """[V] bool: target id is in the draft vocabulary."""
+    coverage: float
+    """Fraction of loss-masked target tokens (of the data it was built from) inside the draft vocabulary."""
+    tokenizer_hash: str = ""
+    """Fingerprint of the tokenizer the counted data was rendered with ('' when unknown)."""
+
+    @property
+    def size(self) -> int:
+        return int(self.d2t.shape[0])
+
+    @property
+    def target_vocab_size(self) -> int:
+        return int(self.t2d.shape[0])
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Target ids of draft ids (any shape)."""
+        d2t = self.d2t.to(draft_ids.device)
+        return draft_ids + d2t[draft_ids]
+
+    def target_to_draft(self, target_ids: Tensor) -> Tensor:
+        """Draft ids of target ids (any shape); -1 where the target id is not in the draft vocabulary."""
+        index = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
+        index[self.t2d] = torch.arange(self.size)
+        return index.to(target_ids.device)[target_ids]
+
+    def save(self, path: str) -> None:
+        with atomic_path(path) as tmp:
+            save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, tmp,
+                      metadata={"coverage": repr(self.coverage), "size": str(self.size),
+                                "target_vocab_size": str(self.target_vocab_size),
+                                "tokenizer_hash": self.tokenizer_hash})
+
+    @classmethod
+    def load(cls, path: str) -> DraftVocab:
+        if not os.path.isfile(path):
+            raise DraftsmithError(f"draft vocabulary '{path}' does not exist; run `draftsmith prepare` with 'vocab' "
+                                  f"in data.stages")
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        vocab = cls(d2t=d2t.long(), t2d=t2d.bool(), coverage=float(meta.get("coverage", "nan")),
+                    tokenizer_hash=meta.get("tokenizer_hash", ""))
+        if int(vocab.t2d.sum()) != vocab.size:
+            raise DraftsmithError(f"draft vocabulary '{path}' is inconsistent (t2d marks {int(vocab.t2d.sum())} ids, "
+                                  f"d2t has {vocab.size}); rebuild it with `draftsmith prepare`")
+        return vocab
+
+
+def token_counts(dataset: Any, vocab_size: int) -> np.ndarray:
+    """[V] int64 counts of each token id at loss-masked positions of a tokenized dataset."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    ids_col, mask_col = dataset.data.column("input_ids"), dataset.data.column("loss_mask")
+    for ids_chunk, mask_chunk in zip(ids_col.chunks, mask_col.chunks):
+        ids = ids_chunk.flatten().to_numpy(zero_copy_only=False)
+        mask = mask_chunk.flatten().to_numpy(zero_copy_only=False)
+        picked = ids[mask.astype(bool)].astype(np.int64)
+        if picked.size and (picked.max() >= vocab_size or picked.min() < 0):
+            raise DraftsmithError(f"token id {int(picked.max())} is outside the target vocabulary of {vocab_size}; "
+                                  f"the data was tokenized for another target")
+        counts += np.bincount(picked, minlength=vocab_size)
+    return counts
+
+
+def vocab_from_counts(counts: np.ndarray, size: int) -> DraftVocab:
+    """The ``size`` most frequent ids of ``counts`` ([V]) as a :class:`DraftVocab`."""
+    vocab_size = int(counts.shape[0])
+    if size > vocab_size:
+        raise DraftsmithError(f"data.vocab.size = {size} exceeds the target vocabulary of {vocab_size}; lower it")
+    order = np.argsort(-counts, kind="stable")  # most frequent first, ties by lower id
+    chosen = np.sort(order[:size])
+    total = int(counts.sum())
+    coverage = float(counts[chosen].sum() / total) if total else 0.0
+    used = torch.from_numpy(chosen.astype(np.int64))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return DraftVocab(d2t=used - torch.arange(size, dtype=torch.int64), t2d=t2d, coverage=coverage)
+
+
+def build_draft_vocab(dataset: Any, target_vocab_size: int, size: int) -> DraftVocab:
+    """Draft vocabulary of ``size`` tokens from a tokenized dataset's loss-masked tokens."""
+    return vocab_from_counts(token_counts(dataset, target_vocab_size), size)
