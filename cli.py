@@ -1,5 +1,6 @@
 """The ``draftsmith`` command line. Each stage runs alone:
 
+    draftsmith prepare --config RECIPE [key.sub=value …] conversations → training data (tokens, features, vocab)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
     draftsmith demo  [key.sub=value …]                   the main job on the embedded target and data
 
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "write eval_outputs.jsonl and eval_metrics.json to the run folder.")
     _recipe_args(p, default="smollm2-135m-layerskip")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("prepare", help="conversations → tokenized data, regenerated answers, feature cache, draft vocab",
+                       description="Run the recipe's data.stages (regenerate, tokenize, features, vocab) into "
+                                   "data.out_dir (default <run_dir>/data) and print what each stage did: records "
+                                   "in, kept, skipped by reason, tokens, loss-masked tokens, sizes, times. Finished "
+                                   "work is reused; regenerate and features resume after a kill.")
+    _recipe_args(p, default="smollm2-135m-prepare")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="distill the target into the recipe's drafter (DeepSpeed; resumable)",
                        description="Train the recipe's drafter (draft_lm, eagle1, eagle3, medusa) against the frozen "
@@ -94,6 +103,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.overrides)
     return run_eval_recipe(recipe)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .config import load_recipe, save_recipe
+    from .data import run_prepare
+
+    recipe = load_recipe(args.config, args.overrides)
+    save_recipe(recipe)
+    run_prepare(recipe)
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
