@@ -76,7 +76,8 @@ class ShardedJob:
             write_json(os.path.join(self.folder, JOB), self.spec)
             return "settings or inputs changed since the last run: finished shards discarded, starting over"
         write_json(os.path.join(self.folder, JOB), self.spec)
-        done = len(glob.glob(os.path.join(self.folder, "shard-*.json")))
+        metas = glob.glob(os.path.join(self.folder, "shard-*.json"))
+        done = sum(self.done(int(os.path.basename(m)[6:11])) is not None for m in metas)
         return f"resuming: {done} finished shard(s) kept" if done else "starting"
 
     def _clear(self) -> None:

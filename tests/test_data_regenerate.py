@@ -1,0 +1,157 @@
+"""Regeneration with the frozen target: identical to the target's own decoding, seeded, and resumable after a kill."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+import torch
+import yaml
+
+from draftsmith.data.config import RegenerateConfig
+from draftsmith.data.conversations import conversation_features
+from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
+from draftsmith.drafters.layer_skip import layer_skip_drafter
+from draftsmith.eval.reference import target_greedy
+from draftsmith.target import load_target
+
+USERS = [["Tell me a story.", "Shorter."], ["Hi"], ["Name a color. Any color you like.", "Another."]]
+NEW = 8  # max_new_tokens
+
+
+def _conversations(users=USERS):
+    rows = []
+    for i, turns in enumerate(users):
+        msgs = []
+        for u in turns:
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "(original answer)"}]
+        rows.append({"conv_id": f"c{i}", "source": "test", "messages": msgs})
+    return datasets.Dataset.from_list(rows, features=conversation_features())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model runs fastest on one thread (and far faster on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, dtype="float32", device="cpu")
+
+
+def _run(folder, target, drafter=None, max_length=512, **kw):
+    cfg = RegenerateConfig(**{"max_new_tokens": NEW, "batch_size": 2, "shard_size": 2, **kw})
+    report = regenerate_conversations(_conversations(), str(folder), target, cfg, max_length=max_length,
+                                      inputs_hash="h", drafter=drafter, progress=False)
+    return report, list(regenerated_records(str(folder)))
+
+
+def _reference(target, turns, max_new_tokens):
+    """The target answering each turn alone (batch 1, HF generate), given its own earlier answers."""
+    msgs = []
+    for u in turns:
+        msgs.append({"role": "user", "content": u})
+        tokens = target_greedy(target, target.render_chat(msgs), max_new_tokens)
+        text = target.tokenizer.decode([t for t in tokens if t not in target.eos_token_ids], skip_special_tokens=True)
+        msgs.append({"role": "assistant", "content": text})
+    return msgs
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, target):
+    """Greedy regeneration, batched (batch 2, left padding), all turns."""
+    return _run(tmp_path_factory.mktemp("plain"), target)
+
+
+def test_batched_greedy_regeneration_is_the_targets_own_greedy_answer(plain, target):
+    report, records = plain
+    assert [r["conv_id"] for r in records] == ["c0", "c1", "c2"]
+    for r, turns in zip(records, USERS):
+        assert r["messages"] == _reference(target, turns, NEW), r["conv_id"]
+    assert report.turns == 5 and report.kept == 3 and sum(report.finish.values()) == 5
+    assert all(m["content"] != "(original answer)" for r in records for m in r["messages"])
+
+
+def test_speculative_method_gives_the_same_answers(tmp_path, target, plain):
+    _, spec = _run(tmp_path / "spec", target, drafter=layer_skip_drafter(target.model, 2), method="speculative")
+    assert spec == plain[1]
+
+
+def test_sampling_is_seeded_per_shard_so_a_recomputed_shard_is_identical(tmp_path, target, plain):
+    _, first = _run(tmp_path / "a", target, temperature=1.0, seed=7)
+    os.remove(tmp_path / "a" / "shard-00000.jsonl")  # as if killed while writing it
+    report, resumed = _run(tmp_path / "a", target, temperature=1.0, seed=7)
+    assert report.note == "resuming: 1 finished shard(s) kept"
+    assert resumed == first
+    _, other_seed = _run(tmp_path / "b", target, temperature=1.0, seed=8)
+    assert other_seed != first and first != plain[1]
+
+
+def test_a_conversation_ends_where_the_next_prompt_no_longer_fits(tmp_path, target, plain):
+    second_prompts = [len(target.render_chat(r["messages"][:3])) for r in plain[1] if len(r["messages"]) == 4]
+    max_length = min(second_prompts)  # the shortest second prompt no longer fits; every first prompt does
+    _, cut = _run(tmp_path / "cut", target, max_length=max_length)
+    for full, r in zip(plain[1], cut):
+        n = len(full["messages"])
+        fits = n == 4 and len(target.render_chat(full["messages"][:3])) < max_length
+        assert r["messages"] == full["messages"][: 4 if fits else 2]
+    assert [len(r["messages"]) for r in cut] != [len(r["messages"]) for r in plain[1]]
+    _, one = _run(tmp_path / "one", target, max_turns=1)
+    assert [r["messages"] for r in one] == [r["messages"][:2] for r in plain[1]]
+    report, _ = _run(tmp_path / "none", target, max_length=20)  # even the first prompt is too long
+    assert report.kept == 0 and report.skipped == {"prompt_too_long": 3}
+
+
+@pytest.mark.slow
+def test_killed_mid_way_and_rerun_gives_exactly_the_uninterrupted_records(tmp_path, tiny_target_dir):
+    """A real SIGKILL to a real `draftsmith prepare` subprocess; the re-run resumes and matches a clean run."""
+    users = [[f"Question number {i}: tell me something about the number {i}.", "And more?"] for i in range(30)]
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [
+        {"role": r, "content": c} for u in t for r, c in (("user", u), ("assistant", "old"))]}) + "\n"
+        for i, t in enumerate(users)))
+
+    def config(out):
+        path = tmp_path / f"{os.path.basename(out)}.yaml"
+        path.write_text(yaml.safe_dump({
+            "target": {"name": tiny_target_dir, "dtype": "float32", "device": "cpu"},
+            "data": {"sources": [{"path": str(src)}], "stages": ["regenerate"], "out_dir": str(out),
+                     "render": {"max_length": 256},
+                     "regenerate": {"max_new_tokens": 24, "batch_size": 2, "shard_size": 2}},
+            "run_dir": str(tmp_path / "run"),
+        }))
+        return [sys.executable, "-m", "draftsmith.cli", "prepare", "--config", str(path)]
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    subprocess.run(config(clean), env=env, check=True, capture_output=True, timeout=300)
+
+    proc = subprocess.Popen(config(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = killed / "regenerate"
+    deadline = time.time() + 240
+    while not (job / "shard-00001.json").exists():  # two shards finished
+        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    done_before = len(glob.glob(str(job / "shard-*.json")))
+    assert not (job / "manifest.json").exists() and 2 <= done_before < 15
+
+    subprocess.run(config(killed), env=env, check=True, capture_output=True, timeout=300)
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["stages"][1]["stage"] == "regenerate"
+    assert summary["stages"][1]["note"].startswith(f"resuming: {done_before} finished shard(s) kept")
+    assert list(regenerated_records(str(job))) == list(regenerated_records(str(clean / "regenerate")))
+    assert len(list(regenerated_records(str(job)))) == 30
