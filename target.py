@@ -149,7 +149,7 @@ class Target:
         """
         captured: dict[int, Tensor] = {}
         hooks = []
-        layers = self.model.model.layers
+        layers = self.model.model.layers if feature_layers else ()  # only decoder stacks that expose features
         for layer in feature_layers:
             idx = self.layer_index(layer)
 
