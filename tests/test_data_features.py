@@ -19,13 +19,7 @@ from .conftest import tiny_llama
 LAYERS = [1, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model runs fastest on one thread (and far faster on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
