@@ -1,0 +1,86 @@
+"""`draftsmith prepare` end to end on the real SmolLM2 target and ShareGPT, and the data config."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.config import load_recipe
+from draftsmith.data import DraftVocab, FeatureCache, PreparedPaths, load_tokenized
+from draftsmith.data.conversations import load_conversations
+from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.eval.reference import target_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ARGS = ["data.max_conversations=3", "data.stages=[regenerate,tokenize,features,vocab]",
+        "data.regenerate.max_turns=1", "data.regenerate.max_new_tokens=8", "data.render.max_length=384",
+        "data.render.num_proc=1", "data.features.shard_size=2", "data.vocab.size=256"]
+
+
+def test_prepare_yaml_loads_and_bad_keys_are_named():
+    recipe = load_recipe("smollm2-135m-prepare")
+    assert recipe.data.stages == ["regenerate", "tokenize", "features", "vocab"]
+    assert recipe.data.resolve_out_dir(recipe.run_dir) == os.path.join(recipe.run_dir, "data")
+    with pytest.raises(ConfigError, match="choose one of: regenerate, tokenize, features, vocab"):
+        load_recipe("smollm2-135m-prepare", ["data.stages=[tokenise]"])
+    with pytest.raises(ConfigError, match="unknown config key 'data.render.maxlen'"):
+        load_recipe("smollm2-135m-prepare", ["data.render.maxlen=5"])
+    with pytest.raises(ConfigError, match="data.regenerate.temperature"):
+        load_recipe("smollm2-135m-prepare", ["data.regenerate.temperature=-1"])
+
+
+@pytest.mark.e2e
+def test_prepare_end_to_end_on_sharegpt(tmp_path, smollm2, capsys):
+    run_dir = str(tmp_path / "run")
+    assert main(["prepare", "--config", "smollm2-135m-prepare", *ARGS, f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "draftsmith prepare" in out and "regenerate" in out and "vocab" in out
+    paths = PreparedPaths.at(os.path.join(run_dir, "data"))
+    summary = json.loads(open(os.path.join(paths.root, "summary.json")).read())
+    rows = {r["stage"]: r for r in summary["stages"]}
+    assert list(rows) == ["read", "regenerate", "tokenize", "features", "vocab"]
+    assert rows["read"]["kept"] == 3 and rows["read"]["records_in"] == 3 + rows["read"]["skipped"]
+    assert rows["regenerate"]["kept"] + rows["regenerate"]["skipped"] == 3
+    assert sum(summary["skipped"].values()) == rows["read"]["skipped"] + rows["regenerate"]["skipped"] + rows[
+        "tokenize"]["skipped"]
+
+    # regenerated answers are the target's own greedy answers to the first user turn
+    regenerated = load_conversations(paths.regenerated)
+    for conv in regenerated:
+        msgs = conv["messages"]
+        assert len(msgs) == 2 + (msgs[0]["role"] == "system")
+        tokens = target_greedy(smollm2, smollm2.render_chat(msgs[:-1]), 8)
+        text = smollm2.tokenizer.decode([t for t in tokens if t not in smollm2.eos_token_ids], skip_special_tokens=True)
+        assert msgs[-1]["content"] == text
+
+    data = load_tokenized(paths.tokenized, smollm2)
+    assert len(data) == rows["tokenize"]["kept"] == len(regenerated)
+    assert rows["tokenize"]["tokens"] == sum(len(x) for x in data["input_ids"])
+    with pytest.raises(DraftsmithError, match="rendered with tokenizer"):
+        load_tokenized(paths.tokenized, "0000000000000000")
+
+    cache = FeatureCache.open(paths.features, smollm2, verify="all")
+    assert len(cache) == len(data) and cache.layer_ids == [1, 14, 26, 29]
+    item = cache[0]
+    assert item["hidden"].shape == (len(data[0]["input_ids"]), 4 * 576)
+    ref = smollm2.forward(item["input_ids"][None], feature_layers=(1, 14, 26, 29)).features[0].bfloat16()
+    assert (item["hidden"] == ref).float().mean() > 0.99
+
+    vocab = DraftVocab.load(paths.vocab)
+    ids = np.concatenate([np.asarray(x) for x in data["input_ids"]])
+    mask = np.concatenate([np.asarray(x) for x in data["loss_mask"]]).astype(bool)
+    assert vocab.size == 256 and vocab.target_vocab_size == 49152
+    assert vocab.coverage == pytest.approx(np.isin(ids[mask], vocab.t2d.nonzero().flatten().numpy()).mean())
+    assert torch.equal(vocab.draft_to_target(torch.arange(256)), vocab.t2d.nonzero().flatten())
+
+    # a second run reuses every finished stage
+    assert main(["prepare", "--config", "smollm2-135m-prepare", *ARGS, f"run_dir={run_dir}"]) == 0
+    again = {r["stage"]: r for r in json.loads(open(os.path.join(paths.root, "summary.json")).read())["stages"]}
+    for stage in ("read", "regenerate", "tokenize", "features"):
+        assert again[stage]["note"].startswith("up to date (reused)"), stage
