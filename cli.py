@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("configs", help="list the recipes shipped in configs/")
     p.set_defaults(func=cmd_configs)
+
+    p = sub.add_parser("drafters", help="list the drafter families; --params: their parameter counts",
+                       description="Without options: the drafter types a recipe's drafter.type may name. "
+                                   "--params: parameters of each family for SmolLM2-135M and Llama-3.1-8B, "
+                                   "computed from their architecture configs on the meta device (no weights).")
+    p.add_argument("--params", action="store_true", help="print parameter counts (Markdown table)")
+    p.set_defaults(func=cmd_drafters)
     return parser
 
 
@@ -187,6 +194,21 @@ def cmd_configs(args: argparse.Namespace) -> int:
     for name in sorted(os.listdir(CONFIG_DIR)):
         if name.endswith(".yaml"):
             print(name[: -len(".yaml")])
+    return 0
+
+
+def cmd_drafters(args: argparse.Namespace) -> int:
+    from .drafters import families
+
+    if args.params:
+        from .drafters.params import format_rows, parameter_rows
+
+        print(format_rows(parameter_rows()))
+        return 0
+    from .drafters.checkpoint import family_summary
+
+    for tag, cls in families().items():
+        print(f"{tag:12s} {'trainable' if hasattr(cls, 'build_module') else '':10s} {family_summary(cls)}")
     return 0
 
 

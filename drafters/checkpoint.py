@@ -53,6 +53,16 @@ def families() -> dict[str, type]:
     return out
 
 
+def family_summary(cls: type) -> str:
+    """One line about a family: its config class's docstring, else its module's first line."""
+    import sys
+
+    doc = cls.__doc__ or ""
+    if doc.startswith(cls.__name__ + "("):  # the signature dataclasses put there
+        doc = sys.modules[cls.__module__].__doc__ or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
 def trainable_families() -> dict[str, type]:
     """Families whose weights ``save`` can write."""
     return {k: v for k, v in families().items() if hasattr(v, "build_module")}

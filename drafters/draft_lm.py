@@ -152,6 +152,8 @@ def merged_model(module: nn.Module) -> nn.Module:
 
 @dataclass
 class DraftLMConfig:
+    """A small causal LM sharing the target's tokenizer: fewer target layers (or narrower), or pretrained; optional LoRA."""
+
     type: Literal["draft_lm"] = "draft_lm"
     pretrained: str = ""
     """Hub id or local folder of a small causal LM with the target's vocabulary; empty = build from the target."""

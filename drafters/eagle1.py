@@ -123,6 +123,8 @@ def build_eagle1(arch: Any, parts: TargetParts, seed: int = 0) -> Eagle1Head:
 
 @dataclass
 class Eagle1Config:
+    """EAGLE-1: fc(embedding, last-layer feature) + one Llama layer predicting the next feature."""
+
     type: Literal["eagle1"] = "eagle1"
     seed: int = 0
     """Seed of the random initialization of fc and the decoder layer."""

@@ -327,6 +327,8 @@ def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed
 
 @dataclass
 class Eagle3Config:
+    """EAGLE-3: fused low/mid/high features, a 2H-input Llama layer, reduced draft vocabulary, TTT."""
+
     type: Literal["eagle3"] = "eagle3"
     feature_layers: list[int] = field(default_factory=list)
     """The three target layers fused (low, middle, high); id i = output of decoder layer i (0-based,

@@ -154,6 +154,8 @@ def build_medusa(arch: Any, feature_norm: nn.Module, num_heads: int, num_layers:
 
 @dataclass
 class MedusaConfig:
+    """Medusa: K heads of residual SiLU blocks on the last hidden state; head k predicts k+2 ahead."""
+
     type: Literal["medusa"] = "medusa"
     num_heads: int = 4
     """K: heads, i.e. the most tokens proposed per round (head k predicts k+1 tokens past the target's next)."""

@@ -127,3 +127,59 @@ def test_layer_skip_has_nothing_to_save(tiny_target, tmp_path):
 
     with pytest.raises(DraftsmithError, match="nothing|no trained weights"):
         drafters.save(LayerSkipConfig(num_layers=2).build(tiny_target), str(tmp_path / "x"))
+
+
+# ---------------------------------------------------------------- registry, recipes, parameter counts
+
+
+def test_registry_names_every_family():
+    assert set(drafters.families()) >= {"layer_skip", "hf", "draft_lm", "eagle1", "eagle3", "medusa", "saved"}
+
+
+@pytest.mark.parametrize("name", ["draftlm", "eagle1", "eagle3", "medusa"])
+def test_shipped_recipes_load(name):
+    from draftsmith.config import load_recipe
+
+    recipe = load_recipe(f"smollm2-135m-{name}")
+    assert recipe.drafter.type == {"draftlm": "draft_lm"}.get(name, name)
+    assert recipe.target.name == "smollm2-135m-instruct" and recipe.target.dtype == "float32"
+
+
+def test_saved_drafter_recipe_section(tiny_target, tmp_path):
+    from draftsmith.config import load_recipe
+
+    drafters.save(Eagle1Config().build(tiny_target), str(tmp_path / "d"))
+    recipe = load_recipe(None, ["drafter.type=saved", f"drafter.path={tmp_path / 'd'}"])
+    assert recipe.drafter.build(tiny_target).feature_layers == (3,)
+    with pytest.raises(DraftsmithError, match="drafter.path"):
+        load_recipe(None, ["drafter.type=saved"])
+
+
+def test_parameter_counts_golden(smollm2_folder):
+    """Counts from the architecture alone match hand-computed values and the real SmolLM2 config."""
+    from draftsmith.drafters.params import LLAMA_31_8B, SMOLLM2_135M, arch_config, count
+
+    real = json.load(open(os.path.join(smollm2_folder, "config.json")))
+    assert {k: pytest.approx(real[k]) for k in SMOLLM2_135M if k != "rope_parameters"} == {
+        k: v for k, v in SMOLLM2_135M.items() if k != "rope_parameters"
+    }  # approx: the GGUF stores rms_norm_eps as float32
+    h, i, kv = 576, 1536, 192
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o, k, v, MLP, two norms
+    e1 = count(Eagle1Config(), arch_config(SMOLLM2_135M))
+    assert e1["trainable"] == 2 * h * h + h + layer and e1["stored"] == e1["trainable"]
+    assert e1["frozen"] == 49152 * h + h  # tied embedding/lm_head copy + final norm
+    h, i, kv, vd = 4096, 14336, 1024, 32000
+    layer = 2 * h * h + 2 * h * kv + h * h + 2 * h * kv + 3 * h * i + 3 * h  # 2H-input q, k, v
+    e3 = count(Eagle3Config(draft_vocab_size=vd), arch_config(LLAMA_31_8B))
+    assert e3["trainable"] == 3 * h * h + layer + h + h * vd == 424_689_664
+
+
+def test_cli_drafters_lists_and_counts(capsys):
+    from draftsmith.cli import main
+
+    assert main(["drafters"]) == 0
+    assert "eagle3" in capsys.readouterr().out
+    assert main(["drafters", "--params"]) == 0
+    out = capsys.readouterr().out
+    assert "| Llama-3.1-8B | (the target itself) | 0.0M | 8,030.3M |" in out
+    assert "| SmolLM2-135M | eagle1 | 4.2M |" in out

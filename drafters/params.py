@@ -1,0 +1,131 @@
+"""Parameter counts of every drafter family, from a target's architecture config alone.
+
+Modules are built on the meta device (no weights, no memory), so an 8B-class target costs
+nothing. ``draftsmith drafters --params`` prints the table; :func:`parameter_rows` returns it.
+Columns: trainable (what the optimizer updates), frozen (target-copied parts and, with LoRA,
+the base weights), stored (what ``drafters.save`` writes: all but the parts copied from the
+target on load), total (unique tensors, tied weights counted once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .common import count_parameters, placeholder_parts
+from .draft_lm import DraftLMConfig, draft_arch
+from .eagle1 import Eagle1Config, build_eagle1
+from .eagle3 import Eagle3Config, build_eagle3
+from .medusa import MedusaConfig, build_medusa
+
+# Architecture configs written from the models' published config.json (no hub access needed).
+SMOLLM2_135M: dict[str, Any] = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+)
+LLAMA_31_8B: dict[str, Any] = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    tie_word_embeddings=False,
+)
+
+TARGETS: dict[str, dict[str, Any]] = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.1-8B": LLAMA_31_8B}
+
+# (label, config) rows per target: the shipped recipe's drafter plus common variants.
+VARIANTS: dict[str, list[tuple[str, Any]]] = {
+    "SmolLM2-135M": [
+        ("draft_lm: 4 copied layers, frozen tied embedding", DraftLMConfig(num_layers=4)),
+        ("draft_lm: 4 layers + LoRA r=16 (all linear)", DraftLMConfig(num_layers=4, lora_rank=16)),
+        ("eagle1", Eagle1Config()),
+        ("eagle3: full vocabulary (49152)", Eagle3Config()),
+        ("eagle3: draft vocabulary 16384", Eagle3Config(draft_vocab_size=16384)),
+        ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
+    ],
+    "Llama-3.1-8B": [
+        ("draft_lm: 4 copied layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
+        ("draft_lm: 4 layers, width 2048 (random layers)", DraftLMConfig(num_layers=4, hidden_size=2048, layer_init="random")),
+        ("eagle1", Eagle1Config()),
+        ("eagle3: draft vocabulary 32000", Eagle3Config(draft_vocab_size=32000)),
+        ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
+    ],
+}
+
+
+def arch_config(values: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_key_value_heads=values.get("num_key_value_heads"), **{k: v for k, v in values.items() if k != "num_key_value_heads"})
+
+
+def meta_module(config: Any, arch: Any) -> nn.Module:
+    """The drafter module ``config`` would build for a target with HF config ``arch``, on the meta device."""
+    with torch.device("meta"):
+        if isinstance(config, Eagle1Config):
+            return build_eagle1(arch, placeholder_parts(arch))
+        if isinstance(config, Eagle3Config):
+            return build_eagle3(arch, placeholder_parts(arch).embed, config.draft_vocab_size)
+        if isinstance(config, MedusaConfig):
+            return build_medusa(arch, placeholder_parts(arch).norm, config.num_heads, config.num_layers)
+        if isinstance(config, DraftLMConfig):
+            return _meta_draft_lm(config, arch)
+    raise TypeError(f"no parameter count for {type(config).__name__}")
+
+
+def _meta_draft_lm(config: DraftLMConfig, arch: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    tie = arch.tie_word_embeddings if config.tie_embeddings is None else config.tie_embeddings
+    cfg = draft_arch(arch, config.num_layers, config.hidden_size, config.intermediate_size,
+                     config.num_attention_heads, config.num_key_value_heads, tie)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if config.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+        model.get_output_embeddings().requires_grad_(False)
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                                 target_modules=list(config.lora_targets)))
+    return model
+
+
+def count(config: Any, arch: Any) -> dict[str, int]:
+    """trainable / frozen / stored / total parameters of ``config``'s drafter for target ``arch``."""
+    module = meta_module(config, arch)
+    counts = count_parameters(module)
+    seen: set[int] = set()
+    copied = 0
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in seen and name.startswith(config.target_parts):
+            copied += p.numel()
+        seen.add(id(p))
+    return {**counts, "stored": counts["total"] - copied}
+
+
+def parameter_rows() -> list[dict[str, Any]]:
+    """One row per (target, drafter variant), plus the target itself."""
+    from transformers import LlamaForCausalLM
+
+    rows = []
+    for target, values in TARGETS.items():
+        arch = arch_config(values)
+        with torch.device("meta"):
+            own = count_parameters(LlamaForCausalLM(arch))["total"]
+        rows.append({"target": target, "drafter": "(the target itself)", "trainable": 0, "frozen": own, "stored": 0, "total": own})
+        for label, config in VARIANTS[target]:
+            rows.append({"target": target, "drafter": label, **count(config, arch)})
+    return rows
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table, counts in millions."""
+    out = ["| target | drafter | trainable | frozen | stored | total |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        cells = [f"{r[k] / 1e6:,.1f}M" for k in ("trainable", "frozen", "stored", "total")]
+        out.append(f"| {r['target']} | {r['drafter']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
