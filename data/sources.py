@@ -65,10 +65,8 @@ def resolve_source(src: SourceConfig) -> tuple[str, str]:
     """(name, location) of a source; location is a local file path or a hub name."""
     if src.path == "sharegpt":
         return src.name or "sharegpt", sharegpt_path()
-    if os.path.exists(src.path):
-        if not os.path.isfile(src.path):
-            raise DraftsmithError(f"data source '{src.path}' is a folder; name a .json, .jsonl or .parquet file")
-        stem = os.path.basename(src.path).split(".")[0]
+    if os.path.exists(src.path):  # a file, or a folder `datasets.load_dataset` reads (a hub repo clone)
+        stem = os.path.basename(os.path.normpath(src.path)).split(".")[0]
         return src.name or stem, src.path
     if src.path.endswith((".json", ".jsonl", ".parquet")):
         raise DraftsmithError(f"data source file '{src.path}' does not exist")

@@ -141,6 +141,19 @@ def test_parquet_and_limits(tmp_path):
     assert stats.records_in == 5 and "stopped after 4" in stats.sources[0].stopped
 
 
+def test_datasets_loader_path_with_a_local_dataset_folder(tmp_path):
+    """Hub names go through `datasets.load_dataset`; a local folder of data files takes the same path offline."""
+    folder = tmp_path / "hub_clone"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"id": f"h{i}", **_sg(("human", "q"), ("gpt", f"a{i}"))}) + "\n"
+                                                for i in range(3)))
+    convs, stats = _read([SourceConfig(path=str(folder))])
+    assert [(c["source"], c["conv_id"], c["messages"][1]["content"]) for c in convs] == [
+        ("hub_clone", f"h{i}", f"a{i}") for i in range(3)]
+    with pytest.raises(DraftsmithError, match="(?s)could not load the hub dataset 'someorg/chats'.*local .jsonl"):
+        _read([SourceConfig(path="someorg/chats")])  # no hub here (HF_HUB_OFFLINE=1)
+
+
 def test_bad_sources_and_config_are_clear_errors(tmp_path):
     with pytest.raises(DraftsmithError, match="does not exist"):
         _read([SourceConfig(path=str(tmp_path / "missing.jsonl"))])
