@@ -116,25 +116,35 @@ def make_tokenized(smollm2_tokenizer):
 def tiny_target_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     """A 4-layer tiny Llama target saved as a HF folder with the SmolLM2 tokenizer.
 
-    Its final norm is scaled ×20 so that its next-token distributions are peaked like a
+    Its final norm is scaled ×10 so that its next-token distributions are peaked like a
     trained LM's (a random init gives nearly uniform ones, where every drafter looks good).
     """
     path = str(tmp_path_factory.mktemp("tiny_target"))
     model = tiny_llama(layers=4)
     with torch.no_grad():
-        model.model.norm.weight.mul_(20.0)
+        model.model.norm.weight.mul_(10.0)
     model.save_pretrained(path)
     smollm2_tokenizer.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="session")
-def tiny_train_data(tmp_path_factory, smollm2_tokenizer) -> str:
-    """48 records of 20–39 tokens (ids 100–599), the last two thirds of each loss-masked."""
+def tiny_train_data(tmp_path_factory, tiny_target_dir, make_tokenized) -> str:
+    """48 records for the tiny target: a random prompt of 4–8 tokens (ids 100–599), then 14–27
+    tokens the tiny target itself sampled (temperature 1), loss-masked — self-distillation data,
+    as `draftsmith prepare` makes with its regenerate stage."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 600, (48, 8), generator=g)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        full = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                              top_k=0, top_p=1.0, max_new_tokens=27, min_new_tokens=27, pad_token_id=0)
     ids, masks = [], []
-    for _ in range(48):
-        n = int(torch.randint(20, 40, (1,), generator=g))
-        ids.append(torch.randint(100, 600, (n,), generator=g).tolist())
-        masks.append([0] * (n // 3) + [1] * (n - n // 3))
-    return write_tokenized(str(tmp_path_factory.mktemp("tiny_train_data")), ids, masks, smollm2_tokenizer)
+    for row in full.tolist():
+        cut, n_answer = int(torch.randint(0, 5, (1,), generator=g)), int(torch.randint(14, 28, (1,), generator=g))
+        ids.append(row[cut : 8 + n_answer])
+        masks.append([0] * (8 - cut) + [1] * n_answer)
+    return make_tokenized(tmp_path_factory.mktemp("tiny_train_data"), ids, masks)

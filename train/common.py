@@ -136,12 +136,31 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float) -> Callable[
     return factor
 
 
+class Forward(torch.nn.Module):
+    """The engine's module: holds the drafter and runs ``fn(drafter)`` as its forward.
+
+    DeepSpeed prepares ZeRO's backward (gradient scaling, reduction boundaries) from the
+    outputs of ``engine(...)``, so every training forward must go through the engine — a
+    plain call, an unroll or a loss over selected rows alike::
+
+        pred, logits = engine(lambda head: head(ids, features, attention_mask=mask))
+        steps = engine(lambda head: head.unroll(ids, features, steps=7))
+    """
+
+    def __init__(self, drafter: torch.nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        return fn(self.drafter)
+
+
 def build_engine(run: Run, module: torch.nn.Module) -> Any:
-    """The DeepSpeed engine around the drafter; the target stays outside, frozen."""
+    """The DeepSpeed engine around the drafter (wrapped in :class:`Forward`); the target stays outside, frozen."""
     cfg = run.cfg
     sched = cfg.schedule
     return distributed.build_engine(
-        module,
+        Forward(module),
         run.ds_config,
         lr=cfg.optimizer.lr,
         betas=cfg.optimizer.betas,
@@ -181,7 +200,7 @@ def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics])
 def micro_batches(run: Run) -> Iterator[Batch]:
     """This rank's micro-batches from the saved data position on, on its device, until ``train.steps``
     optimizer steps are done; advances the data position."""
-    pad = _pad_id(run.target)
+    pad = pad_id(run.target)
     for step, ids in run.order.from_step(run.state.micro_step):
         if run.state.step >= run.cfg.steps:
             return
@@ -190,7 +209,7 @@ def micro_batches(run: Run) -> Iterator[Batch]:
         yield batch.to(run.world.device)
 
 
-def _pad_id(target: Target) -> int:
+def pad_id(target: Target) -> int:
     tok = target.tokenizer
     pad = getattr(tok, "pad_token_id", None)
     if pad is None:
@@ -212,7 +231,40 @@ def features_and_logits(run: Run, batch: Batch, layers: tuple[int, ...]) -> tupl
     if not run.offline:
         out = target_forward(run, batch, layers)
         return out.features, out.logits
-    raise DraftsmithError("offline training from a feature cache needs draftsmith.data.feature_cache")
+    if batch.hidden is None:
+        raise DraftsmithError("offline training needs the feature cache's hidden states in every batch")
+    cached = list(run.rows.layer_ids)
+    features = cached_layers(batch.hidden, cached, layers, run.target.hidden_size)
+    return features.to(run.target.dtype), cached_logits(run.target, batch, cached)
+
+
+def cached_layers(hidden: Tensor, cached: list[int], wanted: tuple[int, ...], hidden_size: int) -> Tensor:
+    """The ``wanted`` layers' slices of cached features [B, S, len(cached)·H] → [B, S, len(wanted)·H]."""
+    missing = [layer for layer in wanted if layer not in cached]
+    if missing:
+        raise DraftsmithError(f"the feature cache holds target layers {cached}, but this drafter needs {list(wanted)} "
+                              f"(missing {missing}); rebuild it with those layers (data.feature_layers) or train online "
+                              f"(train.features empty)")
+    cols = [cached.index(layer) for layer in wanted]
+    return torch.cat([hidden[..., c * hidden_size : (c + 1) * hidden_size] for c in cols], dim=-1)
+
+
+@torch.no_grad()
+def cached_logits(target: Target, batch: Batch, cached: list[int]) -> Tensor:
+    """The target's logits [B, S, V] without running it: its final norm and lm_head on the cached last
+    layer (exact up to the cache's bf16), else the cached top-k logits with −inf elsewhere."""
+    from ..drafters.common import target_parts
+
+    last = target.num_layers - 1
+    if last in cached:
+        parts = target_parts(target.model)
+        h = cached_layers(batch.hidden, cached, (last,), target.hidden_size).to(target.dtype)
+        return parts.lm_head(parts.norm(h))
+    if batch.topk_ids is not None and batch.topk_logits is not None:
+        full = torch.full((*batch.input_ids.shape, target.vocab_size), float("-inf"), device=batch.topk_logits.device)
+        return full.scatter(-1, batch.topk_ids, batch.topk_logits.float())
+    raise DraftsmithError(f"the feature cache has neither the target's last layer ({last}) nor top-k logits, so it "
+                          f"gives no target distribution; rebuild it with layer {last} or data.topk > 0")
 
 
 def uniform_noise(x: Tensor, amplitude: float) -> Tensor:
@@ -310,7 +362,7 @@ def log_train(run: Run, engine: Any) -> None:
 @torch.no_grad()
 def heldout_metrics(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
     """Average ``fn`` over the held-out split (sharded over ranks, summed over all of them)."""
-    pad = _pad_id(run.target)
+    pad = pad_id(run.target)
     engine.eval()
     totals: dict[str, list[float]] = {}
     for ids in heldout_batches(run.split.heldout, run.cfg.batch_size, run.world.world_size, run.world.rank):
@@ -321,15 +373,36 @@ def heldout_metrics(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) 
     engine.train()
     names = sorted(totals)
     summed = distributed.all_sum([x for name in names for x in totals[name]])
-    return {name: summed[2 * i] / summed[2 * i + 1] for i, name in enumerate(names) if summed[2 * i + 1] > 0}
+    out = {name: summed[2 * i] / summed[2 * i + 1] for i, name in enumerate(names) if summed[2 * i + 1] > 0}
+    return with_chain_summary(out)
+
+
+def with_chain_summary(metrics: dict[str, float]) -> dict[str, float]:
+    """For per-step rates ``acceptance_step{j}`` (EAGLE-3 unroll steps, Medusa heads): add
+    ``acceptance`` = step 0's and ``expected_tokens`` = Σ_k Π_{j≤k} α_j, the drafts accepted per
+    round that the rates imply for a chain as long as the unroll (each α_j is measured given
+    correct earlier tokens, as in a chain whose earlier drafts were accepted)."""
+    rates = []
+    while f"acceptance_step{len(rates)}" in metrics:
+        rates.append(metrics[f"acceptance_step{len(rates)}"])
+    if not rates:
+        return metrics
+    expected, survive = 0.0, 1.0
+    for a in rates:
+        survive *= a
+        expected += survive
+    return {**metrics, "acceptance": rates[0], "expected_tokens": expected}
 
 
 def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, float]:
-    """(mean · count, count) of a masked mean, or (0, 0) when the mask is empty."""
+    """(mean · count, count) of a masked mean over ``mask``'s positions, or (0, 0) when there are none."""
     n = float(mask.sum())
     if n == 0:
         return 0.0, 0.0
-    return float(value()) * n, n
+    try:
+        return float(value()) * n, n
+    except EmptyBatchError:  # e.g. every target argmax outside a reduced vocabulary
+        return 0.0, 0.0
 
 
 def log_heldout(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
@@ -373,7 +446,8 @@ def save_drafter(run: Run, engine: Any) -> str:
 
     path = os.path.join(run.run_dir, "drafter")
     with distributed.full_weights(engine) as module:
-        state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()} if run.world.is_main else None
+        drafter = module.drafter
+        state = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()} if run.world.is_main else None
     if run.world.is_main:
         config = run.recipe.drafter
         fresh = config.build_module(run.target)

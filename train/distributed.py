@@ -80,15 +80,17 @@ def _prepare_environment() -> None:
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    import importlib
+
     import deepspeed
-    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     deepspeed.utils.logger.setLevel("WARNING")
     if get_accelerator().device_name() == "cpu":
         # The shared-memory all-reduce op serves only DeepSpeed *inference*; on CPU it would be
-        # compiled (~80 s) at every cold start for nothing, so mark it unavailable.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # compiled (~80 s, C++) on every machine's first run for nothing, so skip building it.
+        # (deepspeed.comm re-exports the torch package as `torch`, hence import_module.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def _free_port() -> int:

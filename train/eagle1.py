@@ -31,20 +31,24 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
     last_layer = (run.target.num_layers - 1,)
     common.restore(run, engine, resume)
 
-    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
-        pred, logits, mask = forward(engine, batch, common.uniform_noise(features, cfg.feature_noise), run.dtype)
+    def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
         regression = losses.smooth_l1(pred, shift_left(features, 1), mask)
         token = losses.token_loss(cfg.loss.kind, logits[mask], shift_left(target_logits, 1)[mask],
                                   mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
         loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
         return loss, {"loss/feature": regression.item(), "loss/token": token.item()}
 
+    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        features, target_logits = common.features_and_logits(run, batch, last_layer)
+        noisy = common.uniform_noise(features, cfg.feature_noise)
+        return objective(*forward(engine, batch, noisy, run.dtype), features, target_logits)
+
     def heldout(engine: Any, batch: Batch) -> common.Metrics:
         features, target_logits = common.features_and_logits(run, batch, last_layer)
         pred, logits, mask = forward(engine, batch, features, run.dtype)
         p_logits = shift_left(target_logits, 1)
         return {
+            "loss": common.masked_metric(lambda: objective(pred, logits, mask, features, target_logits)[0], mask),
             "feature_loss": common.masked_metric(lambda: losses.smooth_l1(pred, shift_left(features, 1), mask), mask),
             "acceptance": common.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
             "top1": common.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
@@ -62,5 +66,6 @@ def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> 
 
     Row t gets f_t and x_{t+1}; it counts when x_{t+2} is a loss-masked token.
     """
-    pred, logits = engine(shift_left(batch.input_ids, 1), features.to(dtype), attention_mask=batch.attention_mask)
+    ids, features = shift_left(batch.input_ids, 1), features.to(dtype)
+    pred, logits = engine(lambda head: head(ids, features, attention_mask=batch.attention_mask))
     return pred, logits, shift_left(batch.loss_mask, 2, fill=False)

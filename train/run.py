@@ -9,12 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
-from . import distributed, eagle1
+from . import distributed, draft_lm, eagle1, eagle3, medusa
 
 
 def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
     """Method (drafter type) → the recipe's ``train(recipe, world, resume)``."""
-    return {"eagle1": eagle1.train}
+    return {"draft_lm": draft_lm.train, "eagle1": eagle1.train, "eagle3": eagle3.train, "medusa": medusa.train}
 
 
 def run_training(recipe: Any, resume: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,76 @@
+"""EAGLE-3 recipe (Li et al. 2025): training-time test over a reduced draft vocabulary.
+
+The head fuses three target layers (low, mid, high) and is unrolled on its own outputs
+for ``train.ttt_steps`` steps (default 7), as it will run when drafting: step j, row t
+reads the true token x_{t+j+1} and, for j ≥ 1, the head's own step-(j-1) state instead
+of a target feature; it predicts x_{t+j+2}, whose target distribution is the target's
+output at position t+j+1. Step j's loss is weighted ``step_decay**j`` (EAGLE-3: 0.8^j).
+
+Over the reduced vocabulary the target's p is renormalized onto the draft ids, and a
+position whose target argmax is outside the draft vocabulary is masked (the head could
+never propose it). There is no feature regression: EAGLE-3 drops it.
+
+Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the head's q
+(zero outside the draft vocabulary) against the target's full p, and top-1 agreement
+(see ``common.heldout_metrics`` for the summary figures derived from them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ..drafters.common import shift_left
+from . import common, losses
+from .data import Batch
+from .distributed import World
+
+
+def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+    cfg = recipe.train
+    run = common.start(recipe, world)
+    config = common.trainable(recipe).resolve(run.target)
+    head = config.build_module(run.target)
+    layers, draft_ids = tuple(config.feature_layers), head.draft_ids.clone()
+    weights = losses.decayed_weights(cfg.ttt_steps, cfg.loss.step_decay)
+    engine = common.build_engine(run, head)
+    common.restore(run, engine, resume)
+
+    def unroll(batch: Batch, noise: float) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        features, target_logits = common.features_and_logits(run, batch, layers)
+        features = common.uniform_noise(features, noise).to(run.dtype)
+        steps = engine(lambda h: h.unroll(batch.input_ids, features, steps=cfg.ttt_steps,
+                                          attention_mask=batch.attention_mask))
+        return steps, target_logits
+
+    def objective(steps: list[tuple[Tensor, Tensor]], target_logits: Tensor, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        total, parts = None, {}
+        for j, (_, logits) in enumerate(steps):
+            p_logits, mask = losses.restrict_to_draft_vocab(
+                shift_left(target_logits, j + 1), draft_ids, shift_left(batch.loss_mask, j + 2, fill=False))
+            if j > 0 and not mask.any():
+                continue  # sequences shorter than the unroll; step 0 with nothing raises EmptyBatchError
+            step_loss = losses.token_loss(cfg.loss.kind, logits[mask], p_logits[mask], mask[mask],
+                                          cfg.loss.temperature, cfg.loss.jsd_beta)
+            total = weights[j] * step_loss if total is None else total + weights[j] * step_loss
+            parts[f"loss/step{j}"] = step_loss.item()
+        return total, parts
+
+    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+        steps, target_logits = unroll(batch, 0.0)
+        first = shift_left(batch.loss_mask, 2, fill=False)
+        out: common.Metrics = {"loss": common.masked_metric(lambda: objective(steps, target_logits, batch)[0], first)}
+        for j, (_, logits) in enumerate(steps):
+            q_logits = losses.scatter_to_vocab(logits.float(), draft_ids, target_logits.shape[-1])
+            p_logits = shift_left(target_logits, j + 1)
+            mask = shift_left(batch.loss_mask, j + 2, fill=False)
+            out[f"acceptance_step{j}"] = common.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)
+            out[f"top1_step{j}"] = common.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), mask), mask)
+        return out
+
+    common.baseline(run, engine, heldout)
+    for batch in common.micro_batches(run):
+        if common.optimizer_step(run, engine, lambda: objective(*unroll(batch, cfg.feature_noise), batch), batch.tokens):
+            common.after_step(run, engine, heldout)
+    return common.finish(run, engine, heldout)

@@ -1,0 +1,73 @@
+"""Medusa recipe (Cai et al. 2024): K heads on the target's last feature, distilled per head.
+
+Head k at row t reads the target's last-layer feature f_t and predicts x_{t+k+2}; its
+target distribution is the target's own output at position t+k+1 (self-distillation, as
+Medusa-2 does to keep the heads faithful to the target rather than to the data). A row
+counts when x_{t+k+2} is a loss-masked token. Head k's loss is weighted
+``step_decay**k`` (Medusa: 0.8^k). Logits are computed only for the rows that count,
+one head at a time, so memory stays at (valid rows × V) per head.
+
+Held-out: expected acceptance Σ min(p, q) and top-1 agreement per head
+(``acceptance_step{k}``, ``top1_step{k}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..drafters.common import shift_left
+from . import common, losses
+from .data import Batch
+from .distributed import World
+
+
+def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+    cfg = recipe.train
+    config = common.trainable(recipe)
+    run = common.start(recipe, world)
+    heads = config.build_module(run.target)
+    num_heads, last_layer = heads.num_heads, (run.target.num_layers - 1,)
+    weights = losses.decayed_weights(num_heads, cfg.loss.step_decay)
+    engine = common.build_engine(run, heads)
+    common.restore(run, engine, resume)
+
+    def per_head(batch: Batch) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """For each head k: (its logits at the rows that count [N_k, V], the target's there, the row mask)."""
+        features, target_logits = common.features_and_logits(run, batch, last_layer)
+        masks = [shift_left(batch.loss_mask, k + 2, fill=False) for k in range(num_heads)]
+        logits = engine(lambda m: head_rows(m, features.to(run.dtype), masks))
+        targets = [shift_left(target_logits, k + 1)[mask] for k, mask in enumerate(masks)]
+        return logits, targets, masks
+
+    def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
+        total, parts = None, {}
+        for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
+            if k > 0 and not mask.any():
+                continue  # sequences too short for the far heads; head 0 with nothing raises EmptyBatchError
+            head_loss = losses.token_loss(cfg.loss.kind, q, p, mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
+            total = weights[k] * head_loss if total is None else total + weights[k] * head_loss
+            parts[f"loss/head{k}"] = head_loss.item()
+        return total, parts
+
+    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+        logits, targets, masks = per_head(batch)
+        out: common.Metrics = {"loss": common.masked_metric(lambda: objective(logits, targets, masks)[0], masks[0])}
+        for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
+            rows = mask[mask]
+            out[f"acceptance_step{k}"] = common.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
+            out[f"top1_step{k}"] = common.masked_metric(lambda: losses.top1_accuracy(q, p.argmax(-1), rows), rows)
+        return out
+
+    common.baseline(run, engine, heldout)
+    for batch in common.micro_batches(run):
+        if common.optimizer_step(run, engine, lambda: objective(*per_head(batch)), batch.tokens):
+            common.after_step(run, engine, heldout)
+    return common.finish(run, engine, heldout)
+
+
+def head_rows(heads: nn.Module, features: Tensor, masks: list[Tensor]) -> list[Tensor]:
+    """Head k's logits [N_k, V] at the rows of ``masks[k]`` [B, S] only; features [B, S, H]."""
+    normed = heads.normalize(features)  # [B, S, H]
+    return [heads.head_logits(k, normed[mask]) for k, mask in enumerate(masks)]
