@@ -4,8 +4,10 @@ Two ways to get one:
 
 * **from the target's own config** (default): the same architecture class with ``num_layers``
   layers, optionally narrower (``hidden_size``). At the target's width, ``layer_init: copy``
-  starts draft layer i from target layer ``round(i·(N-1)/(n-1))`` (evenly spaced, first and
-  last included), and the embedding, final norm and lm_head are copies of the target's.
+  starts from the target's FIRST n layers (as layer-skip drafting does), and the embedding,
+  final norm and lm_head are copies of the target's. (Untrained, on SmolLM2 with 3 MT-bench
+  prompts and k=4, the first 4 / 8 layers had 0.3% / 0.9% of drafts accepted; evenly spaced
+  layers, or first + last, 0%.)
   Narrower, the layers start random and the embedding / lm_head are the target's projected
   onto their top ``hidden_size`` principal directions: with P [H, h] the top eigenvectors of
   EᵀE, the draft embedding is E·P (and the lm_head W·P_W, P_W from WᵀW; a tied draft uses
@@ -64,10 +66,8 @@ class DraftLMDrafter(HFDrafter):
 
 
 def layer_sources(num_layers: int, target_layers: int) -> list[int]:
-    """Target layer each draft layer starts from: evenly spaced, first and last included."""
-    if num_layers == 1:
-        return [0]
-    return [round(i * (target_layers - 1) / (num_layers - 1)) for i in range(num_layers)]
+    """Target layer each draft layer starts from: the first ``num_layers`` (≤ target_layers)."""
+    return list(range(min(num_layers, target_layers)))
 
 
 def principal_projection(weight: Tensor, width: int) -> Tensor:
@@ -168,7 +168,7 @@ class DraftLMConfig:
     num_key_value_heads: int = 0
     """0 = keep the target's query/key-value head ratio."""
     layer_init: Literal["copy", "random"] = "copy"
-    """copy: layers and final norm start from evenly spaced target layers (needs the target's width)."""
+    """copy: layers and final norm start from the target's first num_layers layers (needs the target's width)."""
     tie_embeddings: bool | None = None
     """Tie embedding and lm_head; null = as the target does."""
     freeze_embeddings: bool = True

@@ -39,7 +39,7 @@ TARGETS: dict[str, dict[str, Any]] = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.1-8
 # (label, config) rows per target: the shipped recipe's drafter plus common variants.
 VARIANTS: dict[str, list[tuple[str, Any]]] = {
     "SmolLM2-135M": [
-        ("draft_lm: 4 copied layers, frozen tied embedding", DraftLMConfig(num_layers=4)),
+        ("draft_lm: first 4 layers, frozen tied embedding", DraftLMConfig(num_layers=4)),
         ("draft_lm: 4 layers + LoRA r=16 (all linear)", DraftLMConfig(num_layers=4, lora_rank=16)),
         ("eagle1", Eagle1Config()),
         ("eagle3: full vocabulary (49152)", Eagle3Config()),
@@ -47,7 +47,7 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
     ],
     "Llama-3.1-8B": [
-        ("draft_lm: 4 copied layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
+        ("draft_lm: first 4 layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
         ("draft_lm: 4 layers, width 2048 (random layers)", DraftLMConfig(num_layers=4, hidden_size=2048, layer_init="random")),
         ("eagle1", Eagle1Config()),
         ("eagle3: draft vocabulary 32000", Eagle3Config(draft_vocab_size=32000)),
