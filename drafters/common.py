@@ -88,6 +88,36 @@ def default_positions(batch: int, seq: int, past_len: int, device: torch.device)
     return torch.arange(past_len, past_len + seq, device=device)[None].expand(batch, seq)
 
 
+def step_inputs(
+    like: Tensor, seq: int, cache: Any, position_ids: Tensor | None, attention_mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Position ids [B, S] and the additive mask [B|1, 1, S, past+S] of a head's step over ``seq`` rows.
+
+    like: a [B, S, H] tensor giving batch, device and dtype; cache: the head's cache or None.
+    """
+    past = cache.get_seq_length() if cache is not None else 0
+    if position_ids is None:
+        position_ids = default_positions(like.shape[0], seq, past, like.device)
+    return position_ids, causal_mask(seq, past, like.dtype, like.device, attention_mask)
+
+
+def single_layer_cache(layer_config: Any) -> Any:
+    """A HF DynamicCache for a one-layer head (layer index 0)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=layer_config)
+
+
+def check_features(kind: str, num_tokens: int, num_features: int, feature_layers: tuple[int, ...]) -> None:
+    """The protocol's invariant: target features for every committed position but the last."""
+    if num_features != num_tokens - 1:
+        raise DraftsmithError(
+            f"{kind} drafter holds {num_tokens} tokens but {num_features} target features; it needs the features "
+            f"of every committed position but the last (the decoder must request drafter.feature_layers = "
+            f"{feature_layers})"
+        )
+
+
 def shift_left(x: Tensor, n: int, fill: float | int = 0) -> Tensor:
     """Shift ``x`` left by n along dim 1: ``out[:, t] = x[:, t + n]``, the last n rows = fill.
 

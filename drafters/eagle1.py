@@ -40,12 +40,12 @@ from ..errors import DraftsmithError
 from ..target import Target, describe
 from .common import (
     TargetParts,
-    causal_mask,
-    default_positions,
     draft_layer_config,
     frozen_target_parts,
     place,
     seeded,
+    single_layer_cache,
+    step_inputs,
 )
 from .eagle_runtime import EagleDrafter
 
@@ -69,9 +69,7 @@ class Eagle1Head(nn.Module):
         self.lm_head = parts.lm_head
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.layer_config)
+        return single_layer_cache(self.layer_config)
 
     def forward(
         self,
@@ -91,14 +89,10 @@ class Eagle1Head(nn.Module):
                 f"EAGLE-1 head got features of width {hidden.shape[-1]}, expected {self.hidden_size} "
                 f"(the target's last-layer hidden state)"
             )
-        b, s = input_ids.shape
-        past = cache.get_seq_length() if cache is not None else 0
         emb = self.embed_tokens(input_ids)  # [B, S, H]
         x = self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))  # [B, S, H]
-        if position_ids is None:
-            position_ids = default_positions(b, s, past, x.device)
+        position_ids, mask = step_inputs(x, input_ids.shape[1], cache, position_ids, attention_mask)
         cos_sin = self.rotary_emb(x, position_ids)
-        mask = causal_mask(s, past, x.dtype, x.device, attention_mask)  # [B|1, 1, S, past+S]
         out = self.layers[0](
             x,
             attention_mask=mask,

@@ -55,7 +55,6 @@ from torch import Tensor, nn
 from ..errors import ConfigError, DraftsmithError
 from ..target import Target, describe
 from .common import (
-    causal_mask,
     default_positions,
     draft_layer_config,
     frozen_copy,
@@ -63,6 +62,8 @@ from .common import (
     resolve_layer,
     seeded,
     shift_left,
+    single_layer_cache,
+    step_inputs,
     target_parts,
     text_config,
 )
@@ -213,9 +214,7 @@ class Eagle3Head(nn.Module):
         self.t2d.copy_(t2d)
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.layer_config)
+        return single_layer_cache(self.layer_config)
 
     def forward(
         self,
@@ -234,13 +233,9 @@ class Eagle3Head(nn.Module):
                 f"EAGLE-3 head got hidden states of width {hidden.shape[-1]}; expected 3×{self.hidden_size} "
                 f"(three target layers concatenated) or {self.hidden_size} (its own previous output)"
             )
-        b, s = input_ids.shape
-        past = cache.get_seq_length() if cache is not None else 0
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, S, H]
-        if position_ids is None:
-            position_ids = default_positions(b, s, past, hidden.device)
+        position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        mask = causal_mask(s, past, hidden.dtype, hidden.device, attention_mask)  # [B|1, 1, S, past+S]
         out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
         return out, self.lm_head(self.norm(out))
 

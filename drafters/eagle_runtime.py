@@ -30,6 +30,7 @@ from ..errors import DraftsmithError
 from ..eval.sampling import Warp
 from ..target import crop_cache
 from .base import Proposal
+from .common import check_features
 
 
 class EagleDrafter:
@@ -70,12 +71,7 @@ class EagleDrafter:
         if features is not None and features.shape[0] > 0:
             self._pending.append(features)
             self.num_features += features.shape[0]
-        if self.num_features != len(self.tokens) - 1:
-            raise DraftsmithError(
-                f"EAGLE drafter holds {len(self.tokens)} tokens but {self.num_features} target features; it needs "
-                f"the features of every committed position but the last (the decoder must request "
-                f"drafter.feature_layers = {self.feature_layers})"
-            )
+        check_features("EAGLE", len(self.tokens), self.num_features, self.feature_layers)
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:

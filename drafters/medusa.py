@@ -38,7 +38,7 @@ from ..errors import ConfigError, DraftsmithError
 from ..eval.sampling import Warp
 from ..target import Target, describe
 from .base import Proposal
-from .common import frozen_copy, place, seeded, target_parts, text_config
+from .common import check_features, frozen_copy, place, seeded, target_parts, text_config
 
 IGNORE = -100
 
@@ -120,12 +120,7 @@ class MedusaDrafter:
         if features is not None and features.shape[0] > 0:
             self.last = features[-1]
             self.num_features += features.shape[0]
-        if self.num_features != self.num_tokens - 1:
-            raise DraftsmithError(
-                f"Medusa drafter holds {self.num_tokens} tokens but {self.num_features} target features; it needs "
-                f"the feature of every committed position but the last (the decoder must request "
-                f"drafter.feature_layers = {self.feature_layers})"
-            )
+        check_features("Medusa", self.num_tokens, self.num_features, self.feature_layers)
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
