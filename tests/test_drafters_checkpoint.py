@@ -18,6 +18,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 FAMILIES = {
     "draft_lm": DraftLMConfig(num_layers=2, seed=4),
     "draft_lm+lora": DraftLMConfig(num_layers=2, layer_init="random", lora_rank=4, lora_targets=["q_proj", "up_proj"]),

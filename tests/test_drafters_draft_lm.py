@@ -13,6 +13,8 @@ from draftsmith.eval.decoder import DecodeConfig, speculative_decode
 from draftsmith.eval.reference import target_greedy
 from draftsmith.target import Target
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 
 def test_layer_sources_are_the_first_layers():
     assert layer_sources(4, 30) == [0, 1, 2, 3]

@@ -15,6 +15,8 @@ from draftsmith.errors import ConfigError
 from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 SAMPLE = Warp(temperature=1.0)
 
 

@@ -14,6 +14,8 @@ from draftsmith.eval.decoder import DecodeConfig, speculative_decode
 from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
+
 
 @pytest.fixture(scope="module")
 def medusa(tiny_target):
