@@ -21,6 +21,17 @@ A drafter sees one growing sequence (batch size 1). The decoder calls
 Anything a drafter computed speculatively (KV cache entries for drafts that end up
 rejected) is its own business to roll back on the next ``update``: it knows what it
 proposed and sees what was committed. Drafters never see a config object.
+
+Optional, for self-speculative drafters that run *inside the target* (layer skip); the
+decoder uses them only when present, so the three methods above stay the whole contract:
+
+``bind(cache)``
+    called after ``reset()`` and before the prefill with the target's KV cache, which the
+    drafter may extend while drafting;
+``verify(input_ids [1, k'+1]) -> TargetOutput``
+    the target's verification forward over (last committed token, drafts), replacing
+    ``target.forward``; it must leave every cache layer holding the same positions (the
+    decoder then crops them all to the accepted length) and return the target's logits.
 """
 
 from __future__ import annotations

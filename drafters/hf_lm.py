@@ -88,6 +88,13 @@ class HFDrafterConfig:
         except (OSError, ValueError) as e:
             raise DraftsmithError(f"could not load drafter '{self.model}': {e}") from e
         check_same_vocab(tokenizer, target.tokenizer, what=f"drafter '{self.model}'")
+        rows = int(model.get_output_embeddings().weight.shape[0])
+        if rows != target.vocab_size:
+            raise DraftsmithError(
+                f"drafter '{self.model}' predicts {rows} token ids but the target predicts {target.vocab_size}; "
+                f"the draft and target distributions must be over the same ids (use a model of the target's family "
+                f"with the same vocabulary size)"
+            )
         return HFDrafter(model.to(target.device))
 
 

@@ -76,12 +76,16 @@ def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], 
     start = time.perf_counter()
 
     cache = target.new_cache()
+    drafter.reset()
+    bind = getattr(drafter, "bind", None)  # optional: self-speculative drafters share the target's cache
+    if bind is not None:
+        bind(cache)
+    verify = getattr(drafter, "verify", None)  # optional: their verification forward reuses drafting work
     prompt = torch.tensor([prompt_ids], device=device)  # [1, S]
     out = target.forward(prompt, cache, drafter.feature_layers, logits_to_keep=1)
     stats.target_forwards += 1
     token, _ = warp.choose(out.logits[0, -1], gen)
     tokens = [token]
-    drafter.reset()
     drafter.update(torch.tensor(prompt_ids + [token], device=device), _first(out.features))
     no_draft = torch.empty(0, dtype=torch.long, device=device)
 
@@ -90,9 +94,12 @@ def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], 
         k_round = min(k, cfg.max_new_tokens - len(tokens) - 1)
         proposal = drafter.propose(k_round, warp, gen) if k_round > 0 else None
         draft = proposal.tokens[:k_round] if proposal is not None else no_draft  # [k'] — a drafter may propose fewer
-        committed = cache.get_seq_length()
+        committed = len(prompt_ids) + len(tokens) - 1  # in the cache: every committed token but the last
         verify_ids = torch.cat([torch.tensor([token], device=device), draft])[None]  # [1, k'+1]
-        out = target.forward(verify_ids, cache, drafter.feature_layers)
+        if verify is not None:
+            out = verify(verify_ids)
+        else:
+            out = target.forward(verify_ids, cache, drafter.feature_layers)
         logits = out.logits[0]  # [k'+1, V]
         if warp.greedy:
             n, token = greedy_accept(logits.argmax(-1), draft)

@@ -18,7 +18,7 @@ from ..drafters.base import Drafter
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..target import Target, describe
-from .decoder import DecodeConfig, speculative_decode
+from .decoder import DecodeConfig, check_prompt, speculative_decode
 from .metrics import DecodeStats
 from .prompts import Question
 from .reference import target_greedy
@@ -49,10 +49,16 @@ def evaluate(
     """Decode the first turn of each question; return merged stats and per-prompt records."""
     if check_identity and not decode.warp.greedy:
         raise ConfigError("eval.check_identity needs greedy decoding (decode.temperature=0)")
+    decode.validate()
+    prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    for q, prompt in zip(questions, prompts):  # fail before decoding anything, not at prompt 70 of 80
+        try:
+            check_prompt(target, prompt, decode.max_new_tokens)
+        except DraftsmithError as e:
+            raise DraftsmithError(f"prompt {q.id}: {e}") from e
     total = DecodeStats(k=decode.k)
     records = []
-    for q in tqdm(questions, desc="eval", unit="prompt", disable=not progress):
-        prompt = target.render_chat([{"role": "user", "content": q.turns[0]}])
+    for q, prompt in tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress):
         result = speculative_decode(target, drafter, prompt, decode)
         total = total.merge(result.stats)
         rec = {
