@@ -1,6 +1,8 @@
 """Normalized conversations on disk: one Arrow file (``data.arrow``) + ``manifest.json``.
 
-Columns: ``conv_id`` (str), ``source`` (str), ``messages`` (list of {role, content}).
+Columns: ``conv_id`` (str), ``source`` (str), ``messages`` (list of {role, content}), and
+``truncated_turns`` (list of int): indices of assistant messages that were cut at a token limit
+by regeneration (their end-of-turn token is not trained on: the model did not stop there).
 Written in a stream (constant memory for any dataset size) into a temporary folder that
 replaces the old one only when complete. The manifest holds the spec it was made from
 (so an unchanged re-run reuses it), the counts, and a content hash that downstream
@@ -29,6 +31,7 @@ def conversation_features() -> Any:
         "conv_id": Value("string"),
         "source": Value("string"),
         "messages": List({"role": Value("string"), "content": Value("string")}),
+        "truncated_turns": List(Value("int32")),
     })
 
 

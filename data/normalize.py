@@ -120,7 +120,7 @@ def record_id(record: Any, index: int) -> str:
 def iter_conversations(
     sources: Iterable[SourceConfig], max_conversations: int, stats: ReadStats
 ) -> Iterator[dict[str, Any]]:
-    """Normalized conversations ``{conv_id, source, messages}`` of all sources, in order.
+    """Normalized conversations ``{conv_id, source, messages, truncated_turns}`` of all sources, in order.
 
     Stops after ``max_conversations`` kept conversations (0 = no limit); ``stats`` counts the rest.
     """
@@ -141,7 +141,7 @@ def iter_conversations(
                 continue
             stats.kept += 1
             kept_here += 1
-            yield {"conv_id": conv_id, "source": name, "messages": messages}
+            yield {"conv_id": conv_id, "source": name, "messages": messages, "truncated_turns": []}
             if max_conversations and stats.kept >= max_conversations or src.limit and kept_here >= src.limit:
                 report.stopped = f"stopped after {kept_here:,} conversations (data.max_conversations or the source's limit)"
                 break

@@ -77,6 +77,12 @@ class PrepareSummary:
     examples: dict[str, str] = field(default_factory=dict)
     sources: list[dict[str, Any]] = field(default_factory=list)
 
+    def add_skips(self, counts: dict[str, int], examples: dict[str, str]) -> None:
+        """Count skipped records by reason, keeping the first example of each."""
+        self.skipped.update(counts)
+        for reason, where in examples.items():
+            self.examples.setdefault(reason, where)
+
     def to_dict(self) -> dict[str, Any]:
         return {"out_dir": self.out_dir, "stages": [asdict(r) for r in self.rows],
                 "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
@@ -170,9 +176,7 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
     if manifest["num_conversations"] == 0:
         raise DraftsmithError(f"no usable conversation in data.sources (skipped: {manifest['skipped']}); "
                               f"check the paths, formats and role names")
-    summary.skipped.update(manifest["skipped"])
-    for k, v in manifest["examples"].items():
-        summary.examples.setdefault(k, v)
+    summary.add_skips(manifest["skipped"], manifest["examples"])
     summary.sources = manifest["sources"]
     stops = "; ".join(f"{s['name']}: {s['stopped']}" for s in manifest["sources"] if s["stopped"])
     summary.rows.append(StageRow("read", manifest["records_in"], manifest["num_conversations"],
@@ -196,7 +200,7 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
     manifest = conversations_manifest(paths.regenerated)
     if manifest is None or manifest.get("spec") != job_digest:
         manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
-    summary.skipped.update(report.skipped)
+    summary.add_skips(report.skipped, report.examples)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
     summary.rows.append(StageRow("regenerate", report.conversations_in, report.kept, sum(report.skipped.values()),
@@ -235,9 +239,7 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
     if manifest["num_samples"] == 0:
         raise DraftsmithError(f"every conversation was skipped while rendering ({manifest['skipped']}); "
                               f"raise data.render.max_length or check the chat template")
-    summary.skipped.update(manifest["skipped"])
-    for k, v in manifest["skip_examples"].items():
-        summary.examples.setdefault(k, v)
+    summary.add_skips(manifest["skipped"], manifest["skip_examples"])
     summary.rows.append(StageRow("tokenize", manifest["num_conversations"], manifest["num_samples"],
                                  sum(manifest["skipped"].values()), manifest["num_tokens"],
                                  manifest["num_loss_tokens"], _folder_bytes(paths.tokenized),

@@ -13,8 +13,10 @@ the result is exactly the set an uninterrupted run writes.
 
 Two engines (``method``): batched HF ``generate`` with left padding (default), or the
 built-in speculative decoder with any drafter (batch size 1, lossless). Measured on
-the SmolLM2 target on CPU, batch 8 ran ~3× faster than batch 1 and than speculative
-decoding with the layer-skip drafter, with identical greedy tokens (benchmarks/RESULTS.md).
+the SmolLM2 target on 2 CPU cores, batch 8 ran 1.2× (one thread) to 2.8× (two threads)
+faster than batch 1 and 3.2–3.5× faster than speculative decoding with the untrained
+layer-skip drafter, all with identical greedy tokens (benchmarks/RESULTS.md); batching
+gains more on a GPU.
 A conversation whose next prompt no longer fits ``max_length`` keeps the turns already
 answered; one whose first prompt does not fit is skipped as ``prompt_too_long``.
 """
@@ -47,6 +49,8 @@ class RegenReport:
     new_tokens: int = 0
     finish: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    """The first skipped conversation per reason (source:conv_id)."""
     seconds: float = 0.0
     """Generation time of this run (0 when every shard was already done)."""
     note: str = ""
@@ -119,6 +123,8 @@ def _report_from(shards: list[dict[str, Any]], report: RegenReport, note: str) -
         report.new_tokens += m["new_tokens"]
         report.finish.update(m["finish"])
         report.skipped.update(m["skipped"])
+        for reason, where in m["examples"].items():
+            report.examples.setdefault(reason, where)
     return report
 
 
@@ -133,9 +139,9 @@ def _regenerate_shard(
     """Answer every assistant turn of ``convs``, turn by turn, batched across conversations."""
     torch.manual_seed(seed)  # generate() samples from the global generator: one fixed stream per shard
     tok = target.tokenizer
-    state = [{"done": [], "todo": list(c["messages"]), "open": True} for c in convs]
+    state = [{"done": [], "todo": list(c["messages"]), "open": True, "cut": []} for c in convs]
     stats: dict[str, Any] = {"turns_in": sum(sum(m["role"] == "assistant" for m in c["messages"]) for c in convs),
-                             "turns": 0, "new_tokens": 0, "finish": Counter(), "skipped": Counter()}
+                             "turns": 0, "new_tokens": 0, "finish": Counter(), "skipped": Counter(), "examples": {}}
     while True:
         asks: list[tuple[int, list[int]]] = []  # (conversation, prompt ids)
         for j, s in enumerate(state):
@@ -160,6 +166,8 @@ def _regenerate_shard(
             s = state[j]
             s["todo"].pop(0)
             text = tok.decode([t for t in tokens if t not in target.eos_token_ids], skip_special_tokens=True)
+            if finish == "length":
+                s["cut"].append(len(s["done"]))
             s["done"].append({"role": "assistant", "content": text})
             stats["turns"] += 1
             stats["new_tokens"] += len(tokens)
@@ -171,8 +179,10 @@ def _regenerate_shard(
             s["done"].pop()
         if not s["done"]:
             stats["skipped"]["prompt_too_long"] += 1
+            stats["examples"].setdefault("prompt_too_long", f"{c['source']}:{c['conv_id']}")
             continue
-        out.append({"conv_id": c["conv_id"], "source": c["source"], "messages": s["done"]})
+        out.append({"conv_id": c["conv_id"], "source": c["source"], "messages": s["done"],
+                    "truncated_turns": s["cut"]})
     stats["kept"] = len(out)
     stats["finish"] = dict(stats["finish"])
     stats["skipped"] = dict(stats["skipped"])

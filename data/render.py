@@ -9,7 +9,8 @@ special tokens: for each assistant message i the conversation is rendered twice,
 and the assistant's tokens are those of ``turn_i`` from the first place where the two
 renders diverge to the end of ``turn_i``, cut just after the last end-of-turn token
 (the model stops there; what the template adds after it, ChatML's newline, is never
-generated). ``turn_i`` must be a prefix of the full render, which is tokenized once; a
+generated). A turn listed in ``open_turns`` (an answer cut at a token limit) ends just
+*before* its end-of-turn token: the model did not choose to stop there. ``turn_i`` must be a prefix of the full render, which is tokenized once; a
 template that rewrites history (e.g. drops earlier reasoning) is reported, not guessed.
 
 The renders are compared as text and mapped to tokens through the tokenizer's offsets
@@ -38,11 +39,13 @@ def render_conversation(
     max_length: int,
     last_turn_only: bool = False,
     stop_ids: Sequence[int] = (),
+    open_turns: Sequence[int] = (),
 ) -> tuple[list[int], list[int]] | str:
     """(input_ids, loss_mask) of one conversation, or a skip reason.
 
     stop_ids: end-of-turn token ids (the tokenizer's and generation config's EOS); the
-    mask of a turn ends right after the last of them inside the turn.
+    mask of a turn ends right after the last of them inside the turn, or right before it
+    for the message indices in ``open_turns``.
     """
     try:
         full = _render_text(tokenizer, messages, add_generation_prompt=False)
@@ -55,7 +58,7 @@ def render_conversation(
             turn = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False)
             if not full.startswith(turn):
                 return "template_not_prefix_stable"
-            spans.append((_common_prefix(prompt, turn), len(turn)))
+            spans.append((_common_prefix(prompt, turn), len(turn), i in open_turns))
     except Exception:  # jinja raises TemplateError, ValueError, TypeError… for conversations it refuses
         return "template_error"
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -64,12 +67,12 @@ def render_conversation(
     starts = [start for start, _ in enc["offset_mapping"]]
     stops = set(stop_ids)
     mask = [0] * len(ids)
-    for char_start, char_end in spans:
+    for char_start, char_end, is_open in spans:
         first = bisect.bisect_right(ends, char_start)  # first token ending after the divergence point
         last = bisect.bisect_left(starts, char_end)  # first token starting at/after the turn's end
         inside = [t for t in range(first, last) if ids[t] in stops]
         if inside:
-            last = inside[-1] + 1
+            last = inside[-1] + (0 if is_open else 1)
         for t in range(first, last):
             mask[t] = 1
     ids, mask = ids[:max_length], mask[:max_length]
@@ -105,8 +108,9 @@ def render_batch(
 ) -> dict[str, list[Any]]:
     """`datasets.map` function: adds input_ids, loss_mask and skip ('' when kept) to a batch."""
     out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "skip": []}
-    for messages in batch["messages"]:
-        result = render_conversation(tokenizer, messages, max_length, last_turn_only, stop_ids)
+    open_turns = batch.get("truncated_turns") or [()] * len(batch["messages"])
+    for messages, truncated in zip(batch["messages"], open_turns):
+        result = render_conversation(tokenizer, messages, max_length, last_turn_only, stop_ids, truncated or ())
         if isinstance(result, str):
             out["input_ids"].append([])
             out["loss_mask"].append([])

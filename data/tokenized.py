@@ -67,7 +67,7 @@ def tokenize_conversations(
         num_proc=num_proc if num_proc > 1 and len(conversations) > map_batch_size else None,
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "last_turn_only": last_turn_only,
                    "stop_ids": list(stop_ids)},
-        remove_columns=["messages"],
+        remove_columns=[c for c in ("messages", "truncated_turns") if c in conversations.column_names],
         features=_with_skip(tokenized_features()),
         cache_file_name=os.path.join(cache_dir, f"render-{fingerprint}.arrow"),
         new_fingerprint=f"render-{fingerprint}",

@@ -58,6 +58,7 @@ def test_prepare_end_to_end_on_sharegpt(tmp_path, smollm2, capsys):
         tokens = target_greedy(smollm2, smollm2.render_chat(msgs[:-1]), 8)
         text = smollm2.tokenizer.decode([t for t in tokens if t not in smollm2.eos_token_ids], skip_special_tokens=True)
         assert msgs[-1]["content"] == text
+        assert conv["truncated_turns"] == ([] if tokens[-1] in smollm2.eos_token_ids else [len(msgs) - 1])
 
     data = load_tokenized(paths.tokenized, smollm2)
     assert len(data) == rows["tokenize"]["kept"] == len(regenerated)

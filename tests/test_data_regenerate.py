@@ -32,7 +32,7 @@ def _conversations(users=USERS):
         msgs = []
         for u in turns:
             msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "(original answer)"}]
-        rows.append({"conv_id": f"c{i}", "source": "test", "messages": msgs})
+        rows.append({"conv_id": f"c{i}", "source": "test", "messages": msgs, "truncated_turns": []})
     return datasets.Dataset.from_list(rows, features=conversation_features())
 
 
@@ -52,14 +52,17 @@ def _run(folder, target, drafter=None, max_length=512, **kw):
 
 
 def _reference(target, turns, max_new_tokens):
-    """The target answering each turn alone (batch 1, HF generate), given its own earlier answers."""
-    msgs = []
+    """The target answering each turn alone (batch 1, HF generate), given its own earlier answers;
+    and the indices of the answers it did not finish within max_new_tokens."""
+    msgs, cut = [], []
     for u in turns:
         msgs.append({"role": "user", "content": u})
         tokens = target_greedy(target, target.render_chat(msgs), max_new_tokens)
         text = target.tokenizer.decode([t for t in tokens if t not in target.eos_token_ids], skip_special_tokens=True)
+        if tokens[-1] not in target.eos_token_ids:
+            cut.append(len(msgs))
         msgs.append({"role": "assistant", "content": text})
-    return msgs
+    return msgs, cut
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_batched_greedy_regeneration_is_the_targets_own_greedy_answer(plain, tar
     report, records = plain
     assert [r["conv_id"] for r in records] == ["c0", "c1", "c2"]
     for r, turns in zip(records, USERS):
-        assert r["messages"] == _reference(target, turns, NEW), r["conv_id"]
+        assert (r["messages"], r["truncated_turns"]) == _reference(target, turns, NEW), r["conv_id"]
     assert report.turns == 5 and report.kept == 3 and sum(report.finish.values()) == 5
     assert all(m["content"] != "(original answer)" for r in records for m in r["messages"])
 

@@ -54,6 +54,13 @@ def test_last_turn_only(smollm2_tokenizer):
     assert smollm2_tokenizer.decode([t for t, m in zip(ids, every) if m]) == "Hello!<|im_end|>Goodbye.<|im_end|>"
 
 
+def test_an_answer_cut_at_the_token_limit_does_not_teach_the_model_to_stop(smollm2_tokenizer):
+    """Regeneration marks answers cut at max_new_tokens; their <|im_end|> is context, not a target."""
+    ids, mask = render_conversation(smollm2_tokenizer, CONV, max_length=4096, stop_ids=EOS, open_turns=[2])
+    assert ids == CONV_IDS
+    assert mask == [0] * 18 + [1, 1, 0] + [0] * 12 + [1, 0]  # "Hello" "!" trained, its <|im_end|> not
+
+
 def test_truncation_keeps_every_mask_bit_on_its_token(smollm2_tokenizer):
     """At every cut, ids and mask are the untruncated ones cut at the same token; no trainable token → skipped."""
     for max_length in range(8, len(CONV_IDS) + 3):
