@@ -1,0 +1,239 @@
+"""Data pipeline speed on a ShareGPT subset, each comparison timed side by side in one run.
+
+    python benchmarks/prepare.py --threads 1          # defaults below; ~8 min on a busy 2-core CPU
+    python benchmarks/prepare.py --threads 1 --render 400 --features 32 --regen-prompts 8
+
+1. rendering (conversations/s): the text-divergence renderer `draftsmith.data.render`
+   vs the naive token-level one (two tokenized renders per assistant turn), interleaved
+   over the same conversations, with mask equality checked; then the whole tokenize
+   stage (`datasets.map`, 1 vs 2 workers).
+2. feature cache (target tokens/s, bytes/token): `write_feature_cache` (EAGLE-3 layers +
+   last, bf16 shards, checksums) vs a bare target forward over the same batches, interleaved.
+3. regeneration (new tokens/s): batched HF generate (batch 8) vs batch 1 vs the built-in
+   speculative decoder with the layer-skip drafter, greedy, same prompts, outputs compared.
+
+Prints a table and writes ``benchmarks/out/prepare.json``; figures go to RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", help="target dtype for features and regeneration")
+    p.add_argument("--render", type=int, default=300, help="conversations for the rendering comparison")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per comparison (median reported)")
+    p.add_argument("--features", type=int, default=8, help="conversations for the feature-cache comparison")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--regen-prompts", type=int, default=8)
+    p.add_argument("--regen-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: render,features,regen")
+    p.add_argument("--out", default="benchmarks/out/prepare.json")
+    return p.parse_args(argv)
+
+
+def sharegpt(n: int) -> list[list[dict[str, str]]]:
+    from draftsmith.data.config import SourceConfig
+    from draftsmith.data.normalize import ReadStats, iter_conversations
+
+    return [c["messages"] for c in iter_conversations([SourceConfig(path="sharegpt")], n, ReadStats())]
+
+
+def token_level_render(tokenizer, messages, max_length, stop_ids):
+    """The naive reference: tokenize the prompt and the turn render for every assistant turn."""
+    from draftsmith.drafters.base import common_prefix
+    from draftsmith.target import render_chat
+
+    ids = render_chat(tokenizer, messages, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        start, end = common_prefix(prompt, turn), len(turn)
+        while end > start and turn[end - 1] not in stop_ids:
+            end -= 1
+        mask[start:end] = [1] * (end - start)
+    return ids[:max_length], mask[:max_length]
+
+
+def bench_render(tokenizer, folder, convs, args) -> dict:
+    from draftsmith.data.render import render_conversation, stop_token_ids
+
+    stops = stop_token_ids(tokenizer, folder)
+    fast_s, slow_s = [], []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        fast = [render_conversation(tokenizer, m, args.max_length, False, stops) for m in convs]
+        fast_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        slow = [token_level_render(tokenizer, m, args.max_length, stops) for m in convs]
+        slow_s.append(time.perf_counter() - t)
+    same = sum(isinstance(f, tuple) and f == s for f, s in zip(fast, slow))
+    kept = sum(isinstance(f, tuple) for f in fast)
+    n = len(convs)
+    out = {"conversations": n, "text_divergence_conv_per_s": n / statistics.median(fast_s),
+           "token_level_conv_per_s": n / statistics.median(slow_s), "masks_identical": f"{same}/{kept}"}
+    out["speedup"] = out["text_divergence_conv_per_s"] / out["token_level_conv_per_s"]
+    out["pipeline"] = bench_tokenize_stage(tokenizer, folder, convs, args)
+    return out
+
+
+def bench_tokenize_stage(tokenizer, folder, convs, args) -> dict:
+    """The tokenize stage as `draftsmith prepare` runs it (datasets.map), 1 vs 2 workers, fresh caches."""
+    import datasets
+
+    from draftsmith.data.conversations import conversation_features
+    from draftsmith.data.render import stop_token_ids
+    from draftsmith.data.tokenized import tokenize_conversations
+
+    ds = datasets.Dataset.from_list([{"conv_id": str(i), "source": "sharegpt", "messages": m, "truncated_turns": []}
+                                     for i, m in enumerate(convs)], features=conversation_features())
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for r in range(args.rounds):
+        for workers in (1, 2):
+            tmp = tempfile.mkdtemp()
+            t = time.perf_counter()
+            tokenize_conversations(ds, os.path.join(tmp, "tok"), tokenizer, max_length=args.max_length,
+                                   last_turn_only=False, stop_ids=stop_token_ids(tokenizer, folder),
+                                   num_proc=workers, map_batch_size=64, cache_dir=os.path.join(tmp, "cache"),
+                                   fingerprint=f"bench{r}{workers}", manifest={})
+            times[workers].append(time.perf_counter() - t)
+            shutil.rmtree(tmp)
+    return {f"map_{w}_workers_conv_per_s": len(convs) / statistics.median(t) for w, t in times.items()}
+
+
+def bench_features(target, tokenizer, folder, convs, args) -> dict:
+    import datasets
+
+    from draftsmith.data.feature_cache import _length_batches, write_feature_cache
+    from draftsmith.data.render import render_conversation, stop_token_ids
+    from draftsmith.data.tokenized import tokenized_features
+
+    stops = stop_token_ids(tokenizer, folder)
+    rows = [r for r in (render_conversation(tokenizer, m, args.max_length, False, stops) for m in convs)
+            if isinstance(r, tuple)]
+    ds = datasets.Dataset.from_dict({"conv_id": [str(i) for i in range(len(rows))], "source": ["s"] * len(rows),
+                                     "input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows]},
+                                    features=tokenized_features())
+    tokens = sum(len(r[0]) for r in rows)
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    batches = _length_batches(order, [len(r[0]) for r in rows], 8192)
+    cache_s, bare_s, manifest = [], [], {}
+    for _ in range(args.rounds):
+        tmp = tempfile.mkdtemp()
+        t = time.perf_counter()
+        manifest = write_feature_cache(ds, os.path.join(tmp, "f"), target, shard_size=64, batch_tokens=8192,
+                                       progress=False)
+        cache_s.append(time.perf_counter() - t)
+        shutil.rmtree(tmp)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for batch in batches:
+                width = len(rows[batch[0]][0])
+                ids = torch.zeros((len(batch), width), dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for j, i in enumerate(batch):
+                    ids[j, : len(rows[i][0])] = torch.tensor(rows[i][0])
+                    mask[j, : len(rows[i][0])] = 1
+                target.forward(ids.to(target.device), attention_mask=mask.to(target.device), logits_to_keep=1)
+        bare_s.append(time.perf_counter() - t)
+    out = {"samples": len(rows), "tokens": tokens, "layer_ids": manifest["layer_ids"],
+           "cache_target_tok_per_s": tokens / statistics.median(cache_s),
+           "bare_forward_tok_per_s": tokens / statistics.median(bare_s),
+           "bytes_per_token": manifest["bytes_per_token"]}
+    out["cache_vs_bare"] = out["cache_target_tok_per_s"] / out["bare_forward_tok_per_s"]
+    return out
+
+
+def bench_regen(target, convs, args) -> dict:
+    from draftsmith.config import load_recipe
+    from draftsmith.data.config import RegenerateConfig
+    from draftsmith.data.regenerate import generate_batch
+    from draftsmith.drafters.layer_skip import layer_skip_drafter
+    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+
+    prompts = []
+    for m in convs:
+        p = target.render_chat(m[:1] if m[0]["role"] == "user" else m[:2])
+        if len(p) <= 512:
+            prompts.append(p)
+        if len(prompts) == args.regen_prompts:
+            break
+    layers = load_recipe("smollm2-135m-layerskip").drafter.num_layers
+    drafter = layer_skip_drafter(target.model, layers)
+
+    def generate(batch_size):
+        cfg = RegenerateConfig(max_new_tokens=args.regen_tokens, batch_size=batch_size)
+        return [t for b in range(0, len(prompts), batch_size)
+                for t in generate_batch(target, prompts[b: b + batch_size], cfg)]
+
+    def speculative():
+        cfg = DecodeConfig(k=4, max_new_tokens=args.regen_tokens)
+        return [speculative_decode(target, drafter, p, cfg).tokens for p in prompts]
+
+    results, outputs = {}, {}
+    for name, fn in (("generate_batch8", lambda: generate(8)), ("generate_batch1", lambda: generate(1)),
+                     (f"speculative_layerskip{layers}_k4", speculative)):
+        t = time.perf_counter()
+        outputs[name] = fn()
+        dt = time.perf_counter() - t
+        results[name] = {"new_tok_per_s": sum(map(len, outputs[name])) / dt, "seconds": dt}
+    base = results["generate_batch1"]["new_tok_per_s"]
+    for name, r in results.items():
+        r["vs_batch1"] = r["new_tok_per_s"] / base
+        r["identical_to_batch1"] = f"{sum(a == b for a, b in zip(outputs[name], outputs['generate_batch1']))}/{len(prompts)}"
+    return {"prompts": len(prompts), "max_new_tokens": args.regen_tokens, **results}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from draftsmith.target import load_target, resolve_target_folder
+
+    skip = set(filter(None, args.skip.split(",")))
+    folder = resolve_target_folder(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    convs = sharegpt(max(args.render, args.features, args.regen_prompts * 4))
+    result = {"command": "python benchmarks/prepare.py " + " ".join(argv), "threads": torch.get_num_threads(),
+              "cpu_count": os.cpu_count(), "device": "cpu" if not torch.cuda.is_available() else "cuda"}
+    if "render" not in skip:
+        result["render"] = bench_render(tokenizer, folder, convs[: args.render], args)
+        print(json.dumps({"render": result["render"]}, indent=1), flush=True)
+    if not {"features", "regen"} <= skip:
+        target = load_target(args.target, dtype=args.dtype)
+        result["dtype"] = str(target.dtype)
+        if "features" not in skip:
+            result["features"] = bench_features(target, tokenizer, folder, convs[: args.features], args)
+            print(json.dumps({"features": result["features"]}, indent=1), flush=True)
+        if "regen" not in skip:
+            result["regenerate"] = bench_regen(target, convs, args)
+            print(json.dumps({"regenerate": result["regenerate"]}, indent=1), flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
