@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # the deepspeed launcher puts --local_rank=N before the command; the rank is read from LOCAL_RANK
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     p = sub.add_parser("eval", help="run a drafter in the built-in speculative decoder and write metrics",
@@ -61,7 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p, default="smollm2-135m-eagle3")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="continue from this checkpoint folder (default: the run folder's latest, if any)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the main job on the embedded default target and data",

@@ -78,7 +78,10 @@ def _prepare_environment() -> None:
     # DeepSpeed JIT-compiles C++ ops on first use; keep them in our cache, not ~/.cache.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache_dir(), "torch_extensions"))
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        # no launcher: a one-process group on a free local port, forgotten again by shutdown()
+        _SINGLE_PROCESS_ENV.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=str(_free_port()))
+        os.environ.update(_SINGLE_PROCESS_ENV)
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     import importlib
 
@@ -91,6 +94,9 @@ def _prepare_environment() -> None:
         # compiled (~80 s, C++) on every machine's first run for nothing, so skip building it.
         # (deepspeed.comm re-exports the torch package as `torch`, hence import_module.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+_SINGLE_PROCESS_ENV: dict[str, str] = {}
 
 
 def _free_port() -> int:
@@ -107,10 +113,15 @@ def shutdown(wait_for_peers: bool = True) -> None:
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
-    # DeepSpeed caches a clone of the world group; a later run in this process (tests) needs a new one.
+    # DeepSpeed caches a clone of the world group; a later run in this process (tests) needs a new one,
+    # and child processes must not inherit a rendezvous that no longer exists.
     from deepspeed.utils import groups
 
     groups._WORLD_GROUP = None
+    for key, value in _SINGLE_PROCESS_ENV.items():
+        if os.environ.get(key) == value:
+            del os.environ[key]
+    _SINGLE_PROCESS_ENV.clear()
 
 
 def barrier() -> None:
