@@ -2,7 +2,10 @@
 
 All three run on the same target in one process, batch 1, on MT-bench first turns:
 
-* ``draftsmith`` — :func:`speculative_decode` with the layer-skip drafter (first N layers);
+* ``draftsmith`` — :func:`speculative_decode` with the layer-skip drafter (first N layers),
+  self-speculative: drafting inside the target's KV cache, drafted states reused in verification;
+* ``draftsmith_own_cache`` — the same drafter as a truncated HF model with its own cache (the
+  runtime HF uses), to show what the decoder alone gains;
 * ``hf_assisted`` — ``target.generate(..., assistant_model=<the same truncated model>)`` with a
   constant ``num_assistant_tokens = k`` (no heuristic schedule, no confidence early stop);
 * ``greedy`` — the target's own ``generate`` (the reference for token identity).
@@ -66,10 +69,14 @@ class ForwardCounter:
         self._handle.remove()
 
 
-def _timed(fn: Callable[[], list[int]]) -> tuple[list[int], float]:
-    t0 = time.perf_counter()
+SPECULATIVE = ("draftsmith", "draftsmith_own_cache", "hf_assisted")
+
+
+def _timed(fn: Callable[[], list[int]]) -> tuple[list[int], float, float]:
+    """(result, wall seconds, process CPU seconds). CPU time is steadier on a shared machine."""
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = fn()
-    return tokens, time.perf_counter() - t0
+    return tokens, time.perf_counter() - t0, time.process_time() - c0
 
 
 def bench_decode(
@@ -86,19 +93,24 @@ def bench_decode(
     prompts: token ids (chat template applied); the first ``warmup`` are run once each and
     not recorded.
     """
-    drafter = layer_skip_drafter(target.model, num_layers)
+    drafter = layer_skip_drafter(target.model, num_layers, share_cache=True)
+    own_cache = layer_skip_drafter(target.model, num_layers, share_cache=False)
     assistant = hf_assistant(target, num_layers, k)
     cfg = DecodeConfig(k=k, max_new_tokens=max_new_tokens)
     stats = DecodeStats(k=k)
-    last_stats: list[DecodeStats] = []
+    last_stats: dict[str, DecodeStats] = {}
 
-    def ours(p: list[int]) -> list[int]:
-        res = speculative_decode(target, drafter, p, cfg)
-        last_stats.append(res.stats)
-        return res.tokens
+    def ours(name: str, d: Any) -> Callable[[list[int]], list[int]]:
+        def run(p: list[int]) -> list[int]:
+            res = speculative_decode(target, d, p, cfg)
+            last_stats[name] = res.stats
+            return res.tokens
+
+        return run
 
     methods: dict[str, Callable[[list[int]], list[int]]] = {
-        "draftsmith": ours,
+        "draftsmith": ours("draftsmith", drafter),
+        "draftsmith_own_cache": ours("draftsmith_own_cache", own_cache),
         "hf_assisted": lambda p: hf_assisted(target, assistant, p, max_new_tokens),
         "greedy": lambda p: target_greedy(target, p, max_new_tokens),
     }
@@ -116,13 +128,16 @@ def bench_decode(
             order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
             outputs = {}
             for name in order:
-                tokens, secs = _timed(lambda: methods[name](p))
+                tokens, secs, cpu = _timed(lambda: methods[name](p))
                 outputs[name] = tokens
-                row[name] = {"new_tokens": len(tokens), "wall_s": secs, "tokens_per_s": len(tokens) / secs,
-                             "target_forwards": counter.take()}
-            for name in ("draftsmith", "hf_assisted"):
+                hooked = counter.take()  # the self-speculative verify bypasses the module: count from stats
+                forwards = last_stats[name].target_forwards if name in last_stats else hooked
+                row[name] = {"new_tokens": len(tokens), "wall_s": secs, "cpu_s": cpu, "tokens_per_s": len(tokens) / secs,
+                             "target_forwards": forwards}
+            for name in SPECULATIVE:
                 row[name]["identical_to_greedy"] = outputs[name] == outputs["greedy"]
-            s = last_stats.pop()
+            s = last_stats.pop("draftsmith")
+            last_stats.clear()
             row["draftsmith"]["tau_with_bonus"] = s.tau
             stats = stats.merge(s)
             rows.append(row)
@@ -135,9 +150,9 @@ def bench_decode(
 
 
 def _row_line(i: int, row: dict[str, Any]) -> str:
-    parts = [f"{n} {row[n]['tokens_per_s']:.2f} tok/s" for n in ("draftsmith", "hf_assisted", "greedy")]
-    same = "/".join("=" if row[n]["identical_to_greedy"] else "≠" for n in ("draftsmith", "hf_assisted"))
-    return f"prompt {i}: " + ", ".join(parts) + f"  identity ds/hf {same}"
+    parts = [f"{n} {row[n]['tokens_per_s']:.2f}" for n in (*SPECULATIVE, "greedy")]
+    same = "/".join("=" if row[n]["identical_to_greedy"] else "≠" for n in SPECULATIVE)
+    return f"prompt {i} tok/s: " + ", ".join(parts) + f"  identical to greedy: {same}"
 
 
 def _summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
@@ -147,6 +162,10 @@ def _summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     def ratio(a: str, b: str) -> float:
         return statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in rows)
 
+    def cpu_ratio(a: str, b: str) -> float:  # speed ratio by total CPU time: a/b tokens per CPU second
+        return (sum(r[b]["cpu_s"] for r in rows) / sum(r[b]["new_tokens"] for r in rows)) / (
+            sum(r[a]["cpu_s"] for r in rows) / sum(r[a]["new_tokens"] for r in rows))
+
     out: dict[str, Any] = {"prompts": len(rows)}
     for n in names:
         out[n] = {
@@ -155,49 +174,53 @@ def _summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             "target_forwards": sum(r[n]["target_forwards"] for r in rows),
             "new_tokens": sum(r[n]["new_tokens"] for r in rows),
         }
-    for n in ("draftsmith", "hf_assisted"):
+    for n in SPECULATIVE:
         out[n]["identical_to_greedy"] = sum(r[n]["identical_to_greedy"] for r in rows)
-    out["ratio_draftsmith_over_hf_assisted"] = ratio("draftsmith", "hf_assisted")
-    out["ratio_draftsmith_over_greedy"] = ratio("draftsmith", "greedy")
-    out["ratio_hf_assisted_over_greedy"] = ratio("hf_assisted", "greedy")
+    for a, b in (("draftsmith", "hf_assisted"), ("draftsmith_own_cache", "hf_assisted"), ("draftsmith", "greedy"),
+                 ("hf_assisted", "greedy")):
+        out[f"ratio_{a}_over_{b}"] = ratio(a, b)
+        out[f"cpu_ratio_{a}_over_{b}"] = cpu_ratio(a, b)
     return out
 
 
 @torch.inference_mode()
 def acceptance_sweep(
-    target: Target, prompts: list[list[int]], depths: list[int], k: int, max_new_tokens: int
+    target: Target, prompts: list[list[int]], depths: list[int], k: int, max_new_tokens: int, k_max: int = 4
 ) -> list[dict[str, Any]]:
-    """Greedy acceptance of the layer-skip drafter at several depths (k drafts per round).
+    """Greedy acceptance of the self-speculative layer-skip drafter at several depths.
 
-    In greedy mode the first k' < k draft positions behave exactly as with k' drafts, so the
-    histogram also gives τ for every smaller k: τ(k') = 1 + Σ_{i ≤ k'} P(accepted ≥ i).
-    Speed is relative to plain greedy on the same prompts, timed interleaved.
+    Acceptance is measured with ``k_max`` drafts per round; in greedy mode the first k' < k_max
+    positions behave exactly as with k' drafts, so the histogram also gives τ for every
+    smaller k: τ(k') = 1 + Σ_{i ≤ k'} P(accepted ≥ i). Speed is measured at ``k`` drafts per
+    round, relative to plain greedy on the same prompts, by CPU time (steadier on a shared
+    machine) and wall time.
     """
-    cfg = DecodeConfig(k=k, max_new_tokens=max_new_tokens)
-    drafters = {n: layer_skip_drafter(target.model, n) for n in depths}
-    totals = {n: DecodeStats(k=k) for n in depths}
-    secs = {n: 0.0 for n in depths}
-    greedy_s, greedy_tokens = 0.0, 0
+    k_max = max(k, k_max)
+    drafters = {n: layer_skip_drafter(target.model, n, share_cache=True) for n in depths}
+    totals = {n: DecodeStats(k=k_max) for n in depths}
+    spent = {n: [0.0, 0.0, 0] for n in depths}  # wall, cpu, tokens at k
+    greedy = [0.0, 0.0, 0]
     speculative_decode(target, drafters[depths[0]], prompts[0], DecodeConfig(k=k, max_new_tokens=8))  # warm-up
     for p in prompts:
-        tokens, s = _timed(lambda: target_greedy(target, p, max_new_tokens))
-        greedy_s, greedy_tokens = greedy_s + s, greedy_tokens + len(tokens)
+        tokens, wall, cpu = _timed(lambda: target_greedy(target, p, max_new_tokens))
+        greedy = [greedy[0] + wall, greedy[1] + cpu, greedy[2] + len(tokens)]
         for n in depths:
-            t0 = time.perf_counter()
-            res = speculative_decode(target, drafters[n], p, cfg)
-            secs[n] += time.perf_counter() - t0
+            res = speculative_decode(target, drafters[n], p, DecodeConfig(k=k_max, max_new_tokens=max_new_tokens))
             totals[n] = totals[n].merge(res.stats)
-    greedy_tps = greedy_tokens / greedy_s
+            tokens, wall, cpu = _timed(lambda: speculative_decode(target, drafters[n], p, DecodeConfig(k=k, max_new_tokens=max_new_tokens)).tokens)
+            spent[n] = [spent[n][0] + wall, spent[n][1] + cpu, spent[n][2] + len(tokens)]
     out = []
     for n in depths:
         st = totals[n]
-        at_least = [sum(st.accept_hist[i:]) / st.rounds for i in range(1, k + 1)]  # P(accepted ≥ i)
+        at_least = [sum(st.accept_hist[i:]) / st.rounds for i in range(1, k_max + 1)]  # P(accepted ≥ i)
+        wall, cpu, toks = spent[n]
         out.append({
             "num_layers": n,
             "acceptance_at_position": st.summary()["acceptance_at_position"],
-            "tau_with_bonus_by_k": {kk: round(1 + sum(at_least[:kk]), 3) for kk in range(1, k + 1)},
-            "tokens_per_s": st.new_tokens / secs[n],
-            "speed_over_greedy": (st.new_tokens / secs[n]) / greedy_tps,
+            "tau_with_bonus_by_k": {kk: round(1 + sum(at_least[:kk]), 3) for kk in range(1, k_max + 1)},
+            "k_timed": k,
+            "speed_over_greedy_wall": (toks / wall) / (greedy[2] / greedy[0]),
+            "speed_over_greedy_cpu": (toks / cpu) / (greedy[2] / greedy[1]),
         })
     return out
 
@@ -249,13 +272,15 @@ def format_summary(s: dict[str, Any], ds: dict[str, Any]) -> str:
         "| method | median tok/s | aggregate tok/s | target forwards | identical to greedy |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for n in ("draftsmith", "hf_assisted", "greedy"):
+    for n in (*SPECULATIVE, "greedy"):
         same = f"{s[n]['identical_to_greedy']}/{s['prompts']}" if n != "greedy" else "(reference)"
         lines.append(f"| {n} | {s[n]['median_tokens_per_s']:.2f} | {s[n]['aggregate_tokens_per_s']:.2f} | "
                      f"{s[n]['target_forwards']} | {same} |")
-    lines.append(f"draftsmith / hf_assisted = {s['ratio_draftsmith_over_hf_assisted']:.3f}×  "
-                 f"draftsmith / greedy = {s['ratio_draftsmith_over_greedy']:.3f}×  "
-                 f"hf_assisted / greedy = {s['ratio_hf_assisted_over_greedy']:.3f}×  (medians of per-prompt ratios)")
+    lines.append("| speed ratio | median of per-prompt tok/s ratios | by total CPU time |")
+    lines.append("| --- | --- | --- |")
+    for a, b in (("draftsmith", "hf_assisted"), ("draftsmith_own_cache", "hf_assisted"), ("draftsmith", "greedy"),
+                 ("hf_assisted", "greedy")):
+        lines.append(f"| {a} / {b} | {s[f'ratio_{a}_over_{b}']:.3f}× | {s[f'cpu_ratio_{a}_over_{b}']:.3f}× |")
     lines.append(f"draftsmith: tau (bonus token counted) = {ds['tau_with_bonus']:.3f}, acceptance "
                  f"{ds['acceptance_rate']:.3f}, per position {ds['acceptance_at_position']}")
     return "\n".join(lines)
@@ -263,10 +288,13 @@ def format_summary(s: dict[str, Any], ds: dict[str, Any]) -> str:
 
 def format_sweep(rows: list[dict[str, Any]]) -> str:
     ks = list(rows[0]["tau_with_bonus_by_k"])
-    lines = ["| layers | acceptance at position 1..k | " + " | ".join(f"τ k={kk}" for kk in ks) + " | speed / greedy |",
-             "| --- | --- | " + " | ".join("---" for _ in ks) + " | --- |"]
+    kt = rows[0]["k_timed"]
+    lines = ["| layers | acceptance at position 1..k | " + " | ".join(f"τ k={kk}" for kk in ks)
+             + f" | speed / greedy at k={kt} (CPU) | (wall) |",
+             "| --- | --- | " + " | ".join("---" for _ in ks) + " | --- | --- |"]
     for r in rows:
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_at_position"])
         taus = " | ".join(f"{r['tau_with_bonus_by_k'][kk]:.2f}" for kk in ks)
-        lines.append(f"| {r['num_layers']} | {acc} | {taus} | {r['speed_over_greedy']:.2f}× |")
+        lines.append(f"| {r['num_layers']} | {acc} | {taus} | {r['speed_over_greedy_cpu']:.2f}× | "
+                     f"{r['speed_over_greedy_wall']:.2f}× |")
     return "\n".join(lines)
