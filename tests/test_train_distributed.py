@@ -34,7 +34,8 @@ def overrides(target_dir: str, data_dir: str, run_dir, *extra: str) -> list[str]
     return [f"target.name={target_dir}", "target.dtype=float32", "drafter.type=eagle3", "drafter.feature_layers=[0,1,2]",
             f"train.dataset={data_dir}", "train.batch_size=2", "train.max_length=48", "train.eval.heldout=8",
             "train.ttt_steps=2", "train.optimizer.lr=0.003", "train.loss.kind=soft_ce", "train.logging.wandb=disabled",
-            "train.logging.progress=false", "train.logging.every=1", f"run_dir={run_dir}", *extra]
+            "train.logging.progress=false", "train.logging.every=1", "train.schedule.warmup_steps=0",
+            "train.eval.decoder_at_end=false", f"run_dir={run_dir}", *extra]
 
 
 def env() -> dict[str, str]:
