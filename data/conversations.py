@@ -22,6 +22,8 @@ from .shards import read_json
 
 DATA_FILE = "data.arrow"
 MANIFEST = "manifest.json"
+FORMAT = "draftsmith-conversations/1"
+"""Part of every spec that reads these files: bump it when the columns change, and old outputs are rebuilt."""
 
 
 def conversation_features() -> Any:

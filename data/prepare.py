@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import DraftsmithError
 from ..files import write_json
 from .config import STAGE_ORDER, DataConfig
+from .conversations import FORMAT as CONVERSATIONS_FORMAT
 from .conversations import conversations_manifest, load_conversations, write_conversations
 from .normalize import SKIP_REASONS, ReadStats, iter_conversations
 from .shards import MANIFEST, read_json
@@ -162,7 +163,8 @@ def _digest(obj: Any) -> str:
 
 def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) -> tuple[str, str]:
     start = time.perf_counter()
-    spec = {"sources": [source_identity(s) for s in cfg.sources], "max_conversations": cfg.max_conversations}
+    spec = {"format": CONVERSATIONS_FORMAT, "sources": [source_identity(s) for s in cfg.sources],
+            "max_conversations": cfg.max_conversations}
     manifest = conversations_manifest(paths.conversations)
     note = "up to date (reused)"
     if manifest is None or manifest.get("spec") != spec:
@@ -213,13 +215,15 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
                     summary: PrepareSummary) -> None:
     from ..target import tokenizer_fingerprint
     from .render import stop_token_ids
+    from .tokenized import FORMAT as TOKENIZED_FORMAT
     from .tokenized import tokenize_conversations, tokenized_manifest
 
     start = time.perf_counter()
     tokenizer = env.tokenizer()
     stops = stop_token_ids(tokenizer, env.folder)
-    spec = {"conversations": conv_hash, "tokenizer_hash": tokenizer_fingerprint(tokenizer),
-            "max_length": cfg.render.max_length, "last_turn_only": cfg.render.last_turn_only, "stop_ids": stops}
+    spec = {"format": TOKENIZED_FORMAT, "conversations": conv_hash,
+            "tokenizer_hash": tokenizer_fingerprint(tokenizer), "max_length": cfg.render.max_length,
+            "last_turn_only": cfg.render.last_turn_only, "stop_ids": stops}
     try:
         manifest = tokenized_manifest(paths.tokenized)
     except DraftsmithError:

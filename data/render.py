@@ -10,8 +10,9 @@ and the assistant's tokens are those of ``turn_i`` from the first place where th
 renders diverge to the end of ``turn_i``, cut just after the last end-of-turn token
 (the model stops there; what the template adds after it, ChatML's newline, is never
 generated). A turn listed in ``open_turns`` (an answer cut at a token limit) ends just
-*before* its end-of-turn token: the model did not choose to stop there. ``turn_i`` must be a prefix of the full render, which is tokenized once; a
-template that rewrites history (e.g. drops earlier reasoning) is reported, not guessed.
+*before* its end-of-turn token: the model did not choose to stop there. ``turn_i`` must
+be a prefix of the full render, which is tokenized once; a template that rewrites
+history (e.g. drops earlier reasoning) is reported, not guessed.
 
 The renders are compared as text and mapped to tokens through the tokenizer's offsets
 (one tokenization per conversation instead of two per turn: ~5× faster, see

@@ -29,6 +29,7 @@ from .render import render_batch
 from .shards import read_json
 
 MANIFEST = "draftsmith_manifest.json"
+FORMAT = "draftsmith-tokenized/1"
 COLUMNS = ("input_ids", "loss_mask", "source", "conv_id")
 
 
