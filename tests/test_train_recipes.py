@@ -148,3 +148,56 @@ def test_batches_without_valid_tokens_are_skipped_and_counted(tmp_path, tiny_tar
     empties = sum(1 for step in range(summary["micro_steps"]) if order.at(step)[0] % 2 == 0)
     assert summary["steps"] == 5 and summary["micro_steps"] == 5 + empties and empties > 0
     assert summary["skipped"] == {"no_valid_tokens": empties}
+
+
+def test_offline_features_train_like_online_without_running_the_target(tmp_path, monkeypatch, tiny_target_dir,
+                                                                        tiny_train_data):
+    from draftsmith.data.feature_cache import write_feature_cache
+    from draftsmith.data.tokenized import load_tokenized
+    from draftsmith.target import Target
+
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    cache = str(tmp_path / "features")
+    write_feature_cache(load_tokenized(tiny_train_data), cache, target, layer_ids=[0, 1, 2, 3], progress=False)
+    args = ["train.steps=3", "train.ttt_steps=2", "train.loss.kind=soft_ce", "drafter.feature_layers=[0,1,2]"]
+    run_training(tiny_recipe(tmp_path / "online", tiny_target_dir, tiny_train_data, "eagle3", *args))
+
+    calls = []
+    real_forward = Target.forward
+    monkeypatch.setattr(Target, "forward", lambda self, *a, **k: calls.append(1) or real_forward(self, *a, **k))
+    summary = run_training(tiny_recipe(tmp_path / "offline", tiny_target_dir, tiny_train_data, "eagle3",
+                                       f"train.features={cache}", *args))
+    assert calls == [] and summary["online_target"] is False  # features and logits came from the cache
+    online = [r["loss"] for r in read_log(tmp_path / "online") if "loss" in r]
+    offline = [r["loss"] for r in read_log(tmp_path / "offline") if "loss" in r]
+    # the same batches, the same init: only the cache's bf16 rounding of the features differs
+    assert offline == pytest.approx(online, rel=2e-2)
+    assert offline != online
+
+
+def test_offline_cache_without_the_layers_a_drafter_needs(tmp_path, tiny_target_dir, tiny_train_data):
+    from draftsmith.data.feature_cache import write_feature_cache
+    from draftsmith.data.tokenized import load_tokenized
+
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    cache = str(tmp_path / "features")
+    write_feature_cache(load_tokenized(tiny_train_data), cache, target, layer_ids=[0, 3], progress=False)
+    recipe = tiny_recipe(tmp_path / "run", tiny_target_dir, tiny_train_data, "eagle3", f"train.features={cache}",
+                         "drafter.feature_layers=[0,1,2]", "train.steps=1")
+    with pytest.raises(DraftsmithError, match=r"holds target layers \[0, 3\], but this drafter needs \[0, 1, 2\]"):
+        run_training(recipe)
+
+
+def test_wandb_offline_and_decoder_evaluation_during_training(tmp_path, tiny_target_dir, tiny_train_data):
+    summary = run_training(tiny_recipe(
+        tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=2", "train.logging.wandb=offline",
+        "train.eval.decoder_every=1", "train.eval.decoder_at_end=true", "train.eval.decoder_prompts=1",
+        "decode.max_new_tokens=6", "decode.k=2"))
+    log = read_log(tmp_path)
+    taus = [r["decoder/tau_with_bonus"] for r in log if "decoder/tau_with_bonus" in r]
+    assert len(taus) == 2 and all(1.0 <= t <= 3.0 for t in taus)  # step 1 and the end; τ counts the bonus token
+    assert summary["decoder"]["tau_with_bonus"] == taus[-1]
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    run_id = (tmp_path / "wandb_id").read_text().strip()
+    assert len(runs) == 1 and runs[0].endswith(run_id)
+    assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / runs[0]))
