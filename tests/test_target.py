@@ -1,0 +1,145 @@
+"""The frozen target: fingerprint, features in the same forward, GGUF conversion cache, bad specs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.target import Target, load_target, model_fingerprint, resolve_target_folder
+
+from .conftest import SMOLLM2, tiny_llama
+
+IDS = torch.tensor([[1, 520, 33, 9004, 77, 1201, 45, 3000, 12, 99]])
+
+
+def test_fingerprint_same_for_fp32_and_bf16_loads(smollm2):
+    bf16 = load_target(SMOLLM2, dtype="bfloat16", device="cpu")
+    assert bf16.dtype == torch.bfloat16 and smollm2.dtype == torch.float32
+    assert bf16.fingerprint == smollm2.fingerprint
+
+
+def test_fingerprint_changes_with_any_weight_change():
+    model = tiny_llama(layers=2)
+    base = model_fingerprint(model)
+    assert model_fingerprint(tiny_llama(layers=2)) == base  # deterministic
+    w = model.model.layers[1].mlp.down_proj.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w.add_(0.01 * torch.randn_like(w))  # a fine-tune-like change of one tensor
+        assert model_fingerprint(model) != base
+        w.copy_(saved)
+        assert model_fingerprint(model) == base
+        w[0, 0] += 1.0  # one sampled element
+        assert model_fingerprint(model) != base
+    assert model_fingerprint(tiny_llama(layers=3)) != base  # architecture
+
+
+def test_fingerprint_of_real_target_changes_when_perturbed(smollm2):
+    w = smollm2.model.model.layers[7].self_attn.o_proj.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.mul_(1.05)
+        assert model_fingerprint(smollm2.model) != smollm2.fingerprint
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    assert model_fingerprint(smollm2.model) == smollm2.fingerprint
+
+
+def test_target_is_frozen(smollm2):
+    assert not smollm2.model.training
+    assert not any(p.requires_grad for p in smollm2.model.parameters())
+
+
+@pytest.mark.parametrize("layers", [(0,), (2, 15, 27), (-2,), (29,)])
+def test_features_equal_hf_hidden_states(smollm2, layers):
+    out = smollm2.forward(IDS, feature_layers=layers)
+    with torch.inference_mode():
+        hf = smollm2.model(input_ids=IDS, output_hidden_states=True)
+    # hidden_states[i + 1] is the output of decoder layer i; the last entry has the final norm applied
+    hs = list(hf.hidden_states)
+    expected = []
+    for layer in layers:
+        idx = layer % smollm2.num_layers
+        if idx == smollm2.num_layers - 1:
+            expected.append(None)
+        else:
+            expected.append(hs[idx + 1])
+    feats = out.features.split(smollm2.hidden_size, dim=-1)
+    assert out.features.shape == (1, IDS.shape[1], len(layers) * smollm2.hidden_size)
+    for f, e in zip(feats, expected):
+        if e is None:  # the last layer: pre-norm output; HF returns it normed
+            torch.testing.assert_close(smollm2.model.model.norm(f), hs[-1], atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(f, e, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits, hf.logits, atol=1e-5, rtol=1e-5)  # same forward, same logits
+
+
+def test_logits_to_keep_and_cache(smollm2):
+    cache = smollm2.new_cache()
+    last = smollm2.forward(IDS[:, :6], cache, logits_to_keep=1)
+    assert last.logits.shape == (1, 1, smollm2.vocab_size) and last.features is None
+    rest = smollm2.forward(IDS[:, 6:], cache)
+    full = smollm2.forward(IDS)
+    torch.testing.assert_close(rest.logits, full.logits[:, 6:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last.logits[:, -1], full.logits[:, 5], atol=1e-4, rtol=1e-4)
+
+
+def test_bad_feature_layer(smollm2):
+    with pytest.raises(DraftsmithError, match="feature layer 30 is out of range .* 30 layers"):
+        smollm2.forward(IDS, feature_layers=(30,))
+
+
+def test_gguf_conversion_is_cached(smollm2_folder, monkeypatch, tmp_path):
+    """The builtin alias resolves to the converted folder without reading the GGUF again;
+    another GGUF path (here a symlink to the same file) is a new cache key and would convert."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = []
+
+    def no_conversion(*args, **kwargs):
+        calls.append(kwargs.get("gguf_file"))
+        raise RuntimeError("conversion attempted")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_conversion)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
+    assert resolve_target_folder(SMOLLM2) == smollm2_folder
+    assert calls == []
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(smollm2_folder))
+
+    import importlib.util
+
+    from draftsmith.target import BUILTINS
+
+    b = BUILTINS[SMOLLM2]
+    gguf = os.path.join(importlib.util.find_spec(b.package).submodule_search_locations[0], b.filename)
+    link = tmp_path / "copy.gguf"
+    link.symlink_to(gguf)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="conversion attempted"):
+        resolve_target_folder(str(link))
+    assert calls == ["copy.gguf"]
+    assert not os.path.exists(tmp_path / "cache" / "targets" / "copy") and not any(
+        (tmp_path / "cache" / "targets").glob("copy-*"))  # nothing half-written
+
+
+def test_bad_target_specs(tmp_path):
+    with pytest.raises(DraftsmithError, match="unknown target 'no-such-model'"):
+        load_target("no-such-model")
+    with pytest.raises(DraftsmithError, match="does not exist"):
+        load_target(str(tmp_path / "missing.gguf"))
+    with pytest.raises(DraftsmithError, match="has no config.json"):
+        load_target(str(tmp_path))
+    with pytest.raises(DraftsmithError, match="could not load target 'nobody/nothing'"):
+        load_target("nobody/nothing")  # a hub id, unreachable offline
+
+
+def test_tiny_target_reports_its_facts(tiny_target):
+    assert isinstance(tiny_target, Target)
+    assert (tiny_target.num_layers, tiny_target.hidden_size, tiny_target.vocab_size) == (4, 64, 49152)
+    assert 2 in tiny_target.eos_token_ids
+    assert len(tiny_target.fingerprint) == 16 and len(tiny_target.tokenizer_hash) == 16
