@@ -78,6 +78,8 @@ class DecodeStats:
             "tau_note": "mean tokens emitted per target verification forward, counting the bonus/resampled token",
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_at_position": [round(a / p, 4) if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
+            "acceptance_at_position_note": "position i: share of the rounds that proposed draft i in which drafts "
+                                           "1..i were all accepted",
             "accepted_length_histogram": self.accept_hist,
             "k": self.k,
             "new_tokens": self.new_tokens,
