@@ -1,6 +1,6 @@
 """``draftsmith bench decode``: draftsmith's decoder vs HF assisted generation vs plain greedy.
 
-All three run on the same target in one process, batch 1, on MT-bench first turns:
+All run on the same target in one process, batch 1, on MT-bench first turns:
 
 * ``draftsmith`` — :func:`speculative_decode` with the layer-skip drafter (first N layers),
   self-speculative: drafting inside the target's KV cache, drafted states reused in verification;
@@ -10,10 +10,11 @@ All three run on the same target in one process, batch 1, on MT-bench first turn
   constant ``num_assistant_tokens = k`` (no heuristic schedule, no confidence early stop);
 * ``greedy`` — the target's own ``generate`` (the reference for token identity).
 
-Per prompt the three are run back to back in a rotating order (interleaved, so a load
+Per prompt the methods are run back to back in a rotating order (interleaved, so a load
 change on the machine hits all of them alike) after one warm-up round; we report
-medians of per-prompt tokens/s and the median of the per-prompt ratios. Both
-speculative methods are also checked for token identity with plain greedy.
+medians of per-prompt tokens/s, the median of the per-prompt ratios, and ratios of total
+CPU time (steadier when the machine is shared).
+Every speculative method is also checked for token identity with plain greedy.
 
 ``acceptance_sweep`` measures how well a plain early exit at several depths drafts
 (per-position acceptance, τ with the bonus token counted, speed relative to greedy),
@@ -259,7 +260,7 @@ def run_bench_decode(
         report["results"][dtype] = res
         print(format_summary(res["summary"], res["draftsmith_stats"]))
         if sweep_layers and dtype == dtypes[0]:
-            print(f"\n== acceptance of a plain early exit by depth ({dtype}, k={k}, greedy)")
+            print(f"\n== acceptance of a plain early exit by depth ({dtype}, greedy; speed timed at k={k})")
             report["sweep"] = acceptance_sweep(target, prompts[1:], sweep_layers, k, max_new_tokens)
             print(format_sweep(report["sweep"]))
         write_json(out_path, report)
