@@ -34,14 +34,7 @@ from draftsmith.target import Target
 from .conftest import tiny_llama
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronization cost (badly so on a loaded 2-core CI box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: intra-op threads only add sync cost
 
 
 # ------------------------------------------------------------------ toy Markov LM
@@ -324,10 +317,12 @@ def test_greedy_identity_with_layer_skip_and_standalone_drafters(tiny):
     target, ref = tiny
     drafters = (layer_skip_drafter(target.model, 3, share_cache=True), layer_skip_drafter(target.model, 1, share_cache=True),
                 layer_skip_drafter(target.model, 3), HFDrafter(tiny_llama(layers=2, seed=1)))
+    expected = target_greedy(target, PROMPT_IDS, 30)
+    assert expected == ref[:30]
     for drafter in drafters:
         for k in (1, 3, 5):
             res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=k, max_new_tokens=30))
-            assert res.tokens == ref[:30] == target_greedy(target, PROMPT_IDS, 30)
+            assert res.tokens == expected
 
 
 def test_metrics_arithmetic_with_known_acceptance(tiny, smollm2_tokenizer):

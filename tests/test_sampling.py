@@ -18,6 +18,8 @@ from scipy.stats import chisquare
 
 from draftsmith.eval.sampling import Warp, greedy_accept, speculative_accept
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: intra-op threads only add sync cost
+
 V = 6
 DRAWS = 6000
 PASS_P = 1e-3  # the correct rule must not look this unlikely
