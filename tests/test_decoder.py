@@ -320,7 +320,7 @@ def test_greedy_identity_with_layer_skip_and_standalone_drafters(tiny):
     expected = target_greedy(target, PROMPT_IDS, 30)
     assert expected == ref[:30]
     for drafter in drafters:
-        for k in (1, 3, 5):
+        for k in (1, 4):
             res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=k, max_new_tokens=30))
             assert res.tokens == expected
 
