@@ -118,7 +118,7 @@ def test_eval_writes_config_outputs_and_metrics(capsys, tmp_path, smollm2_folder
     assert code == 0, err
     assert "bonus token counted" in out and "token-identical" in out
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert cfg["decode"]["max_new_tokens"] == 12 and cfg["drafter"] == {"type": "layer_skip", "num_layers": 24}
+    assert cfg["decode"]["max_new_tokens"] == 12 and cfg["drafter"] == {"type": "layer_skip", "num_layers": 24, "share_cache": True}
     metrics = json.loads((run_dir / "eval_metrics.json").read_text())
     for key in ("new_tokens", "target_forwards", "tau_with_bonus", "tau_note", "acceptance_rate",
                 "acceptance_at_position", "accepted_length_histogram", "tokens_per_s", "wall_s"):
