@@ -139,3 +139,28 @@ def test_collate_pads_cached_features_with_zeros():
     b = D.collate(rows, pad_id=0, max_length=8)
     assert b.hidden.shape == (2, 3, 2)
     assert b.hidden[1].tolist() == [[2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_only_distributed_py_touches_deepspeed_or_torch_distributed():
+    """Models, losses and the decoder take distribution from outside (DESIGN.md)."""
+    import ast
+    import os
+
+    import draftsmith
+
+    root = os.path.dirname(draftsmith.__file__)
+    offenders = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "benchmarks", "runs", "__pycache__")]
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or os.path.relpath(path, root) == os.path.join("train", "distributed.py"):
+                continue
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(m == "deepspeed" or m.startswith(("deepspeed.", "torch.distributed")) for m in mods):
+                    offenders.append(os.path.relpath(path, root))
+    assert offenders == []

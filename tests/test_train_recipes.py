@@ -201,3 +201,20 @@ def test_wandb_offline_and_decoder_evaluation_during_training(tmp_path, tiny_tar
     run_id = (tmp_path / "wandb_id").read_text().strip()
     assert len(runs) == 1 and runs[0].endswith(run_id)
     assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / runs[0]))
+
+
+def test_resume_from_a_named_checkpoint_replays_the_same_steps(tmp_path, tiny_target_dir, tiny_train_data):
+    from safetensors.torch import load_file
+
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=4", "train.deepspeed=zero1",
+                         "train.checkpoint.every=2", "train.checkpoint.keep=2", "train.feature_noise=0.05",
+                         "train.loss.feature_weight=1.0")
+    run_training(recipe)
+    first = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert sorted(os.listdir(tmp_path / "checkpoints"))[:2] == ["latest", "step_00000002"]
+    summary = run_training(recipe, resume=str(tmp_path / "checkpoints" / "step_00000002"))
+    assert summary["steps"] == 4
+    again = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    steps = [r["step"] for r in read_log(tmp_path) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 3, 4]  # the second run replayed steps 3 and 4 only

@@ -45,10 +45,12 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         return steps, target_logits
 
     def objective(steps: list[tuple[Tensor, Tensor]], target_logits: Tensor, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+        # p over the draft vocabulary, and where the target's argmax is in it, once for all steps
+        p_draft, in_vocab = losses.restrict_to_draft_vocab(target_logits, draft_ids, batch.attention_mask.bool())
         total, parts = None, {}
         for j, (_, logits) in enumerate(steps):
-            p_logits, mask = losses.restrict_to_draft_vocab(
-                shift_left(target_logits, j + 1), draft_ids, shift_left(batch.loss_mask, j + 2, fill=False))
+            p_logits = shift_left(p_draft, j + 1)
+            mask = shift_left(batch.loss_mask, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
             if j > 0 and not mask.any():
                 continue  # sequences shorter than the unroll; step 0 with nothing raises EmptyBatchError
             step_loss = losses.token_loss(cfg.loss.kind, logits[mask], p_logits[mask], mask[mask],
