@@ -71,7 +71,6 @@ class Run:
     monitor: Monitor | None = None
     pending: dict[str, list[float]] = field(default_factory=dict)
     """Loss parts of the micro-batches since the last log line."""
-    started: float = field(default_factory=time.perf_counter)
     wall_s: float = 0.0
     """Wall time of this process's training loop so far (excludes setup)."""
 

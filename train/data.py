@@ -14,7 +14,6 @@ ranks always take the same number of steps (a collective never waits on a missin
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
