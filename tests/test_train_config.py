@@ -164,3 +164,15 @@ def test_only_distributed_py_touches_deepspeed_or_torch_distributed():
                 if any(m == "deepspeed" or m.startswith(("deepspeed.", "torch.distributed")) for m in mods):
                     offenders.append(os.path.relpath(path, root))
     assert offenders == []
+
+
+def test_cli_reports_a_bad_engine_config_without_a_traceback(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+    code = main(["train", "--config", "smollm2-135m-eagle3", f"train.deepspeed={bad}", f"run_dir={tmp_path / 'run'}",
+                 "train.logging.wandb=disabled"])
+    err = capsys.readouterr().err
+    assert code == 2 and "draftsmith: error:" in err and "zero_optimization.stage = 7 does not exist" in err
+    assert "Traceback" not in err
