@@ -174,6 +174,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"'{where}' must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            value = _yaml11_float(value)  # PyYAML reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"'{where}' must be a number, got {value!r}")
         return float(value)
@@ -182,6 +184,13 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"'{where}' must be a string, got {value!r}")
         return str(value)
     raise TypeError(f"config field '{where}' has an unsupported type {_type_name(tp)}")
+
+
+def _yaml11_float(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _coerce_tagged(members: tuple[type, ...], value: Any, where: str) -> Any:
