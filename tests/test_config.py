@@ -111,8 +111,6 @@ def test_schema_coercion_rules():
 
 def test_float_written_without_a_dot_is_a_number():
     """PyYAML (YAML 1.1) reads `1e-4` as a string; a float field still takes it, other strings are refused."""
-    from draftsmith.schema import parse_overrides
-
     recipe = from_dict(Recipe, parse_overrides(["decode.top_p=9e-1"]))
     assert recipe.decode.top_p == 0.9
     with pytest.raises(ConfigError, match="decode.top_p"):
