@@ -2,7 +2,7 @@
 
     draftsmith prepare --config RECIPE [key.sub=value …] conversations → training data (tokens, features, vocab)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
-    draftsmith demo  [key.sub=value …]                   the main job on the embedded target and data
+    draftsmith demo  [--steps N …]                       the main job: prepare → train EAGLE-3 → eval
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
 lists them). Overrides use dotted keys: ``decode.k=5 target.dtype=bfloat16``.
@@ -66,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the main job on the embedded default target and data",
-                       description="Evaluate the built-in layer-skip drafter on MT-bench with the SmolLM2 target, "
-                                   "checking token identity with the target's greedy output.")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. decode.k=5")
+                       description="prepare (ShareGPT → the target's answers → tokens, feature cache, draft vocab) → "
+                                   "train an EAGLE-3 head through DeepSpeed → eval it, untrained, and the layer-skip "
+                                   "drafter in the built-in decoder on MT-bench, each output checked token for token "
+                                   "against the target's greedy decoding. Resumes where a killed run stopped.")
+    p.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default: runs/demo)")
+    p.add_argument("--conversations", type=int, default=32, help="ShareGPT conversations to regenerate (default: 32)")
+    p.add_argument("--steps", type=int, default=60, help="EAGLE-3 training steps (default: 60)")
+    p.add_argument("--prompts", type=int, default=10, help="MT-bench prompts per drafter (default: 10)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per prompt (default: 64)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="speed benchmarks measured side by side in one run (see benchmarks/)")
@@ -164,10 +170,12 @@ def run_eval_recipe(recipe) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .config import load_recipe
+    from .demo import DemoSize, run_demo
 
-    recipe = load_recipe("smollm2-135m-layerskip", ["eval.check_identity=true", "run_dir=runs/demo", *args.overrides])
-    return run_eval_recipe(recipe)
+    size = DemoSize(conversations=args.conversations, steps=args.steps, prompts=args.prompts,
+                    max_new_tokens=args.max_new_tokens)
+    run_demo(args.run_dir, size)
+    return 0
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
