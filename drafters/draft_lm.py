@@ -41,25 +41,16 @@ from torch import Tensor, nn
 from ..errors import ConfigError, DraftsmithError
 from ..target import Target, describe
 from .common import place, seeded, text_config
-from .hf_lm import HFDrafter, check_same_vocab
+from .hf_lm import HFDrafter, load_same_vocab_lm
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class DraftLMDrafter(HFDrafter):
-    """``HFDrafter`` over a trainable draft LM, carrying what ``drafters.save`` needs.
-
-    HFDrafter freezes the model it wraps; a draft LM may still be training (the recipe
-    evaluates it mid-run), so the trainable flags and train/eval mode are put back.
-    """
+    """``HFDrafter`` over a trainable draft LM, carrying what ``drafters.save`` needs."""
 
     def __init__(self, module: nn.Module, config: Any, target_info: dict[str, Any]):
-        flags = [p.requires_grad for p in module.parameters()]
-        training = module.training
         super().__init__(module)
-        for p, flag in zip(module.parameters(), flags):
-            p.requires_grad_(flag)
-        module.train(training)
         self.module = module
         self.config = config
         self.target_info = target_info
@@ -237,15 +228,7 @@ class DraftLMConfig:
         return self._finish(model, target)
 
     def _pretrained(self, target: Target) -> nn.Module:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.pretrained)
-            model = AutoModelForCausalLM.from_pretrained(self.pretrained, dtype=target.dtype)
-        except (OSError, ValueError) as e:
-            raise DraftsmithError(f"could not load drafter.pretrained = '{self.pretrained}': {e}") from e
-        check_same_vocab(tokenizer, target.tokenizer, what=f"drafter.pretrained = '{self.pretrained}'")
-        return model
+        return load_same_vocab_lm(self.pretrained, target, what=f"drafter.pretrained = '{self.pretrained}'")
 
     def _finish(self, model: nn.Module, target: Target) -> nn.Module:
         """Freeze embeddings as configured, wrap LoRA, place on the target's device/dtype."""

@@ -25,7 +25,7 @@ class HFDrafter:
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, model: torch.nn.Module):
-        self.model = freeze(model)
+        self.model = model  # not frozen here: a draft LM may still be training (proposals run in inference mode)
         self.reset()
 
     @property
@@ -78,24 +78,29 @@ class HFDrafterConfig:
     """Hub id or local folder of a causal LM with exactly the target's vocabulary."""
 
     def build(self, target: Target) -> HFDrafter:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         if not self.model:
             raise ConfigError("drafter.model must name a HF causal LM (hub id or local folder)")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.model)
-            model = AutoModelForCausalLM.from_pretrained(self.model, dtype=target.dtype)
-        except (OSError, ValueError) as e:
-            raise DraftsmithError(f"could not load drafter '{self.model}': {e}") from e
-        check_same_vocab(tokenizer, target.tokenizer, what=f"drafter '{self.model}'")
-        rows = int(model.get_output_embeddings().weight.shape[0])
-        if rows != target.vocab_size:
-            raise DraftsmithError(
-                f"drafter '{self.model}' predicts {rows} token ids but the target predicts {target.vocab_size}; "
-                f"the draft and target distributions must be over the same ids (use a model of the target's family "
-                f"with the same vocabulary size)"
-            )
-        return HFDrafter(model.to(target.device))
+        return HFDrafter(freeze(load_same_vocab_lm(self.model, target, what=f"drafter '{self.model}'")))
+
+
+def load_same_vocab_lm(name: str, target: Target, what: str) -> torch.nn.Module:
+    """Load a HF causal LM (hub id or folder) on the target's device and dtype, refusing another vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=target.dtype)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"could not load {what}: {e}") from e
+    check_same_vocab(tokenizer, target.tokenizer, what=what)
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    if rows != target.vocab_size:
+        raise DraftsmithError(
+            f"{what} predicts {rows} token ids but the target predicts {target.vocab_size}; "
+            f"the draft and target distributions must be over the same ids (use a model of the target's family "
+            f"with the same vocabulary size)"
+        )
+    return model.to(target.device)
 
 
 def check_same_vocab(tokenizer: Any, target_tokenizer: Any, what: str = "the drafter") -> None:
