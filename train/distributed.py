@@ -131,17 +131,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_ranks_true(flag: bool) -> bool:
-    """True when ``flag`` is True on every rank (so all ranks take the same branch)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=_comm_device())
-    dist.all_reduce(t)
-    return int(t.item()) == 0
-
-
 def all_sum(values: list[float]) -> list[float]:
     """Element-wise sum of a list of floats over all ranks."""
     import torch.distributed as dist
@@ -151,17 +140,6 @@ def all_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t)
     return t.tolist()
-
-
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _comm_device() -> torch.device:
