@@ -411,9 +411,10 @@ def log_heldout(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> d
     return metrics
 
 
-def decoder_eval(run: Run, engine: Any) -> dict[str, Any] | None:
-    """Save the drafter and run it in the real speculative decoder on rank 0 (the others wait)."""
-    path = save_drafter(run, engine)
+def decoder_eval(run: Run, engine: Any, path: str | None = None) -> dict[str, Any] | None:
+    """Run the drafter folder ``path`` (default: the drafter saved now) in the real speculative
+    decoder on rank 0 (the others wait)."""
+    path = path or save_drafter(run, engine)
     summary = None
     if run.world.is_main:
         from ..drafters import load
@@ -461,7 +462,7 @@ def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -
     heldout = log_heldout(run, engine, heldout_fn)
     save_checkpoint(run, engine)
     drafter_path = save_drafter(run, engine)
-    decoder = decoder_eval(run, engine) if run.cfg.eval.decoder_at_end else None
+    decoder = decoder_eval(run, engine, drafter_path) if run.cfg.eval.decoder_at_end else None
     summary = {
         "method": run.recipe.drafter.type,
         "steps": run.state.step,
