@@ -19,6 +19,7 @@ demonstration, not a useful drafter: real drafters train on GPUs for hours.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -106,9 +107,11 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None) -> dict[s
         run_eval_recipe(recipe)
         times[name] = time.perf_counter() - t
         metrics = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
+        with open(os.path.join(recipe.run_dir, "eval_outputs.jsonl"), encoding="utf-8") as f:
+            checked = [json.loads(line).get("identical_to_target") for line in f]
         rows.append({"drafter": label, "k": recipe.decode.k, **{key: metrics[key] for key in (
             "tau_with_bonus", "acceptance_rate", "acceptance_at_position", "tokens_per_s", "new_tokens")},
-            "identical_to_target": f"{size.prompts}/{size.prompts}"})
+            "identical_to_target": f"{sum(c is True for c in checked)}/{len(checked)}"})
 
     summary = {"size": size.__dict__, "stage_seconds": {k: round(v, 1) for k, v in times.items()},
                "train": {k: train_summary.get(k) for k in ("steps", "heldout", "drafter")}, "drafters": rows,
@@ -120,8 +123,6 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None) -> dict[s
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    import json
-
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
