@@ -81,8 +81,8 @@ class RegenerateConfig:
     """Self-distillation: every assistant turn rewritten by the frozen target, turn by turn."""
 
     method: Literal["generate", "speculative"] = "generate"
-    """generate: batched HF generate with left padding (on CPU 1.2–2.8× batch 1 and 3.2–3.5× the speculative
-    decoder with the layer-skip drafter, see benchmarks/RESULTS.md); speculative: the built-in decoder with the
+    """generate: batched HF generate with left padding (on CPU 1.25–2.0× batch 1 and 3.2–7.8× the speculative
+    decoder with the untrained layer-skip drafter, see benchmarks/RESULTS.md); speculative: the built-in decoder with the
     recipe's drafter, batch 1 (worth it only with a drafter that is accepted often)."""
     max_new_tokens: int = 512
     """Longest regenerated turn; a turn cut here is kept (finish_reason 'length')."""

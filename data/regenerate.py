@@ -13,10 +13,10 @@ the result is exactly the set an uninterrupted run writes.
 
 Two engines (``method``): batched HF ``generate`` with left padding (default), or the
 built-in speculative decoder with any drafter (batch size 1, lossless). Measured on
-the SmolLM2 target on 2 CPU cores, batch 8 ran 1.2× (one thread) to 2.8× (two threads)
-faster than batch 1 and 3.2–3.5× faster than speculative decoding with the untrained
-layer-skip drafter, all with identical greedy tokens (benchmarks/RESULTS.md); batching
-gains more on a GPU.
+the SmolLM2 target on 2 CPU cores, batch 8 ran 1.25× (one thread) to 2.0× (two threads)
+faster than batch 1 and 3.2× (one thread) to 7.8× (two threads) faster than speculative
+decoding with the untrained layer-skip drafter, all with identical greedy tokens
+(benchmarks/RESULTS.md, "prepare"); batching gains more on a GPU.
 A conversation whose next prompt no longer fits ``max_length`` keeps the turns already
 answered; one whose first prompt does not fit is skipped as ``prompt_too_long``.
 """
