@@ -242,8 +242,8 @@ def cached_layers(hidden: Tensor, cached: list[int], wanted: tuple[int, ...], hi
     missing = [layer for layer in wanted if layer not in cached]
     if missing:
         raise DraftsmithError(f"the feature cache holds target layers {cached}, but this drafter needs {list(wanted)} "
-                              f"(missing {missing}); rebuild it with those layers (data.feature_layers) or train online "
-                              f"(train.features empty)")
+                              f"(missing {missing}); rebuild it with those layers (data.features.layer_ids) or train "
+                              f"online (train.features empty)")
     cols = [cached.index(layer) for layer in wanted]
     return torch.cat([hidden[..., c * hidden_size : (c + 1) * hidden_size] for c in cols], dim=-1)
 
@@ -263,7 +263,8 @@ def cached_logits(target: Target, batch: Batch, cached: list[int]) -> Tensor:
         full = torch.full((*batch.input_ids.shape, target.vocab_size), float("-inf"), device=batch.topk_logits.device)
         return full.scatter(-1, batch.topk_ids, batch.topk_logits.float())
     raise DraftsmithError(f"the feature cache has neither the target's last layer ({last}) nor top-k logits, so it "
-                          f"gives no target distribution; rebuild it with layer {last} or data.topk > 0")
+                          f"gives no target distribution; rebuild it with layer {last} in data.features.layer_ids "
+                          f"or data.features.topk > 0")
 
 
 def uniform_noise(x: Tensor, amplitude: float) -> Tensor:
