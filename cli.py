@@ -1,7 +1,9 @@
 """The ``draftsmith`` command line. Each stage runs alone:
 
     draftsmith prepare --config RECIPE [key.sub=value …] conversations → training data (tokens, features, vocab)
+    draftsmith train --config RECIPE [key.sub=value …]   the recipe's drafter, through DeepSpeed (resumable)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
+    draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
     draftsmith demo  [--steps N …]                       the main job: prepare → train EAGLE-3 → eval
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
