@@ -141,6 +141,18 @@ def test_collate_pads_cached_features_with_zeros():
     assert b.hidden[1].tolist() == [[2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
 
 
+def test_rows_ahead_equals_the_masked_shifted_copy():
+    from draftsmith.drafters.common import shift_left
+    from draftsmith.train.common import rows_ahead
+
+    x = torch.arange(2 * 6 * 3).view(2, 6, 3)  # [B, S, V]
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)  # last 2 columns False
+    for n in (0, 1, 2):
+        assert torch.equal(rows_ahead(x, n, mask), shift_left(x, n)[mask])
+    assert rows_ahead(x, 2, mask)[:, 0].tolist() == [6, 12, 15, 27, 33]  # x[b, t + 2, 0] = 18 b + 3 (t + 2)
+    assert rows_ahead(x, 7, torch.zeros(2, 6, dtype=torch.bool)).shape == (0, 3)  # nothing n ahead in a short batch
+
+
 def test_only_distributed_py_touches_deepspeed_or_torch_distributed():
     """Models, losses and the decoder take distribution from outside (DESIGN.md)."""
     import ast

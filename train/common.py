@@ -267,6 +267,13 @@ def cached_logits(target: Target, batch: Batch, cached: list[int]) -> Tensor:
                           f"or data.features.topk > 0")
 
 
+def rows_ahead(x: Tensor, n: int, mask: Tensor) -> Tensor:
+    """``shift_left(x, n)[mask]`` without building the shifted copy: the rows ``x[b, t + n]`` for
+    every ``mask[b, t]``. x: [B, S, ...] (e.g. the target's logits [B, S, V]); mask: [B, S] bool,
+    False in its last n columns (they have no row n ahead). Returns [N, ...], N = mask.sum()."""
+    return x[:, n:][mask[:, : max(x.shape[1] - n, 0)]]
+
+
 def uniform_noise(x: Tensor, amplitude: float) -> Tensor:
     """x + U(−a, a) elementwise (EAGLE's feature noise); x itself when a = 0."""
     if amplitude <= 0:

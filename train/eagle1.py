@@ -33,7 +33,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
 
     def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
         regression = losses.smooth_l1(pred, shift_left(features, 1), mask)
-        token = losses.token_loss(cfg.loss.kind, logits[mask], shift_left(target_logits, 1)[mask],
+        token = losses.token_loss(cfg.loss.kind, logits[mask], common.rows_ahead(target_logits, 1, mask),
                                   mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
         loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
         return loss, {"loss/feature": regression.item(), "loss/token": token.item()}

@@ -49,12 +49,12 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         p_draft, in_vocab = losses.restrict_to_draft_vocab(target_logits, draft_ids, batch.attention_mask.bool())
         total, parts = None, {}
         for j, (_, logits) in enumerate(steps):
-            p_logits = shift_left(p_draft, j + 1)
             mask = shift_left(batch.loss_mask, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
             if j > 0 and not mask.any():
                 continue  # sequences shorter than the unroll; step 0 with nothing raises EmptyBatchError
-            step_loss = losses.token_loss(cfg.loss.kind, logits[mask], p_logits[mask], mask[mask],
-                                          cfg.loss.temperature, cfg.loss.jsd_beta)
+            p_rows = common.rows_ahead(p_draft, j + 1, mask)  # the target at t+j+1, for the rows that count
+            step_loss = losses.token_loss(cfg.loss.kind, logits[mask], p_rows, mask[mask], cfg.loss.temperature,
+                                          cfg.loss.jsd_beta)
             total = weights[j] * step_loss if total is None else total + weights[j] * step_loss
             parts[f"loss/step{j}"] = step_loss.item()
         return total, parts

@@ -38,7 +38,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         features, target_logits = common.features_and_logits(run, batch, last_layer)
         masks = [shift_left(batch.loss_mask, k + 2, fill=False) for k in range(num_heads)]
         logits = engine(lambda m: head_rows(m, features.to(run.dtype), masks))
-        targets = [shift_left(target_logits, k + 1)[mask] for k, mask in enumerate(masks)]
+        targets = [common.rows_ahead(target_logits, k + 1, mask) for k, mask in enumerate(masks)]
         return logits, targets, masks
 
     def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
