@@ -326,6 +326,11 @@ def _convert_gguf(path: str) -> str:
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     except ImportError as e:
         raise DraftsmithError(f"reading '{path}' needs the gguf package: pip install gguf ({e})") from e
+    except (OSError, ValueError) as e:  # not a GGUF file, or an architecture transformers cannot dequantize
+        raise DraftsmithError(
+            f"could not load '{path}' as a GGUF model: {e}\n"
+            f"Pass a GGUF of a causal LM that transformers reads (Llama, Qwen2, Mistral, …), or a HF model folder."
+        ) from e
     # save_pretrained refuses a GGUF-quantized model; the weights are already dequantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -127,6 +127,16 @@ def test_gguf_conversion_is_cached(smollm2_folder, monkeypatch, tmp_path):
         (tmp_path / "cache" / "targets").glob("copy-*"))  # nothing half-written
 
 
+def test_a_file_that_is_not_a_gguf_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    bogus = tmp_path / "model.gguf"
+    bogus.write_text("not a gguf")
+    with pytest.raises(DraftsmithError, match="could not load '.*model.gguf' as a GGUF model") as e:
+        load_target(str(bogus))
+    assert "Pass a GGUF of a causal LM" in str(e.value)
+    assert not list((tmp_path / "cache" / "targets").glob("model-*"))  # nothing cached
+
+
 def test_bad_target_specs(tmp_path):
     with pytest.raises(DraftsmithError, match="unknown target 'no-such-model'"):
         load_target("no-such-model")
