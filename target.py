@@ -149,7 +149,13 @@ class Target:
         """
         captured: dict[int, Tensor] = {}
         hooks = []
-        layers = self.model.model.layers if feature_layers else ()  # only decoder stacks that expose features
+        layers = getattr(getattr(self.model, "model", None), "layers", None) if feature_layers else ()
+        if layers is None:
+            raise DraftsmithError(
+                f"target '{self.name}' ({type(self.model).__name__}) has no decoder layers at model.model.layers, "
+                f"where draftsmith captures features; the feature cache and the EAGLE / Medusa drafters need a "
+                f"Llama-style model (Llama, Qwen2/3, Mistral, SmolLM, …)"
+            )
         for layer in feature_layers:
             idx = self.layer_index(layer)
 

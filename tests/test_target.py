@@ -94,6 +94,15 @@ def test_bad_feature_layer(smollm2):
         smollm2.forward(IDS, feature_layers=(30,))
 
 
+def test_features_of_a_model_without_a_llama_layer_stack(smollm2_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = Target(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64)), smollm2_tokenizer, "gpt2")
+    assert gpt2.forward(IDS % 64).features is None  # logits alone need no layer stack
+    with pytest.raises(DraftsmithError, match=r"'gpt2' \(GPT2LMHeadModel\) has no decoder layers at model.model.layers"):
+        gpt2.forward(IDS % 64, feature_layers=(0,))
+
+
 def test_gguf_conversion_is_cached(smollm2_folder, monkeypatch, tmp_path):
     """The builtin alias resolves to the converted folder without reading the GGUF again;
     another GGUF path (here a symlink to the same file) is a new cache key and would convert."""
