@@ -134,6 +134,21 @@ def test_nan_loss_stops_after_max_bad_steps(tmp_path, monkeypatch, tiny_target_d
         run_training(recipe)
 
 
+def test_out_of_memory_names_the_settings_that_shrink_a_step(tmp_path, monkeypatch, tiny_target_dir, tiny_train_data):
+    from draftsmith.train import losses
+
+    def smooth_l1(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(losses, "smooth_l1", smooth_l1)
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=2",
+                         "train.loss.feature_weight=1.0")
+    with pytest.raises(DraftsmithError, match=r"out of memory on cpu at step 0 .* Lower train.batch_size \(4\) or "
+                                              r"train.max_length \(48\)") as e:
+        run_training(recipe)
+    assert isinstance(e.value.__cause__, torch.cuda.OutOfMemoryError)
+
+
 def test_batches_without_valid_tokens_are_skipped_and_counted(tmp_path, tiny_target_dir, make_tokenized):
     from draftsmith.train.data import BatchOrder, split_heldout
 

@@ -289,13 +289,16 @@ def optimizer_step(run: Run, engine: Any, compute: Callable[[], tuple[Tensor, di
 
     If ``compute`` finds no valid token (EmptyBatchError) or the loss is not finite on any
     rank, every rank skips this micro-batch (nothing is accumulated) and counts the reason;
-    more than ``train.max_bad_steps`` non-finite losses stop the run.
+    more than ``train.max_bad_steps`` non-finite losses stop the run. Running out of accelerator
+    memory is a DraftsmithError naming the settings that shrink a step.
     """
     loss, parts, empty = None, {}, False
     try:
         loss, parts = compute()
     except EmptyBatchError:
         empty = True
+    except torch.cuda.OutOfMemoryError as e:
+        raise _out_of_memory(run, tokens) from e
     bad = not empty and not bool(torch.isfinite(loss.detach()))
     n_empty, n_bad = distributed.all_sum([float(empty), float(bad)])
     if n_empty or n_bad:
@@ -311,8 +314,11 @@ def optimizer_step(run: Run, engine: Any, compute: Callable[[], tuple[Tensor, di
         run.monitor.note(f"step {run.state.step}: skipped a micro-batch ({reason}); counts so far {run.state.skipped}")
         return False
     boundary = engine.is_gradient_accumulation_boundary()
-    engine.backward(loss)
-    engine.step()
+    try:
+        engine.backward(loss)
+        engine.step()
+    except torch.cuda.OutOfMemoryError as e:
+        raise _out_of_memory(run, tokens) from e
     run.monitor.count_tokens(tokens)
     for k, v in {"loss": float(loss.detach()), **parts}.items():
         run.pending.setdefault(k, []).append(float(v))
@@ -320,6 +326,16 @@ def optimizer_step(run: Run, engine: Any, compute: Callable[[], tuple[Tensor, di
         run.state.step += 1
         run.monitor.advance()
     return boundary
+
+
+def _out_of_memory(run: Run, tokens: int) -> DraftsmithError:
+    cfg = run.cfg
+    return DraftsmithError(
+        f"out of memory on {run.world.device} at step {run.state.step} (a micro-batch of {tokens} tokens). Lower "
+        f"train.batch_size ({cfg.batch_size}) or train.max_length ({cfg.max_length}) and raise "
+        f"gradient_accumulation_steps in the DeepSpeed JSON to keep the batch, partition the drafter with ZeRO-3 "
+        f"(train.deepspeed=zero3), or train from a feature cache (train.features); the last checkpoint is intact"
+    )
 
 
 def after_step(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> None:
