@@ -220,15 +220,15 @@ class FeatureCache:
                 f"tokenizer is {target.tokenizer_hash}; {rebuild}"
             )
         cache = cls(path, manifest, verify)
-        for s, meta in enumerate(cache._shards):
+        for meta in cache._shards:
             file = os.path.join(path, meta["file"])
             if not os.path.isfile(file):
                 raise DraftsmithError(f"feature cache '{path}' is missing shard {meta['file']}; {rebuild}")
             if os.path.getsize(file) != meta["bytes"]:
                 raise DraftsmithError(f"feature cache shard {file} is {os.path.getsize(file)} bytes, the manifest says "
                                       f"{meta['bytes']}: it is truncated or was replaced; delete it and {rebuild}")
-            if verify == "all":
-                cache._check(s)
+        if verify == "all":
+            cache.verify_all()
         return cache
 
     @property
