@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from .demo import DemoSize
 from .errors import DraftsmithError
 
 
@@ -73,10 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "drafter in the built-in decoder on MT-bench, each output checked token for token "
                                    "against the target's greedy decoding. Resumes where a killed run stopped.")
     p.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default: runs/demo)")
-    p.add_argument("--conversations", type=int, default=32, help="ShareGPT conversations to regenerate (default: 32)")
-    p.add_argument("--steps", type=int, default=60, help="EAGLE-3 training steps (default: 60)")
-    p.add_argument("--prompts", type=int, default=10, help="MT-bench prompts per drafter (default: 10)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per prompt (default: 64)")
+    size = DemoSize()
+    p.add_argument("--conversations", type=int, default=size.conversations,
+                   help=f"ShareGPT conversations whose first answer the target regenerates (default: {size.conversations})")
+    p.add_argument("--steps", type=int, default=size.steps, help=f"EAGLE-3 training steps (default: {size.steps})")
+    p.add_argument("--prompts", type=int, default=size.prompts, help=f"MT-bench prompts per drafter (default: {size.prompts})")
+    p.add_argument("--max-new-tokens", type=int, default=size.max_new_tokens,
+                   help=f"tokens decoded per prompt (default: {size.max_new_tokens})")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="speed benchmarks measured side by side in one run (see benchmarks/)")
@@ -172,7 +176,7 @@ def run_eval_recipe(recipe) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoSize, run_demo
+    from .demo import run_demo
 
     size = DemoSize(conversations=args.conversations, steps=args.steps, prompts=args.prompts,
                     max_new_tokens=args.max_new_tokens)

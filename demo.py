@@ -30,9 +30,9 @@ from .files import write_json
 
 @dataclass
 class DemoSize:
-    conversations: int = 32
+    conversations: int = 96
     """ShareGPT conversations whose first answer the target regenerates."""
-    steps: int = 60
+    steps: int = 120
     """EAGLE-3 optimizer steps."""
     prompts: int = 10
     """MT-bench first turns decoded per drafter."""
