@@ -96,7 +96,7 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None) -> dict[s
     train_summary = run_training(load_recipe("smollm2-135m-eagle3", stages["train"]))
     times["train"] = time.perf_counter() - t
 
-    rows = []
+    rows, platform = [], ""
     for name, recipe_name, label in (
         ("eval_trained", "smollm2-135m-eagle3", f"EAGLE-3 head, trained {size.steps} steps"),
         ("eval_untrained", "smollm2-135m-eagle3", "EAGLE-3 head, untrained (same seed)"),
@@ -107,18 +107,19 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None) -> dict[s
         run_eval_recipe(recipe)
         times[name] = time.perf_counter() - t
         metrics = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
+        platform = f"{metrics['target']['dtype']} on {metrics['target']['device']}"
         with open(os.path.join(recipe.run_dir, "eval_outputs.jsonl"), encoding="utf-8") as f:
             checked = [json.loads(line).get("identical_to_target") for line in f]
         rows.append({"drafter": label, "k": recipe.decode.k, **{key: metrics[key] for key in (
             "tau_with_bonus", "acceptance_rate", "acceptance_at_position", "tokens_per_s", "new_tokens")},
             "identical_to_target": f"{sum(c is True for c in checked)}/{len(checked)}"})
 
-    summary = {"size": size.__dict__, "stage_seconds": {k: round(v, 1) for k, v in times.items()},
+    summary = {"size": size.__dict__, "platform": platform, "stage_seconds": {k: round(v, 1) for k, v in times.items()},
                "train": {k: train_summary.get(k) for k in ("steps", "heldout", "drafter")}, "drafters": rows,
                "note": "tau counts the bonus token; every output was checked token for token against the "
-                       "target's own greedy decoding (fp32)"}
+                       "target's own greedy decoding"}
     write_json(os.path.join(run_dir, "demo_summary.json"), summary)
-    _print_table(rows, times, run_dir)
+    _print_table(rows, times, run_dir, platform)
     return summary
 
 
@@ -127,12 +128,12 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _print_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: str) -> None:
+def _print_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: str, platform: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="draftsmith demo: drafters for SmolLM2-135M-Instruct in the built-in decoder "
-                        "(MT-bench first turns, greedy, fp32 CPU)")
+                        f"(MT-bench first turns, greedy, {platform})")
     for col in ("drafter", "k", "τ (bonus counted)", "acceptance", "accept @ pos 1..k", "tok/s", "identical"):
         table.add_column(col)
     for r in rows:

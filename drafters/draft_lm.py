@@ -5,9 +5,8 @@ Two ways to get one:
 * **from the target's own config** (default): the same architecture class with ``num_layers``
   layers, optionally narrower (``hidden_size``). At the target's width, ``layer_init: copy``
   starts from the target's FIRST n layers (as layer-skip drafting does), and the embedding,
-  final norm and lm_head are copies of the target's. (Untrained, on SmolLM2 with 3 MT-bench
-  prompts and k=4, the first 4 / 8 layers had 0.3% / 0.9% of drafts accepted; evenly spaced
-  layers, or first + last, 0%.)
+  final norm and lm_head are copies of the target's (untrained, an early exit drafts poorly:
+  see the layer-skip depth sweep in benchmarks/RESULTS.md).
   Narrower, the layers start random and the embedding / lm_head are the target's projected
   onto their top ``hidden_size`` principal directions: with P [H, h] the top eigenvectors of
   EᵀE, the draft embedding is E·P (and the lm_head W·P_W, P_W from WᵀW; a tied draft uses

@@ -585,6 +585,5 @@ def test_all_outcomes_enumerated():
     law = sequence_law(random_table(1), PROMPT, 3, Warp(temperature=1.0, top_k=3))
     assert sum(law.values()) == pytest.approx(1.0)
     assert all(s[-1] == EOS or len(s) == 3 for s in law)
-    assert len(law) == len({s for s in law})
     assert max(len(s) for s in law) == 3 and any(len(s) < 3 for s in law)
     assert set(itertools.chain.from_iterable(law)) <= set(range(V))
