@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
-        return 2
+        return int(getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         print("draftsmith: interrupted", file=sys.stderr)
         return 130

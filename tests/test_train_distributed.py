@@ -2,7 +2,7 @@
 
 Each run is a `draftsmith train` subprocess on the tiny target, kept to a few steps: two
 processes under torchrun with ZeRO-2, two under the deepspeed launcher with ZeRO-3, and a
-single process killed with SIGKILL mid-run then resumed. Tests check the runs' results
+single process killed with SIGKILL (or preempted with SIGTERM) mid-run then resumed. Tests check the runs' results
 (logs, summaries, saved drafters), not only exit codes: about 1 in 10 two-process ZeRO-3 gloo
 runs crash *at exit* after finishing ("terminate called without an active exception").
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -104,44 +103,109 @@ def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny
     assert out.tokens == target_greedy(target, prompt, 10)[: len(out.tokens)]
 
 
-def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dir, tiny_train_data, one_thread):
-    """SIGKILL after the step-4 checkpoint, re-run the same command: the final weights equal an
-    uninterrupted run's, with gradient accumulation, feature noise (RNG) and a decaying LR in play."""
-    from safetensors.torch import load_file
+RESUME_ARGS = ["train.steps=10", "train.feature_noise=0.05", "train.checkpoint.keep=1", "train.schedule.kind=cosine",
+               "train.schedule.warmup_steps=2"]
+"""Gradient accumulation (the JSON below), feature noise (RNG) and a decaying LR are all in play."""
 
+
+def resume_args(tmp_path, *extra: str) -> list[str]:
     ds_json = tmp_path / "zero2_gas2.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False},
                                    "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}))
-    common = ["train.steps=10", f"train.deepspeed={ds_json}", "train.feature_noise=0.05", "train.checkpoint.every=4",
-              "train.checkpoint.keep=1", "train.schedule.kind=cosine", "train.schedule.warmup_steps=2"]
+    return [*RESUME_ARGS, f"train.deepspeed={ds_json}", *extra]
 
-    straight = tmp_path / "straight"
-    run_training(load_recipe("smollm2-135m-eagle3", overrides(tiny_target_dir, tiny_train_data, straight, *common)))
 
-    killed = tmp_path / "killed"
-    args = overrides(tiny_target_dir, tiny_train_data, killed, *common)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_target_dir, tiny_train_data) -> dict[str, torch.Tensor]:
+    """The drafter weights of the resume tests' run, trained without interruption."""
+    from safetensors.torch import load_file
+
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_training(load_recipe("smollm2-135m-eagle3",
+                                 overrides(tiny_target_dir, tiny_train_data, tmp / "run", *resume_args(tmp))))
+    finally:
+        torch.set_num_threads(threads)
+    return load_file(os.path.join(tmp, "run", "drafter", "model.safetensors"))
+
+
+def interrupt(tmp_path, args: list[str], run_dir, sig: signal.Signals, after_step: int) -> subprocess.Popen:
+    """Start `draftsmith train`, send ``sig`` once its log shows step ``after_step``; return the ended process."""
     cmd = [os.path.join(BIN, "draftsmith"), "train", "--config", "smollm2-135m-eagle3", *args]
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=open(tmp_path / "killed.err", "w"))
-    log = killed / "logs" / "train.rank0.jsonl"
+    err = tmp_path / f"{sig.name}.err"
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    log = run_dir / "logs" / "train.rank0.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if log.is_file() and any(json.loads(line).get("step", 0) >= 5 for line in log.read_text().splitlines()):
-            proc.send_signal(signal.SIGKILL)
+        if log.is_file() and any(json.loads(line).get("step", 0) >= after_step for line in log.read_text().splitlines()):
+            proc.send_signal(sig)
             break
         time.sleep(0.02)
-    assert proc.wait(timeout=60) == -signal.SIGKILL, (
-        "the run ended before it could be killed mid-way: " + (tmp_path / "killed.err").read_text()[-3000:])
-    assert not (killed / "train_summary.json").exists()
-    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    proc.wait(timeout=120)
+    proc.stderr_text = err.read_text()
+    assert not (run_dir / "train_summary.json").exists(), "the run ended before it could be interrupted mid-way"
+    return proc
 
+
+def resume_and_compare(args: list[str], run_dir, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """Re-run the same command; it must resume, finish, and end with the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    cmd = [os.path.join(BIN, "draftsmith"), "train", "--config", "smollm2-135m-eagle3", *args]
     resumed = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
     assert "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
-    summary = summary_of(killed, resumed)
+    summary = summary_of(run_dir, resumed)
     assert summary["steps"] == 10 and summary["micro_steps"] == 20
-    a = load_file(os.path.join(straight, "drafter", "model.safetensors"))
-    b = load_file(os.path.join(killed, "drafter", "model.safetensors"))
-    assert a.keys() == b.keys()
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    weights = load_file(os.path.join(run_dir, "drafter", "model.safetensors"))
+    assert weights.keys() == uninterrupted.keys()
+    worst = max(float((weights[k].float() - uninterrupted[k].float()).abs().max()) for k in weights)
     print(f"resumed vs uninterrupted: max weight difference {worst}")
     assert worst <= 1e-6, f"resumed weights differ from the uninterrupted run's by up to {worst}"
-    shutil.rmtree(straight / "checkpoints")  # keep tmp small
+
+
+def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dir, tiny_train_data, uninterrupted):
+    """SIGKILL after the step-4 checkpoint, re-run the same command: the final weights equal an
+    uninterrupted run's."""
+    run_dir = tmp_path / "killed"
+    args = overrides(tiny_target_dir, tiny_train_data, run_dir, *resume_args(tmp_path, "train.checkpoint.every=4"))
+    proc = interrupt(tmp_path, args, run_dir, signal.SIGKILL, after_step=5)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr_text[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    resume_and_compare(args, run_dir, uninterrupted)
+
+
+def test_preempted_run_checkpoints_on_sigterm_and_resumes(tmp_path, tiny_target_dir, tiny_train_data, uninterrupted):
+    """SIGTERM (a scheduler's preemption) with no periodic checkpoint due: the run saves one at the
+    end of the step it is in, exits with 128 + 15, and the same command resumes to the same weights."""
+    run_dir = tmp_path / "preempted"
+    args = overrides(tiny_target_dir, tiny_train_data, run_dir, *resume_args(tmp_path, "train.checkpoint.every=0"))
+    proc = interrupt(tmp_path, args, run_dir, signal.SIGTERM, after_step=3)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
+    assert "stopped by SIGTERM after step" in proc.stderr_text and "run the same command again" in proc.stderr_text
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert 3 <= int(latest.removeprefix("step_")) < 10, latest
+    resume_and_compare(args, run_dir, uninterrupted)
+
+
+def test_resuming_with_another_zero_stage_is_refused(tmp_path, tiny_target_dir, tiny_train_data, one_thread):
+    from draftsmith.errors import DraftsmithError
+
+    run_dir = tmp_path / "run"
+    run_training(load_recipe("smollm2-135m-eagle3", overrides(tiny_target_dir, tiny_train_data, run_dir,
+                                                              "train.steps=1", "train.deepspeed=zero0")))
+    again = overrides(tiny_target_dir, tiny_train_data, run_dir, "train.steps=2", "train.deepspeed=zero2")
+    with pytest.raises(DraftsmithError, match=r"written with ZeRO stage 0, but this run uses stage 2.*train.deepspeed=zero0"):
+        run_training(load_recipe("smollm2-135m-eagle3", again))
+
+
+def test_partitioned_optimizer_state_needs_the_same_number_of_processes():
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.train.checkpoint import check_layout
+
+    check_layout({"zero_stage": 0, "world_size": 2}, 0, 1, "ckpt")  # ZeRO-0: whole optimizer state, any world
+    check_layout({"zero_stage": 2, "world_size": 2}, 2, 2, "ckpt")
+    check_layout({"step": 3}, 2, 4, "ckpt")  # written before the layout was recorded: DeepSpeed decides
+    with pytest.raises(DraftsmithError, match="written by 2 processes with ZeRO-2.*resume on 2 processes"):
+        check_layout({"zero_stage": 2, "world_size": 2}, 2, 1, "ckpt")

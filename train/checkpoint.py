@@ -8,6 +8,13 @@ does rank 0 rename it into place and then point ``latest`` at it (both atomic
 renames), so a kill at any moment leaves the previous checkpoint intact and
 ``latest`` never names a half-written one. The folder must be on storage every rank
 sees (a shared filesystem on multi-node runs).
+
+Preemption: while a recipe runs (:func:`stop_on_signals`), SIGTERM or SIGUSR1 — what
+schedulers send before they take the machines back (SLURM: ``--signal=USR1@120`` or
+``scancel``; Kubernetes: SIGTERM then SIGKILL after the grace period) — does not kill
+the process: the loop finishes its optimizer step, every rank agrees to stop, a checkpoint
+is written and the run exits with 128 + the signal number. Running the same command again
+resumes from it. A second signal kills at once.
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ import json
 import os
 import random
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -27,6 +38,42 @@ from . import distributed
 from .distributed import World
 
 CHECKPOINTS = "checkpoints"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_received: list[int] = []
+"""Stop signals received while :func:`stop_on_signals` is active (this process only)."""
+
+
+class Stopped(DraftsmithError):
+    """Training stopped on a signal after saving a checkpoint; the same command resumes it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM / SIGUSR1 into a stop request (:func:`stop_requested`) for the duration."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = {sig: signal.signal(sig, _request_stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _received.clear()
+
+
+def _request_stop(signum: int, frame: Any) -> None:
+    _received.append(signum)
+    signal.signal(signum, signal.SIG_DFL)  # a second one kills at once
+
+
+def stop_requested() -> int:
+    """The first stop signal this process received (0: none)."""
+    return _received[0] if _received else 0
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -59,7 +106,8 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
     torch.save(rng_state(), os.path.join(root, tmp_tag, f"rng_rank{world.rank}.pt"))
     distributed.barrier()
     if world.is_main:
-        write_json(os.path.join(root, tmp_tag, "trainer_state.json"), state)
+        layout = {"zero_stage": distributed.zero_stage(engine), "world_size": world.world_size}
+        write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, **layout})
         final = os.path.join(root, tag)
         if os.path.isdir(final):
             shutil.rmtree(final)
@@ -78,6 +126,7 @@ def load_checkpoint(engine: Any, world: World, path: str) -> dict[str, Any]:
         raise DraftsmithError(f"'{path}' is not a draftsmith checkpoint (no trainer_state.json)")
     with open(state_file, encoding="utf-8") as f:
         state = json.load(f)
+    check_layout(state, distributed.zero_stage(engine), world.world_size, path)
     distributed.load_engine(engine, os.path.dirname(path), os.path.basename(path))
     rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
     if state.get("world_size") == world.world_size and os.path.isfile(rng_file):
@@ -86,6 +135,26 @@ def load_checkpoint(engine: Any, world: World, path: str) -> dict[str, Any]:
         # another number of processes: the data order maps over, per-rank random streams cannot
         seed_everything(int(state.get("seed", 0)) + 1000 * int(state["step"]) + world.rank)
     return state
+
+
+def check_layout(state: dict[str, Any], stage: int, world_size: int, path: str) -> None:
+    """Refuse, before DeepSpeed tries, a checkpoint whose optimizer state this run cannot read.
+
+    The ZeRO stage decides the files a checkpoint holds, so it must match; from ZeRO-1 on the
+    optimizer state is partitioned over the processes, so their number must match too (ZeRO-0
+    keeps it whole and resumes on any number of processes).
+    """
+    saved_stage, saved_world = state.get("zero_stage"), state.get("world_size")
+    if saved_stage is not None and saved_stage != stage:
+        raise DraftsmithError(
+            f"checkpoint '{path}' was written with ZeRO stage {saved_stage}, but this run uses stage {stage}; resume "
+            f"with the engine config it was made with (train.deepspeed=zero{saved_stage} or the same JSON), or start "
+            f"a new run in another run_dir")
+    if stage > 0 and saved_world is not None and saved_world != world_size:
+        raise DraftsmithError(
+            f"checkpoint '{path}' was written by {saved_world} processes with ZeRO-{stage}, whose optimizer state is "
+            f"partitioned per process, and this run has {world_size}; resume on {saved_world} processes, or start a "
+            f"new run in another run_dir (ZeRO-0 checkpoints resume on any number of processes)")
 
 
 def rng_state() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -73,6 +74,8 @@ class Run:
     """Loss parts of the micro-batches since the last log line."""
     wall_s: float = 0.0
     """Wall time of this process's training loop so far (excludes setup)."""
+    stop_signal: int = 0
+    """A stop signal (SIGTERM / SIGUSR1) some rank received: checkpoint at the next step and stop."""
 
     @property
     def cfg(self) -> Any:
@@ -300,7 +303,9 @@ def optimizer_step(run: Run, engine: Any, compute: Callable[[], tuple[Tensor, di
     except torch.cuda.OutOfMemoryError as e:
         raise _out_of_memory(run, tokens) from e
     bad = not empty and not bool(torch.isfinite(loss.detach()))
-    n_empty, n_bad = distributed.all_sum([float(empty), float(bad)])
+    n_empty, n_bad, n_stop = distributed.all_sum([float(empty), float(bad), float(bool(checkpoint.stop_requested()))])
+    if n_stop and not run.stop_signal:  # some rank was signalled: every rank stops after this same step
+        run.stop_signal = checkpoint.stop_requested() or int(signal.SIGTERM)
     if n_empty or n_bad:
         reason = "non_finite_loss" if n_bad else "no_valid_tokens"
         run.state.skipped[reason] = run.state.skipped.get(reason, 0) + 1
@@ -355,6 +360,19 @@ def after_step(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics
     if _due(step, cfg.checkpoint.every) and not done:
         save_checkpoint(run, engine)
     run.monitor.discount(time.perf_counter() - t0)
+    if run.stop_signal and not done:
+        stop(run, engine)
+
+
+def stop(run: Run, engine: Any) -> None:
+    """Checkpoint now and raise :class:`checkpoint.Stopped` (preemption; see ``checkpoint``)."""
+    path = save_checkpoint(run, engine)
+    name = signal.Signals(run.stop_signal).name
+    message = (f"stopped by {name} after step {run.state.step} of {run.cfg.steps}; checkpoint {path} is saved, run the "
+               f"same command again to resume from it")
+    run.monitor.note(message)
+    run.monitor.close()
+    raise checkpoint.Stopped(message, run.stop_signal)
 
 
 def _due(step: int, every: int) -> bool:

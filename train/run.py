@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
-from . import distributed, draft_lm, eagle1, eagle3, medusa
+from . import checkpoint, distributed, draft_lm, eagle1, eagle3, medusa
 
 
 def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
@@ -26,7 +26,8 @@ def run_training(recipe: Any, resume: str | None = None) -> dict[str, Any]:
                           f"{', '.join(table)}")
     world = distributed.init_distributed()
     try:
-        summary = table[method](recipe, world, resume)
+        with checkpoint.stop_on_signals():  # SIGTERM / SIGUSR1: checkpoint, then stop (preemption)
+            summary = table[method](recipe, world, resume)
     except BaseException:
         distributed.shutdown(wait_for_peers=False)  # a peer may be gone: no barrier
         raise
