@@ -60,6 +60,18 @@ def test_zero_stage_that_does_not_exist(tmp_path):
         load_engine_config(_write(tmp_path, {"zero_optimization": {"stage": 4}}), 1, CPU)
 
 
+def test_zero_block_is_checked_against_deepspeeds_schema(tmp_path):
+    bad = {"zero_optimization": {"stage": 2, "overlap_com": True}}  # a typo of overlap_comm
+    with pytest.raises(ConfigError, match=r"(?s)zero_optimization is not valid for DeepSpeed [\d.]+: .*\noverlap_com\n.*Extra inputs"):
+        load_engine_config(_write(tmp_path, bad), 1, CPU)
+    assert load_engine_config(_write(tmp_path, {"zero_optimization": {"stage": 2, "overlap_comm": True}}), 1, CPU)
+
+
+def test_gradient_clipping_must_be_a_number(tmp_path):
+    with pytest.raises(ConfigError, match="gradient_clipping = 'x' must be a number ≥ 0"):
+        load_engine_config(_write(tmp_path, {"gradient_clipping": "x"}), 1, CPU)
+
+
 def test_fp16_on_cpu_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="fp16, which DeepSpeed does not support on CPU; use bf16 or fp32"):
         load_engine_config(_write(tmp_path, {"fp16": {"enabled": True}}), 1, CPU)

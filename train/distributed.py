@@ -183,6 +183,10 @@ def load_engine_config(name: str, micro_batch_size: int, device: torch.device) -
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"DeepSpeed config '{path}': zero_optimization.stage = {stage!r} does not exist; "
                           f"choose 0, 1, 2 or 3")
+    _check_zero_block(cfg.get("zero_optimization", {}), path)
+    clip = cfg.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"DeepSpeed config '{path}': gradient_clipping = {clip!r} must be a number ≥ 0 (0 turns it off)")
     bf16, fp16 = cfg.setdefault("bf16", {}), cfg.setdefault("fp16", {})
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -200,6 +204,25 @@ def load_engine_config(name: str, micro_batch_size: int, device: torch.device) -
     cfg.setdefault("steps_per_print", 1 << 30)  # we log ourselves
     cfg.setdefault("wall_clock_breakdown", False)
     return cfg
+
+
+def _check_zero_block(zero: Any, path: str) -> None:
+    """Validate ``zero_optimization`` with DeepSpeed's own schema now, not deep inside ``initialize``."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    if not isinstance(zero, dict):
+        raise ConfigError(f"DeepSpeed config '{path}': zero_optimization must be an object, e.g. {{\"stage\": 2}}")
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValueError as e:  # pydantic's ValidationError names each bad field and why
+        raise ConfigError(f"DeepSpeed config '{path}': zero_optimization is not valid for DeepSpeed "
+                          f"{_deepspeed_version()}: {e}") from e
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
 
 
 def engine_dtype(ds_config: dict[str, Any]) -> torch.dtype:
