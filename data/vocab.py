@@ -73,9 +73,13 @@ class DraftVocab:
         if not os.path.isfile(path):
             raise DraftsmithError(f"draft vocabulary '{path}' does not exist; run `draftsmith prepare` with 'vocab' "
                                   f"in data.stages")
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        except Exception as e:  # not safetensors, truncated, or without d2t / t2d
+            raise DraftsmithError(f"draft vocabulary '{path}' cannot be read as safetensors with tensors d2t and t2d "
+                                  f"({e}); rebuild it with `draftsmith prepare`") from e
         vocab = cls(d2t=d2t.long(), t2d=t2d.bool(), coverage=float(meta.get("coverage", "nan")),
                     tokenizer_hash=meta.get("tokenizer_hash", ""))
         if int(vocab.t2d.sum()) != vocab.size:

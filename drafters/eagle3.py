@@ -45,7 +45,6 @@ final norm and the target's lm_head rows of the draft vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -270,17 +269,18 @@ class Eagle3Head(nn.Module):
 # ---------------------------------------------------------------- draft vocabulary
 
 
-def vocab_tensors(vocab: Any) -> tuple[Tensor, Tensor]:
-    """(d2t, t2d) from a DraftVocab-like object (``.d2t``, ``.t2d``), a pair, a dict, or a safetensors path."""
+def vocab_tensors(vocab: Any, target: Target | None = None) -> tuple[Tensor, Tensor]:
+    """(d2t, t2d) from a DraftVocab-like object (``.d2t``, ``.t2d``), a pair, a dict, or the path of a
+    file written by ``draftsmith prepare`` (refused when counted on another tokenizer than ``target``'s)."""
     if isinstance(vocab, str):
-        if not os.path.isfile(vocab):
-            raise ConfigError(f"drafter.draft_vocab = '{vocab}' does not exist; write it with draftsmith prepare")
-        from safetensors.torch import load_file
+        from ..data.vocab import DraftVocab
 
-        try:
-            vocab = load_file(vocab)
-        except Exception as e:
-            raise ConfigError(f"drafter.draft_vocab = '{vocab}' is not a safetensors file with d2t and t2d: {e}") from e
+        vocab = DraftVocab.load(vocab)
+        if target is not None and vocab.tokenizer_hash and vocab.tokenizer_hash != target.tokenizer_hash:
+            raise ConfigError(
+                f"drafter.draft_vocab was counted on data rendered with tokenizer {vocab.tokenizer_hash}, not with "
+                f"this target's ({target.tokenizer_hash}): its ids would name other tokens. Build it for this target "
+                f"with `draftsmith prepare` (data.stages=[tokenize, vocab])")
     if isinstance(vocab, dict):
         if "d2t" not in vocab or "t2d" not in vocab:
             raise ConfigError(f"the draft vocabulary needs tensors 'd2t' and 't2d', found {sorted(vocab)}")
@@ -391,7 +391,7 @@ class Eagle3Config:
                     f"to the file written by draftsmith prepare (or 0 for the full vocabulary)"
                 )
             return torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
-        d2t, t2d = vocab_tensors(vocab)
+        d2t, t2d = vocab_tensors(vocab, target)
         check_vocab(d2t, t2d, v)
         if self.draft_vocab_size and self.draft_vocab_size != d2t.shape[0]:
             raise ConfigError(

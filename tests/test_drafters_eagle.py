@@ -312,3 +312,22 @@ def test_eagle3_bad_vocab_refused(tiny_target):
             Eagle3Config(feature_layers=LAYERS).build_module(tiny_target, vocab)
     with pytest.raises(ConfigError, match="draft_vocab_size = 10 but"):
         Eagle3Config(feature_layers=LAYERS, draft_vocab_size=10).build_module(tiny_target, (d2t, t2d))
+
+
+def test_eagle3_vocab_file_is_read_and_checked_against_the_targets_tokenizer(tiny_target, tmp_path):
+    from draftsmith.data.vocab import DraftVocab
+    from draftsmith.errors import DraftsmithError
+
+    d2t, t2d = sparse_vocab()
+    path = str(tmp_path / "draft_vocab.safetensors")
+    DraftVocab(d2t, t2d, coverage=0.9, tokenizer_hash=tiny_target.tokenizer_hash).save(path)
+    head = Eagle3Config(feature_layers=LAYERS, draft_vocab=path).build_module(tiny_target)
+    assert torch.equal(head.draft_ids, t2d.nonzero()[:, 0])
+    DraftVocab(d2t, t2d, coverage=0.9, tokenizer_hash="another-tokenizer").save(path)
+    with pytest.raises(ConfigError, match="counted on data rendered with tokenizer another-tokenizer, not with this target"):
+        Eagle3Config(feature_layers=LAYERS, draft_vocab=path).build_module(tiny_target)
+    (tmp_path / "draft_vocab.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(DraftsmithError, match="cannot be read as safetensors with tensors d2t and t2d"):
+        Eagle3Config(feature_layers=LAYERS, draft_vocab=path).build_module(tiny_target)
+    with pytest.raises(DraftsmithError, match="does not exist; run `draftsmith prepare`"):
+        Eagle3Config(feature_layers=LAYERS, draft_vocab=str(tmp_path / "missing")).build_module(tiny_target)

@@ -109,11 +109,6 @@ def test_reduced_vocabulary_renormalizes_and_masks_outside_argmax():
     assert L.soft_ce(draft, restricted, kept).item() == pytest.approx(want, abs=1e-6)
 
 
-def test_scatter_to_vocab_puts_zero_mass_outside():
-    q = L.scatter_to_vocab(torch.tensor([[0.0, 0.0]]), torch.tensor([1, 3]), 4).softmax(-1)
-    assert q.tolist() == [[0.0, 0.5, 0.0, 0.5]]
-
-
 def test_smooth_l1_feature_regression():
     pred = torch.tensor([[0.0, 0.0], [100.0, 100.0]])
     target = torch.tensor([[0.5, 3.0], [0.0, 0.0]])

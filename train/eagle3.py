@@ -64,7 +64,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         first = shift_left(batch.loss_mask, 2, fill=False)
         out: common.Metrics = {"loss": common.masked_metric(lambda: objective(steps, target_logits, batch)[0], first)}
         for j, (_, logits) in enumerate(steps):
-            q_logits = losses.scatter_to_vocab(logits.float(), draft_ids, target_logits.shape[-1])
+            q_logits = head.target_logits(logits.float())  # q = 0 outside the draft vocabulary
             p_logits = shift_left(target_logits, j + 1)
             mask = shift_left(batch.loss_mask, j + 2, fill=False)
             out[f"acceptance_step{j}"] = common.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)

@@ -164,12 +164,6 @@ def top1_accuracy(draft_logits: Tensor, target_ids: Tensor, mask: Tensor) -> Ten
     return masked_mean((draft_logits.argmax(-1) == target_ids).float(), mask)
 
 
-def scatter_to_vocab(draft_logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Tensor:
-    """[..., Vd] logits over a reduced vocabulary → [..., V] with −inf outside it (q = 0 there)."""
-    full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
-    return full.index_copy(-1, draft_ids.to(draft_logits.device), draft_logits)
-
-
 def decayed_weights(n: int, decay: float) -> list[float]:
     """[1, d, d², …] — EAGLE-3's per-step and Medusa's per-head weights (d = 0.8 in both papers)."""
     return [decay**i for i in range(n)]
@@ -186,7 +180,6 @@ __all__ = [
     "masked_mean",
     "restrict_to_draft_vocab",
     "reverse_kl",
-    "scatter_to_vocab",
     "smooth_l1",
     "soft_ce",
     "token_loss",
