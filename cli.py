@@ -130,8 +130,23 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .data import run_prepare
 
     recipe = load_recipe(args.config, args.overrides)
-    save_recipe(recipe)
-    run_prepare(recipe)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        save_recipe(recipe)
+        run_prepare(recipe)
+        return 0
+    # under torchrun / the deepspeed launcher: the processes split regenerate and features
+    from .data.shards import Workers
+    from .train import distributed
+
+    world = distributed.init_distributed()
+    try:
+        if world.is_main:
+            save_recipe(recipe)
+        run_prepare(recipe, workers=Workers(world.rank, world.world_size, distributed.barrier, distributed.all_sum))
+    except BaseException:
+        distributed.shutdown(wait_for_peers=False)
+        raise
+    distributed.shutdown()
     return 0
 
 

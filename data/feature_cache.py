@@ -30,6 +30,7 @@ or truncated shard, and — the first time each shard is read, or at open with
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import os
 import time
@@ -43,7 +44,7 @@ from tqdm import tqdm
 
 from ..errors import DraftsmithError
 from ..target import Target
-from .shards import MANIFEST, ShardedJob, read_json, sha256_file
+from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, sha256_file
 
 FORMAT = "draftsmith-feature-cache/1"
 
@@ -66,10 +67,13 @@ def write_feature_cache(
     batch_tokens: int = 8192,
     source_data_hash: str = "",
     progress: bool = True,
+    workers: Workers = SOLO,
 ) -> dict[str, Any]:
     """Run ``target`` over ``tokenized`` (rows with input_ids, loss_mask) and write the cache to ``folder``.
 
-    Resumable; returns the manifest. ``layer_ids`` empty = :func:`default_layer_ids`.
+    Resumable; returns the manifest. ``layer_ids`` empty = :func:`default_layer_ids`. With
+    several ``workers`` each process computes its share of the shards; the manifest's
+    ``target_tokens_per_s`` is then the sum of the processes' rates.
     """
     ids = [target.layer_index(i) for i in layer_ids] or default_layer_ids(target.num_layers)
     spec = {"format": FORMAT, "target": target.fingerprint, "tokenizer_hash": target.tokenizer_hash,
@@ -79,32 +83,40 @@ def write_feature_cache(
     finished = job.finished()
     if finished is not None:
         return {**finished, "note": "up to date (reused)"}
-    note = job.start()
+    note = job.start(workers)
     n = len(tokenized)
     rows = tokenized.with_format(None)
-    bar = tqdm(total=n, unit="sample", desc="features", disable=not progress, dynamic_ncols=True)
-    shards, computed_tokens, compute_s = [], 0, 0.0
-    for s in range(math.ceil(n / shard_size)):
+    num_shards = math.ceil(n / shard_size)
+    mine = [s for s in range(num_shards) if workers.owns(s)]
+    bar = tqdm(total=sum(min((s + 1) * shard_size, n) - s * shard_size for s in mine), unit="sample",
+               desc="features" if workers.size == 1 else f"features (process {workers.rank} of {workers.size})",
+               disable=not progress or not workers.is_main, dynamic_ncols=True)
+    computed_tokens, compute_s = 0, 0.0
+    for s in mine:
         lo, hi = s * shard_size, min((s + 1) * shard_size, n)
-        meta = job.done(s)
-        if meta is None:
+        if job.done(s) is None:
             batch = rows[lo:hi]
             start = time.perf_counter()
             tensors = _shard_tensors(target, batch["input_ids"], batch["loss_mask"], ids, topk, batch_tokens)
             compute_s += time.perf_counter() - start
             computed_tokens += int(tensors["input_ids"].numel())
-            payload = save_safetensors(tensors, metadata={"format": FORMAT, "first_index": str(lo)})
-            meta = job.commit(s, payload, {"first_index": lo, "num_samples": hi - lo,
-                                           "num_tokens": int(tensors["input_ids"].numel())})
-        shards.append(meta)
+            # one metadata key: safetensors writes a map's keys in arbitrary order, and the same shard
+            # must be the same bytes (and sha256) whichever run or process computes it
+            payload = save_safetensors(tensors, metadata={"draftsmith": json.dumps({"format": FORMAT, "first_index": lo})})
+            job.commit(s, payload, {"first_index": lo, "num_samples": hi - lo,
+                                    "num_tokens": int(tensors["input_ids"].numel()), "process": workers.rank})
         bar.update(hi - lo)
         if compute_s:
             bar.set_postfix_str(f"{computed_tokens / compute_s:.0f} target tok/s")
     bar.close()
+    rate = computed_tokens / compute_s if compute_s else 0.0
+    rate = workers.all_sum([rate])[0]
+    shards = job.collect(num_shards, workers)
     tokens = sum(m["num_tokens"] for m in shards)
     size = sum(m["bytes"] for m in shards)
     manifest = job.finish(
         shards,
+        workers,
         format=FORMAT,
         target={"name": target.name, "fingerprint": target.fingerprint},
         tokenizer_hash=target.tokenizer_hash,
@@ -118,7 +130,7 @@ def write_feature_cache(
         num_tokens=tokens,
         bytes=size,
         bytes_per_token=size / max(tokens, 1),
-        target_tokens_per_s=computed_tokens / compute_s if compute_s else None,
+        target_tokens_per_s=rate or None,
     )
     return {**manifest, "note": note}
 

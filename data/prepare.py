@@ -10,6 +10,11 @@ Stages run in pipeline order, each reading what the previous one wrote:
 
 Every stage records the spec it was made from and is skipped when nothing changed, so
 re-running prepare is cheap; the long stages (regenerate, features) resume after a kill.
+
+Under torchrun or the deepspeed launcher (``torchrun --nproc_per_node 8 $(which draftsmith)
+prepare …``) every process loads the target on its own device and regenerate / features
+split their shards between the processes; the cheap stages run on process 0 while the
+others wait, then read its output. The files are the same as a one-process run's.
 The summary (also written to ``<out>/summary.json``) counts records in, kept, skipped by
 reason, tokens, loss-masked tokens, sizes and times.
 """
@@ -21,6 +26,8 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,7 +37,7 @@ from .config import STAGE_ORDER, DataConfig
 from .conversations import FORMAT as CONVERSATIONS_FORMAT
 from .conversations import conversations_manifest, load_conversations, write_conversations
 from .normalize import SKIP_REASONS, ReadStats, iter_conversations
-from .shards import MANIFEST, read_json
+from .shards import MANIFEST, SOLO, Workers, read_json
 from .sources import SourceReport, source_identity
 
 @dataclass(frozen=True)
@@ -89,8 +96,9 @@ class PrepareSummary:
                 "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
 
 
-def run_prepare(recipe: Any, progress: bool = True) -> PrepareSummary:
-    """Run ``recipe.data.stages`` for ``recipe.target``; print and return the summary."""
+def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO) -> PrepareSummary:
+    """Run ``recipe.data.stages`` for ``recipe.target``; print and return the summary (process 0 prints
+    and writes it when several ``workers`` share the job)."""
     cfg: DataConfig = recipe.data
     paths = PreparedPaths.at(cfg.resolve_out_dir(recipe.run_dir))
     stages = [s for s in STAGE_ORDER if s in cfg.stages]
@@ -99,18 +107,32 @@ def run_prepare(recipe: Any, progress: bool = True) -> PrepareSummary:
 
     conv_folder = conv_hash = None
     if "regenerate" in stages or "tokenize" in stages:
-        conv_folder, conv_hash = _read_stage(cfg, paths, summary)
+        with _main_first(workers):
+            conv_folder, conv_hash = _read_stage(cfg, paths, summary)
     if "regenerate" in stages:
-        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, conv_folder, conv_hash, summary, progress)
+        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, conv_folder, conv_hash, summary, progress, workers)
     if "tokenize" in stages:
-        _tokenize_stage(cfg, paths, env, conv_folder, conv_hash, summary)
+        with _main_first(workers):
+            _tokenize_stage(cfg, paths, env, conv_folder, conv_hash, summary)
     if "features" in stages:
-        _features_stage(cfg, paths, env, summary, progress)
-    if "vocab" in stages:
+        _features_stage(cfg, paths, env, summary, progress, workers)
+    if "vocab" in stages and workers.is_main:
         _vocab_stage(cfg, paths, env, summary)
-    write_json(os.path.join(paths.root, "summary.json"), summary.to_dict())
-    print_summary(summary)
+    if workers.is_main:
+        write_json(os.path.join(paths.root, "summary.json"), summary.to_dict())
+        print_summary(summary)
+    workers.barrier()
     return summary
+
+
+@contextmanager
+def _main_first(workers: Workers) -> Iterator[None]:
+    """Process 0 runs the block first; the others run it after (finding its output up to date)."""
+    if not workers.is_main:
+        workers.barrier()
+    yield
+    if workers.is_main:
+        workers.barrier()
 
 
 class _Env:
@@ -188,7 +210,7 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
 
 
 def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, conv_hash: str,
-                      summary: PrepareSummary, progress: bool) -> tuple[str, str]:
+                      summary: PrepareSummary, progress: bool, workers: Workers) -> tuple[str, str]:
     from .regenerate import regenerate_conversations, regenerated_records
 
     r = cfg.regenerate
@@ -196,12 +218,13 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
     drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
     report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, inputs_hash=conv_hash, drafter=drafter,
-                                      progress=progress)
+                                      progress=progress, workers=workers)
     start = time.perf_counter()
     job_digest = _digest(read_json(os.path.join(paths.regenerate, MANIFEST)))
-    manifest = conversations_manifest(paths.regenerated)
-    if manifest is None or manifest.get("spec") != job_digest:
-        manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
+    with _main_first(workers):
+        manifest = conversations_manifest(paths.regenerated)
+        if manifest is None or manifest.get("spec") != job_digest:
+            manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
@@ -251,7 +274,7 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
 
 
 def _features_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, summary: PrepareSummary,
-                    progress: bool) -> None:
+                    progress: bool, workers: Workers) -> None:
     from .feature_cache import write_feature_cache
     from .tokenized import load_tokenized, tokenized_manifest
 
@@ -262,7 +285,7 @@ def _features_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, summary: P
     manifest = write_feature_cache(data, paths.features, target, layer_ids=f.layer_ids, topk=f.topk,
                                    shard_size=f.shard_size, batch_tokens=f.batch_tokens,
                                    source_data_hash=tokenized_manifest(paths.tokenized)["data_hash"],
-                                   progress=progress)
+                                   progress=progress, workers=workers)
     rate = manifest.get("target_tokens_per_s")
     note = "; ".join(x for x in (
         manifest["note"], f"layers {manifest['layer_ids']}", f"{manifest['bytes_per_token']:.0f} bytes/token",

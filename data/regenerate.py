@@ -38,7 +38,7 @@ from tqdm import tqdm
 from ..errors import DraftsmithError
 from ..target import Target
 from .config import RegenerateConfig
-from .shards import MANIFEST, ShardedJob, read_json
+from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json
 
 
 @dataclass
@@ -65,10 +65,12 @@ def regenerate_conversations(
     inputs_hash: str,
     drafter: Any = None,
     progress: bool = True,
+    workers: Workers = SOLO,
 ) -> RegenReport:
     """Regenerate every assistant turn of ``conversations`` (a Dataset of {conv_id, source, messages})
     into JSONL shards under ``folder``; resumable. A prompt must leave room for an answer within
-    ``max_length`` tokens. ``drafter`` is needed for method='speculative'."""
+    ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
+    each process answers its share of the shards (see :mod:`~draftsmith.data.shards`)."""
     spec = {"inputs": inputs_hash, "target": target.fingerprint, "tokenizer": target.tokenizer_hash,
             "dtype": str(target.dtype), "max_length": max_length, **asdict(settings)}
     job = ShardedJob(folder, spec, ".jsonl")
@@ -78,12 +80,14 @@ def regenerate_conversations(
     finished = job.finished()
     if finished is not None:
         return _report_from(finished["shards"], report, note="up to date (reused)")
-    report.note = job.start()
-    bar = tqdm(total=_count_turns(conversations), unit="turn", desc="regenerate", disable=not progress,
-               dynamic_ncols=True)
-    shards = []
+    report.note = job.start(workers)
+    mine = [s for s in range(num_shards) if workers.owns(s)]
+    bar = tqdm(total=_count_turns(conversations) if workers.size == 1 else None, unit="turn",
+               desc="regenerate" if workers.size == 1 else f"regenerate (process {workers.rank} of {workers.size})",
+               disable=not progress or not workers.is_main, dynamic_ncols=True)
+    new_tokens = 0
     start = time.perf_counter()
-    for s in range(num_shards):
+    for s in mine:
         meta = job.done(s)
         if meta is None:
             rows = conversations[s * settings.shard_size: (s + 1) * settings.shard_size]
@@ -91,16 +95,18 @@ def regenerate_conversations(
                      zip(rows["conv_id"], rows["source"], rows["messages"])]
             out, stats = _regenerate_shard(convs, target, settings, max_length, settings.seed + s, drafter, bar)
             payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
-            meta = job.commit(s, payload, stats)
+            meta = job.commit(s, payload, {**stats, "process": workers.rank})
         else:
             bar.update(meta["turns_in"])
-        shards.append(meta)
-        elapsed = time.perf_counter() - start
-        bar.set_postfix_str(f"{sum(m['new_tokens'] for m in shards) / max(elapsed, 1e-9):.0f} new tok/s")
+        new_tokens += meta["new_tokens"]
+        bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} new tok/s")
     bar.close()
-    job.finish(shards, num_conversations=sum(m["kept"] for m in shards))
-    report = _report_from(shards, report, note=report.note)
+    shards = job.collect(num_shards, workers)
     report.seconds = time.perf_counter() - start
+    job.finish(shards, workers, num_conversations=sum(m["kept"] for m in shards))
+    seconds = report.seconds
+    report = _report_from(shards, report, note=report.note)
+    report.seconds = seconds
     return report
 
 

@@ -6,6 +6,12 @@ when both exist and the sizes agree. ``job.json`` holds the job's spec (inputs,
 settings, target): re-running with the same spec keeps every finished shard, a
 different spec starts over (the old shards are deleted, and the run says so).
 Once every shard is done the caller writes ``manifest.json``, which readers use.
+
+Several processes (``draftsmith prepare`` under torchrun or the deepspeed launcher) share
+one job through :class:`Workers`: process r computes the shards i with i % size == r,
+process 0 alone prepares the folder and writes the manifest, and they meet at barriers.
+A shard's content depends on that shard alone (its own seed), so the files are the same
+whatever the number of processes, and a resumed run may use another number.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import DraftsmithError
 from ..files import atomic_path, write_json
 
 JOB = "job.json"
@@ -43,6 +52,39 @@ def read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
+def _alone() -> None:
+    """The barrier of a single process."""
+
+
+def _own(values: list[float]) -> list[float]:
+    """The sum over a single process."""
+    return list(values)
+
+
+@dataclass(frozen=True)
+class Workers:
+    """This process's place among the processes sharing sharded jobs; ``Workers()`` is a single process.
+
+    ``barrier`` and ``all_sum`` are supplied from outside (``train.distributed``): data code
+    never touches the process group itself.
+    """
+
+    rank: int = 0
+    size: int = 1
+    barrier: Callable[[], None] = field(default=_alone, compare=False)
+    all_sum: Callable[[list[float]], list[float]] = field(default=_own, compare=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, shard: int) -> bool:
+        return shard % self.size == self.rank
+
+
+SOLO = Workers()
+
+
 class ShardedJob:
     def __init__(self, folder: str, spec: dict[str, Any], suffix: str):
         self.folder = folder
@@ -64,8 +106,14 @@ class ShardedJob:
             return None  # a shard was deleted (e.g. after a checksum error): resume recomputes it
         return manifest
 
-    def start(self) -> str:
-        """Prepare the folder; return a one-line note (resuming, restarting, or starting)."""
+    def start(self, workers: Workers = SOLO) -> str:
+        """Prepare the folder (process 0; the others wait); return a one-line note (resuming,
+        restarting, or starting; empty on the other processes)."""
+        note = self._prepare_folder() if workers.is_main else ""
+        workers.barrier()
+        return note
+
+    def _prepare_folder(self) -> str:
         os.makedirs(self.folder, exist_ok=True)
         old = read_json(os.path.join(self.folder, JOB))
         manifest = os.path.join(self.folder, MANIFEST)
@@ -104,8 +152,21 @@ class ShardedJob:
         write_json(self._meta_path(i), record)
         return record
 
-    def finish(self, shards: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
-        """Write ``manifest.json`` (spec, shard records, extra fields); return it."""
+    def collect(self, num_shards: int, workers: Workers = SOLO) -> list[dict[str, Any]]:
+        """Once every process has committed its shards: the records of all ``num_shards``, in order."""
+        workers.barrier()
+        shards = [self.done(i) for i in range(num_shards)]
+        missing = [i for i, meta in enumerate(shards) if meta is None]
+        if missing:
+            raise DraftsmithError(f"{len(missing)} shard(s) of '{self.folder}' (first: {missing[0]}) are missing after "
+                                  f"every process finished; is the folder on storage all processes share? Re-run to "
+                                  f"compute them")
+        return shards
+
+    def finish(self, shards: list[dict[str, Any]], workers: Workers = SOLO, **fields: Any) -> dict[str, Any]:
+        """Write ``manifest.json`` (spec, shard records, extra fields; process 0) and return it."""
         manifest = {"spec": self.spec, **fields, "shards": shards}
-        write_json(os.path.join(self.folder, MANIFEST), manifest)
+        if workers.is_main:
+            write_json(os.path.join(self.folder, MANIFEST), manifest)
+        workers.barrier()
         return manifest
