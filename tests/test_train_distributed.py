@@ -209,3 +209,20 @@ def test_partitioned_optimizer_state_needs_the_same_number_of_processes():
     check_layout({"step": 3}, 2, 4, "ckpt")  # written before the layout was recorded: DeepSpeed decides
     with pytest.raises(DraftsmithError, match="written by 2 processes with ZeRO-2.*resume on 2 processes"):
         check_layout({"zero_stage": 2, "world_size": 2}, 2, 1, "ckpt")
+
+
+def test_resuming_with_another_drafter_or_data_is_refused(tmp_path, tiny_target_dir, tiny_train_data, one_thread):
+    from draftsmith.errors import DraftsmithError
+
+    run_dir = tmp_path / "run"
+    run_training(load_recipe("smollm2-135m-eagle3", overrides(tiny_target_dir, tiny_train_data, run_dir, "train.steps=1")))
+    changed = {"drafter.feature_layers=[1,2,3]": r"drafter.feature_layers: \[0, 1, 2\] then, \[1, 2, 3\] now",
+               "train.batch_size=3": "train.batch_size: 2 then, 3 now"}
+    for override, message in changed.items():
+        again = overrides(tiny_target_dir, tiny_train_data, run_dir, "train.steps=2", override)
+        with pytest.raises(DraftsmithError, match=f"was made for another run: {message}.*train into a new run_dir"):
+            run_training(load_recipe("smollm2-135m-eagle3", again))
+    # the learning rate and the number of steps may change: training continues
+    summary = run_training(load_recipe("smollm2-135m-eagle3", overrides(
+        tiny_target_dir, tiny_train_data, run_dir, "train.steps=2", "train.optimizer.lr=0.001")))
+    assert summary["steps"] == 2

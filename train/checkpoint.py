@@ -118,8 +118,12 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
     return os.path.join(root, tag)
 
 
-def load_checkpoint(engine: Any, world: World, path: str) -> dict[str, Any]:
-    """Restore the engine and this rank's RNG from ``path``; return the trainer state."""
+def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restore the engine and this rank's RNG from ``path``; return the trainer state.
+
+    ``identity`` (what the weights and the data position mean: the drafter config, the data,
+    the target) must equal the one saved with the checkpoint, when it saved one.
+    """
     path = os.path.abspath(path)
     state_file = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_file):
@@ -127,6 +131,7 @@ def load_checkpoint(engine: Any, world: World, path: str) -> dict[str, Any]:
     with open(state_file, encoding="utf-8") as f:
         state = json.load(f)
     check_layout(state, distributed.zero_stage(engine), world.world_size, path)
+    check_identity(state.get("identity"), identity, path)
     distributed.load_engine(engine, os.path.dirname(path), os.path.basename(path))
     rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
     if state.get("world_size") == world.world_size and os.path.isfile(rng_file):
@@ -155,6 +160,25 @@ def check_layout(state: dict[str, Any], stage: int, world_size: int, path: str) 
             f"checkpoint '{path}' was written by {saved_world} processes with ZeRO-{stage}, whose optimizer state is "
             f"partitioned per process, and this run has {world_size}; resume on {saved_world} processes, or start a "
             f"new run in another run_dir (ZeRO-0 checkpoints resume on any number of processes)")
+
+
+def check_identity(saved: dict[str, Any] | None, current: dict[str, Any] | None, path: str) -> None:
+    """Refuse to resume a checkpoint made for another drafter, data or target, naming what changed."""
+    if saved is None or current is None:
+        return
+    changed = sorted(_differences(saved, current))
+    if changed:
+        shown = "; ".join(f"{key}: {a!r} then, {b!r} now" for key, a, b in changed[:6])
+        raise DraftsmithError(
+            f"checkpoint '{path}' was made for another run: {shown}. Its weights or data position would not fit; "
+            f"restore those settings to resume, or train into a new run_dir")
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else str(k))]
+    return [] if a == b else [(prefix, a, b)]
 
 
 def rng_state() -> dict[str, Any]:

@@ -16,6 +16,7 @@ rank) is skipped on *every* rank — so collectives stay in step — and counted
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -177,7 +178,7 @@ def restore(run: Run, engine: Any, resume: str | None = None) -> None:
     """Continue from ``resume`` (a checkpoint folder) or the run folder's latest checkpoint, if any."""
     path = resume or checkpoint.latest_checkpoint(run.run_dir)
     if path:
-        saved = checkpoint.load_checkpoint(engine, run.world, path)
+        saved = checkpoint.load_checkpoint(engine, run.world, path, identity(run))
         run.state = TrainState(**{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__})
         if run.state.world_size != run.world.world_size:
             # the data position is counted in micro-batches of world_size × batch_size records
@@ -479,7 +480,18 @@ def decoder_eval(run: Run, engine: Any, path: str | None = None) -> dict[str, An
 
 
 def save_checkpoint(run: Run, engine: Any) -> str:
-    return checkpoint.save_checkpoint(engine, run.world, run.run_dir, asdict(run.state), run.cfg.checkpoint.keep)
+    state = {**asdict(run.state), "identity": identity(run)}
+    return checkpoint.save_checkpoint(engine, run.world, run.run_dir, state, run.cfg.checkpoint.keep)
+
+
+def identity(run: Run) -> dict[str, Any]:
+    """What a checkpoint's weights and data position mean; a resumed run must match it (learning
+    rate, steps, logging and evaluation may change)."""
+    cfg = run.cfg
+    out = {"drafter": to_dict(run.recipe.drafter), "target": run.target.fingerprint,
+           "train": {"dataset": cfg.dataset, "features": cfg.features, "batch_size": cfg.batch_size,
+                     "max_length": cfg.max_length, "seed": cfg.seed, "heldout": cfg.eval.heldout}}
+    return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
 
 
 def save_drafter(run: Run, engine: Any) -> str:
