@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the recipe's data.stages (regenerate, tokenize, features, vocab) into "
                                    "data.out_dir (default <run_dir>/data) and print what each stage did: records "
                                    "in, kept, skipped by reason, tokens, loss-masked tokens, sizes, times. Finished "
-                                   "work is reused; regenerate and features resume after a kill.")
+                                   "work is reused; regenerate and features resume after a kill. Under torchrun or the "
+                                   "deepspeed launcher the processes split the regenerate and features shards.")
     _recipe_args(p, default="smollm2-135m-prepare")
     p.set_defaults(func=cmd_prepare)
 
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the recipe's drafter (draft_lm, eagle1, eagle3, medusa) against the frozen "
                                    "target: one process as is, or many under torchrun / the deepspeed launcher. "
                                    "Writes checkpoints, logs and the final drafter folder to the run folder, and "
-                                   "resumes from the run folder's latest checkpoint when there is one.")
+                                   "resumes from the run folder's latest checkpoint when there is one. SIGTERM or "
+                                   "SIGUSR1 (preemption) checkpoints after the current step and exits 128+signal.")
     _recipe_args(p, default="smollm2-135m-eagle3")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="continue from this checkpoint folder (default: the run folder's latest, if any)")
