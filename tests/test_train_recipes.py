@@ -96,6 +96,31 @@ def test_recipe_improves_heldout_metrics(tmp_path, tiny_target_dir, tiny_train_d
         assert summary["heldout"]["heldout/expected_tokens"] > 0
 
 
+@pytest.mark.parametrize("method,extra", [
+    ("eagle1", []), ("eagle3", ["train.ttt_steps=2", "drafter.feature_layers=[0,1,2]"]),
+    ("medusa", ["drafter.num_heads=2"]), ("draft_lm", ["drafter.num_layers=1"]),
+])
+def test_bf16_engine_under_zero2_trains_every_method(tmp_path, tiny_target_dir, tiny_train_data, method, extra):
+    """The GPU configuration (bf16 target, bf16 DeepSpeed engine with its fp32 master weights,
+    ZeRO-2), run on CPU: the held-out loss falls and the saved drafter drafts for a bf16 target."""
+    from draftsmith.drafters import load
+    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+
+    ds = tmp_path / "bf16_zero2.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}))
+    summary = run_training(tiny_recipe(tmp_path / "run", tiny_target_dir, tiny_train_data, method, "train.steps=6",
+                                       "train.eval.every=6", "train.optimizer.lr=0.003", "target.dtype=bfloat16",
+                                       f"train.deepspeed={ds}", "train.loss.kind=soft_ce", *extra))
+    assert (summary["dtype"], summary["zero_stage"], summary["skipped"]) == ("bfloat16", 2, {})
+    loss = heldout(read_log(tmp_path / "run"), "loss")
+    assert len(loss) == 2 and loss[1] < loss[0], loss
+    target = load_target(tiny_target_dir, "bfloat16", "cpu")
+    drafter = load(summary["drafter"], target)
+    prompt = target.render_chat([{"role": "user", "content": "Name three colors."}])
+    out = speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=8))
+    assert len(out.tokens) == 8 and out.stats.target_forwards <= 8
+
+
 def flaky_smooth_l1(monkeypatch, nan_calls) -> None:
     """Make the recipe's training loss NaN on the given (1-based) training calls."""
     from draftsmith.train import losses
