@@ -358,16 +358,15 @@ def after_step(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics
         log_heldout(run, engine, heldout_fn)
     if _due(step, cfg.eval.decoder_every) and not done:
         decoder_eval(run, engine)
-    if _due(step, cfg.checkpoint.every) and not done:
-        save_checkpoint(run, engine)
+    saved = save_checkpoint(run, engine) if _due(step, cfg.checkpoint.every) and not done else None
     run.monitor.discount(time.perf_counter() - t0)
     if run.stop_signal and not done:
-        stop(run, engine)
+        stop(run, engine, saved)
 
 
-def stop(run: Run, engine: Any) -> None:
-    """Checkpoint now and raise :class:`checkpoint.Stopped` (preemption; see ``checkpoint``)."""
-    path = save_checkpoint(run, engine)
+def stop(run: Run, engine: Any, saved: str | None = None) -> None:
+    """Checkpoint now (unless ``saved`` is this step's) and raise :class:`checkpoint.Stopped` (preemption)."""
+    path = saved or save_checkpoint(run, engine)
     name = signal.Signals(run.stop_signal).name
     message = (f"stopped by {name} after step {run.state.step} of {run.cfg.steps}; checkpoint {path} is saved, run the "
                f"same command again to resume from it")
