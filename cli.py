@@ -140,15 +140,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .data.shards import Workers
     from .train import distributed
 
-    world = distributed.init_distributed()
-    try:
+    with distributed.process_group() as world:
         if world.is_main:
             save_recipe(recipe)
         run_prepare(recipe, workers=Workers(world.rank, world.world_size, distributed.barrier, distributed.all_sum))
-    except BaseException:
-        distributed.shutdown(wait_for_peers=False)
-        raise
-    distributed.shutdown()
     return 0
 
 

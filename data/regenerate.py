@@ -104,10 +104,7 @@ def regenerate_conversations(
     shards = job.collect(num_shards, workers)
     report.seconds = time.perf_counter() - start
     job.finish(shards, workers, num_conversations=sum(m["kept"] for m in shards))
-    seconds = report.seconds
-    report = _report_from(shards, report, note=report.note)
-    report.seconds = seconds
-    return report
+    return _report_from(shards, report, note=report.note)
 
 
 def regenerated_records(folder: str) -> Iterator[dict[str, Any]]:

@@ -106,8 +106,7 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
     torch.save(rng_state(), os.path.join(root, tmp_tag, f"rng_rank{world.rank}.pt"))
     distributed.barrier()
     if world.is_main:
-        layout = {"zero_stage": distributed.zero_stage(engine), "world_size": world.world_size}
-        write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, **layout})
+        write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
         final = os.path.join(root, tag)
         if os.path.isdir(final):
             shutil.rmtree(final)

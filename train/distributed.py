@@ -105,6 +105,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def process_group() -> Iterator[World]:
+    """:func:`init_distributed` for the block, and :func:`shutdown` after it — without waiting for
+    peers when the block raised (a peer may be gone, and a barrier would hang)."""
+    world = init_distributed()
+    try:
+        yield world
+    except BaseException:
+        shutdown(wait_for_peers=False)
+        raise
+    shutdown()
+
+
 def shutdown(wait_for_peers: bool = True) -> None:
     """Destroy the process group explicitly (leaving it to interpreter exit crashes gloo ZeRO-3 runs)."""
     import torch.distributed as dist
@@ -215,14 +228,10 @@ def _check_zero_block(zero: Any, path: str) -> None:
     try:
         DeepSpeedZeroConfig(**zero)
     except ValueError as e:  # pydantic's ValidationError names each bad field and why
+        from deepspeed import __version__
+
         raise ConfigError(f"DeepSpeed config '{path}': zero_optimization is not valid for DeepSpeed "
-                          f"{_deepspeed_version()}: {e}") from e
-
-
-def _deepspeed_version() -> str:
-    import deepspeed
-
-    return deepspeed.__version__
+                          f"{__version__}: {e}") from e
 
 
 def engine_dtype(ds_config: dict[str, Any]) -> torch.dtype:

@@ -24,12 +24,5 @@ def run_training(recipe: Any, resume: str | None = None) -> dict[str, Any]:
     if method not in table:
         raise ConfigError(f"drafter.type = '{method}' has no training recipe; the trainable methods are: "
                           f"{', '.join(table)}")
-    world = distributed.init_distributed()
-    try:
-        with checkpoint.stop_on_signals():  # SIGTERM / SIGUSR1: checkpoint, then stop (preemption)
-            summary = table[method](recipe, world, resume)
-    except BaseException:
-        distributed.shutdown(wait_for_peers=False)  # a peer may be gone: no barrier
-        raise
-    distributed.shutdown()
-    return summary
+    with distributed.process_group() as world, checkpoint.stop_on_signals():  # signals: checkpoint, then stop
+        return table[method](recipe, world, resume)
