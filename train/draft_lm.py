@@ -25,22 +25,22 @@ import torch
 from torch import Tensor, nn
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch, collate
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = common.trainable(recipe)
-    run = common.start(recipe, world)
-    engine = common.build_engine(run, config.build_module(run.target))
-    common.restore(run, engine, resume)
-    eos, pad = sorted(run.target.eos_token_ids), common.pad_id(run.target)
+    config = setup.trainable(recipe)
+    run = setup.start(recipe, world)
+    engine = setup.build_engine(run, config.build_module(run.target))
+    setup.restore(run, engine, resume)
+    eos, pad = sorted(run.target.eos_token_ids), setup.pad_id(run.target)
 
     def scored(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """(drafter logits [B,S,V], target logits [B,S,V], row mask [B,S]) — row t predicts x_{t+1}."""
-        target_logits = common.target_forward(run, batch).logits
+        target_logits = target_side.target_forward(run, batch).logits
         logits = engine(lambda m: m(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits)
         return logits, target_logits, shift_left(batch.loss_mask, 1, fill=False)
 
@@ -54,19 +54,19 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
                                      cfg.on_policy.temperature, eos, pad)
         return objective(*scored(batch))
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         logits, p, mask = scored(batch)
         return {
-            "loss": common.masked_metric(lambda: objective(logits, p, mask)[0], mask),
-            "acceptance": common.masked_metric(lambda: losses.expected_acceptance(logits, p, mask), mask),
-            "top1": common.masked_metric(lambda: losses.top1_accuracy(logits, p.argmax(-1), mask), mask),
+            "loss": heldout.masked_metric(lambda: objective(logits, p, mask)[0], mask),
+            "acceptance": heldout.masked_metric(lambda: losses.expected_acceptance(logits, p, mask), mask),
+            "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p.argmax(-1), mask), mask),
         }
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    for batch in setup.micro_batches(run):
+        if step.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
+            step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
 
 
 def on_policy_now(seed: int, micro_step: int, fraction: float) -> bool:

@@ -18,47 +18,47 @@ import torch
 from torch import Tensor
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = common.trainable(recipe)
-    run = common.start(recipe, world)
-    engine = common.build_engine(run, config.build_module(run.target))
+    config = setup.trainable(recipe)
+    run = setup.start(recipe, world)
+    engine = setup.build_engine(run, config.build_module(run.target))
     last_layer = (run.target.num_layers - 1,)
-    common.restore(run, engine, resume)
+    setup.restore(run, engine, resume)
 
     def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
         regression = losses.smooth_l1(pred, shift_left(features, 1), mask)
-        token = losses.token_loss(cfg.loss.kind, logits[mask], common.rows_ahead(target_logits, 1, mask),
+        token = losses.token_loss(cfg.loss.kind, logits[mask], target_side.rows_ahead(target_logits, 1, mask),
                                   mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
         loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
         return loss, {"loss/feature": regression.item(), "loss/token": token.item()}
 
     def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
-        noisy = common.uniform_noise(features, cfg.feature_noise)
+        features, target_logits = target_side.features_and_logits(run, batch, last_layer)
+        noisy = target_side.uniform_noise(features, cfg.feature_noise)
         return objective(*forward(engine, batch, noisy, run.dtype), features, target_logits)
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
+        features, target_logits = target_side.features_and_logits(run, batch, last_layer)
         pred, logits, mask = forward(engine, batch, features, run.dtype)
         p_logits = shift_left(target_logits, 1)
         return {
-            "loss": common.masked_metric(lambda: objective(pred, logits, mask, features, target_logits)[0], mask),
-            "feature_loss": common.masked_metric(lambda: losses.smooth_l1(pred, shift_left(features, 1), mask), mask),
-            "acceptance": common.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
-            "top1": common.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
+            "loss": heldout.masked_metric(lambda: objective(pred, logits, mask, features, target_logits)[0], mask),
+            "feature_loss": heldout.masked_metric(lambda: losses.smooth_l1(pred, shift_left(features, 1), mask), mask),
+            "acceptance": heldout.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
+            "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
         }
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    for batch in setup.micro_batches(run):
+        if step.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
+            step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
 
 
 def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:

@@ -18,27 +18,27 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = common.trainable(recipe)
-    run = common.start(recipe, world)
+    config = setup.trainable(recipe)
+    run = setup.start(recipe, world)
     heads = config.build_module(run.target)
     num_heads, last_layer = heads.num_heads, (run.target.num_layers - 1,)
     weights = losses.decayed_weights(num_heads, cfg.loss.step_decay)
-    engine = common.build_engine(run, heads)
-    common.restore(run, engine, resume)
+    engine = setup.build_engine(run, heads)
+    setup.restore(run, engine, resume)
 
     def per_head(batch: Batch) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """For each head k: (its logits at the rows that count [N_k, V], the target's there, the row mask)."""
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
+        features, target_logits = target_side.features_and_logits(run, batch, last_layer)
         masks = [shift_left(batch.loss_mask, k + 2, fill=False) for k in range(num_heads)]
         logits = engine(lambda m: head_rows(m, features.to(run.dtype), masks))
-        targets = [common.rows_ahead(target_logits, k + 1, mask) for k, mask in enumerate(masks)]
+        targets = [target_side.rows_ahead(target_logits, k + 1, mask) for k, mask in enumerate(masks)]
         return logits, targets, masks
 
     def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
@@ -51,20 +51,20 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
             parts[f"loss/head{k}"] = head_loss.item()
         return total, parts
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         logits, targets, masks = per_head(batch)
-        out: common.Metrics = {"loss": common.masked_metric(lambda: objective(logits, targets, masks)[0], masks[0])}
+        out: heldout.Metrics = {"loss": heldout.masked_metric(lambda: objective(logits, targets, masks)[0], masks[0])}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
             rows = mask[mask]
-            out[f"acceptance_step{k}"] = common.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
-            out[f"top1_step{k}"] = common.masked_metric(lambda: losses.top1_accuracy(q, p.argmax(-1), rows), rows)
+            out[f"acceptance_step{k}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
+            out[f"top1_step{k}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q, p.argmax(-1), rows), rows)
         return out
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: objective(*per_head(batch)), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    for batch in setup.micro_batches(run):
+        if step.optimizer_step(run, engine, lambda: objective(*per_head(batch)), batch.tokens):
+            step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
 
 
 def head_rows(heads: nn.Module, features: Tensor, masks: list[Tensor]) -> list[Tensor]:
