@@ -44,28 +44,31 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         logits = engine(lambda m: m(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits)
         return logits, target_logits, shift_left(batch.loss_mask, 1, fill=False)
 
-    def objective(logits: Tensor, target_logits: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def objective(logits: Tensor, target_logits: Tensor, mask: Tensor) -> tuple[Tensor, heldout.Metrics]:
+        """The token loss summed over the rows of ``mask``."""
         return losses.token_loss(cfg.loss.kind, logits[mask], target_logits[mask], mask[mask],
-                                 cfg.loss.temperature, cfg.loss.jsd_beta), {}
+                                 cfg.loss.temperature, cfg.loss.jsd_beta, reduction="sum"), {}
 
-    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
+    def on_policy(batch: Batch) -> Batch:
+        """The micro-batch trained on: with probability on_policy.fraction, the drafter's own samples."""
         if on_policy_now(cfg.seed, run.state.micro_step, cfg.on_policy.fraction):
-            batch = sample_on_policy(engine.module.drafter, batch, cfg.on_policy.max_new_tokens,
-                                     cfg.on_policy.temperature, eos, pad)
-        return objective(*scored(batch))
+            return sample_on_policy(engine.module.drafter, batch, cfg.on_policy.max_new_tokens,
+                                    cfg.on_policy.temperature, eos, pad)
+        return batch
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         logits, p, mask = scored(batch)
         return {
-            "loss": heldout.masked_metric(lambda: objective(logits, p, mask)[0], mask),
+            "loss": (float(objective(logits, p, mask)[0]), float(mask.sum())),
             "acceptance": heldout.masked_metric(lambda: losses.expected_acceptance(logits, p, mask), mask),
             "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p.argmax(-1), mask), mask),
         }
 
     heldout.baseline(run, engine, evaluate)
-    for batch in setup.micro_batches(run):
-        if step.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
-            step.after_step(run, engine, evaluate)
+    # the micro-batches of one optimizer step (sampled first when on-policy), their valid rows counted
+    for micro in step.step_batches(run, lambda batch: shift_left(batch.loss_mask, 1, fill=False), on_policy):
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*scored(batch)))
+        step.after_step(run, engine, evaluate)
     return save.finish(run, engine, evaluate)
 
 

@@ -7,7 +7,8 @@ the target's own distribution at position t+1). A row counts when x_{t+2} is a
 loss-masked (assistant) token. Optional uniform noise on the input features makes the
 head robust to its own errors at decoding time (EAGLE: U(−0.1, 0.1)).
 
-Loss = feature_weight · smooth_l1 + token_weight · token_loss (EAGLE-1: 1.0 and 0.1, soft_ce).
+Loss = feature_weight · smooth_l1 + token_weight · token_loss (EAGLE-1: 1.0 and 0.1, soft_ce),
+summed over the rows and divided by the rows of the whole optimizer step (``step.py``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
     last_layer = (run.target.num_layers - 1,)
     setup.restore(run, engine, resume)
 
-    def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
-        regression = losses.smooth_l1(pred, shift_left(features, 1), mask)
+    def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, heldout.Metrics]:
+        """feature_weight · smooth-L1 + token_weight · token loss, summed over the rows of ``mask``."""
+        regression = losses.smooth_l1(pred, shift_left(features, 1), mask, reduction="sum")
         token = losses.token_loss(cfg.loss.kind, logits[mask], target_side.rows_ahead(target_logits, 1, mask),
-                                  mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
+                                  mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta, reduction="sum")
         loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
-        return loss, {"loss/feature": regression.item(), "loss/token": token.item()}
+        n = float(mask.sum())
+        return loss, {"loss/feature": (regression.item(), n), "loss/token": (token.item(), n)}
 
-    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
+    def loss_fn(batch: Batch) -> tuple[Tensor, heldout.Metrics]:
         features, target_logits = target_side.features_and_logits(run, batch, last_layer)
         noisy = target_side.uniform_noise(features, cfg.feature_noise)
         return objective(*forward(engine, batch, noisy, run.dtype), features, target_logits)
@@ -47,18 +50,24 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         features, target_logits = target_side.features_and_logits(run, batch, last_layer)
         pred, logits, mask = forward(engine, batch, features, run.dtype)
         p_logits = shift_left(target_logits, 1)
+        loss, parts = objective(pred, logits, mask, features, target_logits)
         return {
-            "loss": heldout.masked_metric(lambda: objective(pred, logits, mask, features, target_logits)[0], mask),
-            "feature_loss": heldout.masked_metric(lambda: losses.smooth_l1(pred, shift_left(features, 1), mask), mask),
+            "loss": (float(loss), float(mask.sum())),
+            "feature_loss": parts["loss/feature"],
             "acceptance": heldout.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
             "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
         }
 
     heldout.baseline(run, engine, evaluate)
-    for batch in setup.micro_batches(run):
-        if step.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
-            step.after_step(run, engine, evaluate)
+    for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid rows counted
+        step.optimizer_step(run, engine, micro, loss_fn)
+        step.after_step(run, engine, evaluate)
     return save.finish(run, engine, evaluate)
+
+
+def rows(batch: Batch) -> Tensor:
+    """[B, S] bool: row t counts when x_{t+2} is a loss-masked token."""
+    return shift_left(batch.loss_mask, 2, fill=False)
 
 
 def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -68,4 +77,4 @@ def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> 
     """
     ids, features = shift_left(batch.input_ids, 1), features.to(dtype)
     pred, logits = engine(lambda head: head(ids, features, attention_mask=batch.attention_mask))
-    return pred, logits, shift_left(batch.loss_mask, 2, fill=False)
+    return pred, logits, rows(batch)

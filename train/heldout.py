@@ -17,6 +17,7 @@ from .data import Batch, collate, heldout_batches
 from .losses import EmptyBatchError
 from .setup import Run, pad_id
 
+
 Metrics = dict[str, tuple[float, float]]
 """Held-out metric name → (sum over valid positions, number of valid positions)."""
 
@@ -25,6 +26,7 @@ def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics])
     """Held-out metrics of the untrained drafter (step 0), when periodic evaluation is on."""
     if run.state.step == 0 and run.cfg.eval.every > 0:
         log_heldout(run, engine, heldout_fn)
+
 
 @torch.no_grad()
 def heldout_metrics(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
@@ -43,6 +45,7 @@ def heldout_metrics(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) 
     out = {name: summed[2 * i] / summed[2 * i + 1] for i, name in enumerate(names) if summed[2 * i + 1] > 0}
     return with_chain_summary(out)
 
+
 def with_chain_summary(metrics: dict[str, float]) -> dict[str, float]:
     """For per-step rates ``acceptance_step{j}`` (EAGLE-3 unroll steps, Medusa heads): add
     ``acceptance`` = step 0's and ``expected_tokens`` = Σ_k Π_{j≤k} α_j, the drafts accepted per
@@ -59,6 +62,7 @@ def with_chain_summary(metrics: dict[str, float]) -> dict[str, float]:
         expected += survive
     return {**metrics, "acceptance": rates[0], "expected_tokens": expected}
 
+
 def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, float]:
     """(mean · count, count) of a masked mean over ``mask``'s positions, or (0, 0) when there are none."""
     n = float(mask.sum())
@@ -69,11 +73,13 @@ def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, flo
     except EmptyBatchError:  # e.g. every target argmax outside a reduced vocabulary
         return 0.0, 0.0
 
+
 def log_heldout(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
     metrics = {f"heldout/{k}": v for k, v in heldout_metrics(run, engine, fn).items()}
     run.monitor.log(run.state.step, {}, metrics)
     run.monitor.note(f"step {run.state.step} held-out: " + ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items()))
     return metrics
+
 
 def decoder_eval(run: Run, path: str) -> dict[str, Any] | None:
     """Run the drafter folder ``path`` (see ``save.save_drafter``) in the real speculative decoder on

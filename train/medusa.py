@@ -4,7 +4,8 @@ Head k at row t reads the target's last-layer feature f_t and predicts x_{t+k+2}
 target distribution is the target's own output at position t+k+1 (self-distillation, as
 Medusa-2 does to keep the heads faithful to the target rather than to the data). A row
 counts when x_{t+k+2} is a loss-masked token. Head k's loss is weighted
-``step_decay**k`` (Medusa: 0.8^k). Logits are computed only for the rows that count,
+``step_decay**k`` (Medusa: 0.8^k); the sum over heads and rows is divided by head 0's rows
+over the whole optimizer step (``step.py``). Logits are computed only for the rows that count,
 one head at a time, so memory stays at (valid rows × V) per head.
 
 Held-out: expected acceptance Σ min(p, q) and top-1 agreement per head
@@ -41,19 +42,19 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         targets = [target_side.rows_ahead(target_logits, k + 1, mask) for k, mask in enumerate(masks)]
         return logits, targets, masks
 
-    def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
+    def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, heldout.Metrics]:
+        """Σ_k w_k · (head k's token loss summed over its rows); parts: each head's (sum, rows)."""
         total, parts = None, {}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
-            if k > 0 and not mask.any():
-                continue  # sequences too short for the far heads; head 0 with nothing raises EmptyBatchError
-            head_loss = losses.token_loss(cfg.loss.kind, q, p, mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
-            total = weights[k] * head_loss if total is None else total + weights[k] * head_loss
-            parts[f"loss/head{k}"] = head_loss.item()
+            head_sum = losses.token_loss(cfg.loss.kind, q, p, mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta,
+                                         reduction="sum")  # 0 where sequences are too short for the far heads
+            total = weights[k] * head_sum if total is None else total + weights[k] * head_sum
+            parts[f"loss/head{k}"] = (head_sum.item(), float(mask.sum()))
         return total, parts
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         logits, targets, masks = per_head(batch)
-        out: heldout.Metrics = {"loss": heldout.masked_metric(lambda: objective(logits, targets, masks)[0], masks[0])}
+        out: heldout.Metrics = {"loss": (float(objective(logits, targets, masks)[0]), float(masks[0].sum()))}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
             rows = mask[mask]
             out[f"acceptance_step{k}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
@@ -61,9 +62,10 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         return out
 
     heldout.baseline(run, engine, evaluate)
-    for batch in setup.micro_batches(run):
-        if step.optimizer_step(run, engine, lambda: objective(*per_head(batch)), batch.tokens):
-            step.after_step(run, engine, evaluate)
+    # the micro-batches of one optimizer step, normalized by head 0's rows (x_{t+2} loss-masked)
+    for micro in step.step_batches(run, lambda batch: shift_left(batch.loss_mask, 2, fill=False)):
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*per_head(batch)))
+        step.after_step(run, engine, evaluate)
     return save.finish(run, engine, evaluate)
 
 

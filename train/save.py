@@ -19,6 +19,7 @@ def save_checkpoint(run: Run, engine: Any) -> str:
     state = {**asdict(run.state), "identity": identity(run)}
     return checkpoint.save_checkpoint(engine, run.world, run.run_dir, state, run.cfg.checkpoint.keep)
 
+
 def save_drafter(run: Run, engine: Any) -> str:
     """Write the drafter in the drafters format to ``<run_dir>/drafter`` (ZeRO-3 weights gathered)."""
     from ..drafters import save as save_folder
@@ -34,6 +35,7 @@ def save_drafter(run: Run, engine: Any) -> str:
         save_folder(config.runtime(fresh, run.target), path)
     distributed.barrier()
     return path
+
 
 def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> dict[str, Any]:
     """Final held-out metrics, checkpoint, drafter folder, optional decoder eval; write train_summary.json."""
@@ -51,8 +53,13 @@ def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -
         "zero_stage": distributed.zero_stage(engine),
         "dtype": str(run.dtype).replace("torch.", ""),
         "online_target": not run.offline,
-        "train_wall_s": round(run.wall_s, 3),
-        "tokens_per_s": round(run.state.tokens / run.wall_s, 3) if run.wall_s > 0 else None,
+        # the whole run, every session together (setup, evaluation and checkpoints not counted) ...
+        "run_train_s": round(run.state.train_s, 3),
+        "run_tokens_per_s": _rate(run.state.tokens, run.state.train_s),
+        # ... and this process alone (it may have resumed a checkpoint)
+        "session": {"steps": run.state.step - run.session.step, "tokens": run.state.tokens - run.session.tokens,
+                    "train_s": round(run.state.train_s - run.session.train_s, 3),
+                    "tokens_per_s": _rate(run.state.tokens - run.session.tokens, run.state.train_s - run.session.train_s)},
         "heldout": heldout,
         "decoder": decoder,
         "drafter": drafter_path,
@@ -62,3 +69,7 @@ def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -
         write_json(os.path.join(run.run_dir, "train_summary.json"), summary)
     run.monitor.close(summary={k: v for k, v in heldout.items()})
     return {**summary, "rank": run.world.rank}
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return round(tokens / seconds, 3) if seconds > 0 else None

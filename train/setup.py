@@ -20,7 +20,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,10 +44,14 @@ class TrainState:
     """Micro-batches consumed: the data position."""
     tokens: int = 0
     """Real tokens processed, all ranks together."""
+    train_s: float = 0.0
+    """Seconds of training of the whole run, every session (process) together; setup, evaluation
+    and checkpointing are left out."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Micro-batches skipped on every rank, by reason."""
     world_size: int = 1
     seed: int = 0
+
 
 @dataclass
 class Run:
@@ -63,9 +67,13 @@ class Run:
     state: TrainState
     monitor: Monitor | None = None
     pending: dict[str, list[float]] = field(default_factory=dict)
-    """Loss parts of the micro-batches since the last log line."""
-    wall_s: float = 0.0
-    """Wall time of this process's training loop so far (excludes setup)."""
+    """This rank's loss and loss parts since the last log line: name → [sum over valid tokens, their count]."""
+    session: TrainState = field(default_factory=TrainState)
+    """The state this process started from (the checkpoint it resumed, or a fresh one)."""
+    logged: tuple[int, float] = (0, 0.0)
+    """(tokens, train_s) of the state at the last log line."""
+    clock: float = 0.0
+    """``time.perf_counter()`` when the training time counted in ``state.train_s`` last advanced."""
     stop_signal: int = 0
     """A stop signal (SIGTERM / SIGUSR1) some rank received: checkpoint at the next step and stop."""
 
@@ -81,6 +89,7 @@ class Run:
     def offline(self) -> bool:
         return bool(self.cfg.features)
 
+
 def trainable(recipe: Any) -> Any:
     """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
     from ..drafters.checkpoint import trainable_families
@@ -89,6 +98,7 @@ def trainable(recipe: Any) -> Any:
         raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
                           f"{', '.join(trainable_families())}")
     return recipe.drafter
+
 
 def start(recipe: Any, world: World) -> Run:
     """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
@@ -108,6 +118,7 @@ def start(recipe: Any, world: World) -> Run:
     state = TrainState(world_size=world.world_size, seed=cfg.seed)
     return Run(recipe, world, target, rows, split, order, ds_config, distributed.engine_dtype(ds_config), state)
 
+
 def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the peak learning rate after ``step`` optimizer steps."""
 
@@ -122,6 +133,7 @@ def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float) -> Callable[
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
 
 class Forward(torch.nn.Module):
     """The engine's module: holds the drafter and runs ``fn(drafter)`` as its forward.
@@ -141,6 +153,7 @@ class Forward(torch.nn.Module):
     def forward(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         return fn(self.drafter)
 
+
 def build_engine(run: Run, module: torch.nn.Module) -> Any:
     """The DeepSpeed engine around the drafter (wrapped in :class:`Forward`); the target stays outside, frozen."""
     cfg = run.cfg
@@ -156,6 +169,7 @@ def build_engine(run: Run, module: torch.nn.Module) -> Any:
         frozen=run.target.model,
     )
 
+
 def restore(run: Run, engine: Any, resume: str | None = None) -> None:
     """Continue from ``resume`` (a checkpoint folder) or the run folder's latest checkpoint, if any."""
     path = resume or checkpoint.latest_checkpoint(run.run_dir)
@@ -166,11 +180,19 @@ def restore(run: Run, engine: Any, resume: str | None = None) -> None:
             # the data position is counted in micro-batches of world_size × batch_size records
             run.state.micro_step = run.state.micro_step * run.state.world_size // run.world.world_size
             run.state.world_size = run.world.world_size
+        # DeepSpeed restored the scheduler's base learning rate too: the recipe's lr wins, and the
+        # schedule continues at the saved step with the new peak
+        saved_lr = distributed.set_peak_lr(engine, run.cfg.optimizer.lr)
+    run.session, run.logged = replace(run.state, skipped=dict(run.state.skipped)), (run.state.tokens, run.state.train_s)
     lg = run.cfg.logging
     run.monitor = Monitor(run.run_dir, run.world.rank, run.cfg.steps, run.state.step, to_dict(run.recipe),
                           wandb=lg.wandb, wandb_project=lg.wandb_project, progress=lg.progress)
     if path:
         run.monitor.note(f"resumed from {path} at step {run.state.step} (micro-batch {run.state.micro_step})")
+        if saved_lr != run.cfg.optimizer.lr:
+            run.monitor.note(f"learning rate: peak {run.cfg.optimizer.lr:g} (train.optimizer.lr) instead of the "
+                             f"checkpoint's {saved_lr:g}, from step {run.state.step} on")
+
 
 def identity(run: Run) -> dict[str, Any]:
     """What a checkpoint's weights and data position mean; a resumed run must match it (learning
@@ -180,6 +202,7 @@ def identity(run: Run) -> dict[str, Any]:
            "train": {"dataset": cfg.dataset, "features": cfg.features, "batch_size": cfg.batch_size,
                      "max_length": cfg.max_length, "seed": cfg.seed, "heldout": cfg.eval.heldout}}
     return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
+
 
 def micro_batches(run: Run) -> Iterator[Batch]:
     """This rank's micro-batches from the saved data position on, on its device, until ``train.steps``
@@ -191,6 +214,7 @@ def micro_batches(run: Run) -> Iterator[Batch]:
         batch = collate([run.rows[i] for i in ids], pad, run.cfg.max_length)
         run.state.micro_step = step + 1
         yield batch.to(run.world.device)
+
 
 def pad_id(target: Target) -> int:
     tok = target.tokenizer

@@ -21,6 +21,7 @@ def target_forward(run: Run, batch: Batch, feature_layers: tuple[int, ...] = ())
     """The frozen target on a batch: logits [B, S, V] and the features of ``feature_layers``."""
     return run.target.forward(batch.input_ids, feature_layers=feature_layers, attention_mask=batch.attention_mask)
 
+
 def features_and_logits(run: Run, batch: Batch, layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """The target's features of ``layers`` [B, S, len(layers)·H] and its logits [B, S, V].
 
@@ -35,6 +36,7 @@ def features_and_logits(run: Run, batch: Batch, layers: tuple[int, ...]) -> tupl
     features = cached_layers(batch.hidden, cached, layers, run.target.hidden_size)
     return features.to(run.target.dtype), cached_logits(run.target, batch, cached)
 
+
 def cached_layers(hidden: Tensor, cached: list[int], wanted: tuple[int, ...], hidden_size: int) -> Tensor:
     """The ``wanted`` layers' slices of cached features [B, S, len(cached)·H] → [B, S, len(wanted)·H]."""
     missing = [layer for layer in wanted if layer not in cached]
@@ -44,6 +46,7 @@ def cached_layers(hidden: Tensor, cached: list[int], wanted: tuple[int, ...], hi
                               f"online (train.features empty)")
     cols = [cached.index(layer) for layer in wanted]
     return torch.cat([hidden[..., c * hidden_size : (c + 1) * hidden_size] for c in cols], dim=-1)
+
 
 @torch.no_grad()
 def cached_logits(target: Target, batch: Batch, cached: list[int]) -> Tensor:
@@ -63,11 +66,13 @@ def cached_logits(target: Target, batch: Batch, cached: list[int]) -> Tensor:
                           f"gives no target distribution; rebuild it with layer {last} in data.features.layer_ids "
                           f"or data.features.topk > 0")
 
+
 def rows_ahead(x: Tensor, n: int, mask: Tensor) -> Tensor:
     """``shift_left(x, n)[mask]`` without building the shifted copy: the rows ``x[b, t + n]`` for
     every ``mask[b, t]``. x: [B, S, ...] (e.g. the target's logits [B, S, V]); mask: [B, S] bool,
     False in its last n columns (they have no row n ahead). Returns [N, ...], N = mask.sum()."""
     return x[:, n:][mask[:, : max(x.shape[1] - n, 0)]]
+
 
 def uniform_noise(x: Tensor, amplitude: float) -> Tensor:
     """x + U(−a, a) elementwise (EAGLE's feature noise); x itself when a = 0."""
