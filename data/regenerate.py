@@ -72,7 +72,7 @@ def regenerate_conversations(
     ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
     each process answers its share of the shards (see :mod:`~draftsmith.data.shards`)."""
     spec = {"inputs": inputs_hash, "target": target.fingerprint, "tokenizer": target.tokenizer_hash,
-            "dtype": str(target.dtype), "max_length": max_length, **asdict(settings)}
+            "max_length": max_length, **asdict(settings), "dtype": str(target.dtype)}  # the dtype it runs in
     job = ShardedJob(folder, spec, ".jsonl")
     n = len(conversations)
     num_shards = math.ceil(n / settings.shard_size)
