@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..schema import to_dict
+from ..schema import save_recipe, to_dict
 from ..target import Target, load_target
 from . import checkpoint, distributed
 from .data import Batch, BatchOrder, Split, collate, load_rows, split_heldout
@@ -102,8 +102,6 @@ def trainable(recipe: Any) -> Any:
 
 def start(recipe: Any, world: World) -> Run:
     """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
-    from ..config import save_recipe
-
     cfg = recipe.train
     os.makedirs(recipe.run_dir, exist_ok=True)
     if world.is_main:
