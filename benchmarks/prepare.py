@@ -13,8 +13,8 @@
    speculative decoder with the layer-skip drafter, greedy, same prompts, outputs compared.
 4. the regenerate stage as `draftsmith prepare` runs it (``regenerate_conversations``, ShareGPT
    first turns, greedy, the demo's 64 new tokens): the old settings (fp32, batch 8, shards of 8)
-   vs the new ones (``--regenerate-new``, default bf16, batch 16, shards of 64: longer shards
-   sort more prompts by length) on the same conversations, alternating, the median of
+   vs the new ones (``--regenerate-new``, default fp32, batch 16, shards of 64: longer shards
+   sort more prompts by length, so a batch pads less) on the same conversations, alternating, the median of
    ``--rounds``; and how many answers the two dtypes agree on token for token.
 
 5. feature capture by dtype (``--feature-dtypes float32,bfloat16``): ``write_feature_cache`` with
@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--regenerate-conversations", type=int, default=48,
                    help="ShareGPT conversations for the regenerate-stage comparison (the demo: 96)")
     p.add_argument("--regenerate-old", default="float32,8,8", help="old settings: dtype,batch_size,shard_size")
-    p.add_argument("--regenerate-new", default="bfloat16,16,64", help="new settings: dtype,batch_size,shard_size")
+    p.add_argument("--regenerate-new", default="float32,16,64", help="new settings: dtype,batch_size,shard_size")
     p.add_argument("--feature-dtypes", default="", help="e.g. float32,bfloat16: time feature capture per dtype")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: render,features,regen,regenerate")
     p.add_argument("--out", default="benchmarks/out/prepare.json")
@@ -281,7 +281,8 @@ def bench_regenerate_stage(args) -> dict:
             shutil.rmtree(tmp)
             rates[name].append(report.new_tokens / report.seconds)
             print(f"round {r + 1} {name} ({dtype}, batch {cfg.batch_size}, shards of {cfg.shard_size}): "
-                  f"{rates[name][-1]:.1f} new tok/s ({report.new_tokens} tokens, {report.seconds:.1f} s)", flush=True)
+                  f"{rates[name][-1]:.1f} new tok/s ({report.new_tokens} tokens, {report.seconds:.1f} s, "
+                  f"finish {dict(report.finish)})", flush=True)
     out = {"conversations": len(rows), "max_new_tokens": 64,
            **{name: {"dtype": d, "batch_size": c.batch_size, "shard_size": c.shard_size,
                      "new_tok_per_s": statistics.median(rates[name]), "rounds": [round(x, 1) for x in rates[name]]}

@@ -184,3 +184,18 @@ def test_regenerate_dtype_answers_with_a_bfloat16_copy_of_an_fp32_target(tmp_pat
             [t for t in tokens if t not in bf16.eos_token_ids], skip_special_tokens=True)
         differ += tokens != target_greedy(fp32, prompt, NEW)
     print(f"{differ} of 3 bf16 answers differ from the fp32 target's")
+
+
+def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
+    """Prompts of different lengths whose answers end at different points (some by EOS within the
+    budget, some cut): the batched loop gives each prompt the target's own batch-1 greedy answer."""
+    from draftsmith.data.regenerate import greedy_batch
+
+    asks = ["Answer with one word: is the sky blue?", "Hi", "Write a long poem about the sea and the wind.",
+            "What is 2+2? Reply with the number only."]
+    prompts = [smollm2.render_chat([{"role": "user", "content": a}]) for a in asks]
+    got = greedy_batch(smollm2, prompts, 20)
+    want = [target_greedy(smollm2, p, 20) for p in prompts]
+    assert got == want
+    ended = [len(t) < 20 and t[-1] in smollm2.eos_token_ids for t in got]
+    assert any(ended) and not all(ended), [len(t) for t in got]  # rows left the batch while others ran on
