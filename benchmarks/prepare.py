@@ -12,11 +12,11 @@
 3. regeneration engines (new tokens/s): batched HF generate (batch 8) vs batch 1 vs the built-in
    speculative decoder with the layer-skip drafter, greedy, same prompts, outputs compared.
 4. the regenerate stage as `draftsmith prepare` runs it (``regenerate_conversations``, ShareGPT
-   first turns, greedy, the demo's 64 new tokens): the old settings (fp32, batch 8, shards of 8)
-   vs the new ones (``--regenerate-new``, default fp32, batch 16, shards of 64: longer shards
-   sort more prompts by length, so a batch pads less) on the same conversations, alternating, the median of
-   ``--rounds``; and how many answers the two dtypes agree on token for token.
-
+   first turns, greedy, the demo's 64 new tokens): the old settings (fp32, batch 8, shards of 8,
+   one HF ``generate`` call per batch) vs the new ones (``--regenerate-new``, default fp32, batch
+   16, shards of 64, the greedy loop that drops finished rows: longer shards sort more prompts by
+   length, so a batch pads less) on the same conversations, alternating, the median of
+   ``--rounds``; and how many answers the two agree on token for token.
 5. feature capture by dtype (``--feature-dtypes float32,bfloat16``): ``write_feature_cache`` with
    an fp32 and a bf16 target over the same rows, alternating, and how far the stored (bf16)
    features of the two differ.
@@ -250,6 +250,22 @@ def bench_feature_dtypes(tokenizer, folder, convs, args) -> dict:
     return out
 
 
+@torch.inference_mode()
+def hf_generate_batch(target, prompts: list[list[int]], st) -> list[list[int]]:
+    """The regenerate engine before the greedy loop: one left-padded HF ``generate`` call (greedy), new tokens
+    cut after the first EOS. The "old" settings run it, so they measure yesterday's code path."""
+    eos = sorted(target.eos_token_ids)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), eos[0], dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    out = target.model.generate(ids, attention_mask=mask, max_new_tokens=st.max_new_tokens, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos[0])
+    rows = out[:, width:].tolist()
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))] for row in rows]
+
+
 def bench_regenerate_stage(args) -> dict:
     """The regenerate stage, old settings vs new, on the same ShareGPT first turns (see the module docstring)."""
     import datasets
@@ -257,9 +273,11 @@ def bench_regenerate_stage(args) -> dict:
     from draftsmith.data.config import RegenerateConfig, SourceConfig
     from draftsmith.data.conversations import conversation_features
     from draftsmith.data.normalize import ReadStats, iter_conversations
+    from draftsmith.data import regenerate
     from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
     from draftsmith.target import load_target
 
+    engine = regenerate.generate_batch
     rows = [{"conv_id": str(i), "source": "sharegpt", "messages": c["messages"], "truncated_turns": []} for i, c in
             enumerate(iter_conversations([SourceConfig(path="sharegpt")], args.regenerate_conversations, ReadStats()))]
     convs = datasets.Dataset.from_list(rows, features=conversation_features())
@@ -275,9 +293,11 @@ def bench_regenerate_stage(args) -> dict:
         for name in (("new", "old") if r % 2 else ("old", "new")):
             dtype, cfg = settings[name]
             tmp = tempfile.mkdtemp()
+            regenerate.generate_batch = hf_generate_batch if name == "old" else engine
             report = regenerate_conversations(convs, os.path.join(tmp, "regen"), targets[dtype], cfg, max_length=1024,
                                               inputs_hash="bench", progress=False)
             answers[name] = [rec["messages"][-1]["content"] for rec in regenerated_records(os.path.join(tmp, "regen"))]
+            regenerate.generate_batch = engine
             shutil.rmtree(tmp)
             rates[name].append(report.new_tokens / report.seconds)
             print(f"round {r + 1} {name} ({dtype}, batch {cfg.batch_size}, shards of {cfg.shard_size}): "

@@ -11,8 +11,11 @@ same settings, keeps the finished shards and recomputes the rest from scratch; e
 shard seeds its sampler with ``seed + shard`` and batches the same conversations, so
 the result is exactly the set an uninterrupted run writes.
 
-Two engines (``method``): batched HF ``generate`` with left padding (default), or the
-built-in speculative decoder with any drafter (batch size 1, lossless). Measured on
+Two engines (``method``): batched generation (default) — a shard's prompts sorted by length
+into left-padded batches of ``batch_size`` (the records keep their order), greedy in a loop
+of its own where a row that reached EOS leaves the batch (:func:`greedy_batch`), sampled with
+HF ``generate`` — or the built-in speculative decoder with any drafter (batch size 1,
+lossless). Measured on
 the SmolLM2 target on 2 CPU cores, batch 8 ran 1.25× (one thread) to 2.0× (two threads)
 faster than batch 1 and 3.2× (one thread) to 7.8× (two threads) faster than speculative
 decoding with the untrained layer-skip drafter, all with identical greedy tokens
