@@ -318,7 +318,7 @@ def consolidated_weights(root: str, tag: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints progress lines
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
             return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' is incomplete or not a DeepSpeed ZeRO "
