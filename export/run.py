@@ -9,7 +9,8 @@ existing non-empty folder is refused unless ``force``.
 ``check(folder)`` loads an export back and proves it, returning one line per thing checked:
 the static checks of the format (config fields, every tensor against what the engines'
 loaders read, d2t), then the export loaded into draftsmith's own decoder proposes exactly what
-the source drafter proposes (fp32, the same inputs, greedy and sampled q), and per format:
+the source drafter proposes (fp32, the same inputs, greedy and sampled q) and a whole sampled
+speculative decode with it accepts the source's drafts round for round, and per format:
 ``hf`` — transformers' assisted generation with it equals the target's greedy output;
 ``speculators`` — speculators' own ``Eagle3DraftModel`` loads every tensor and its logits on
 the same hidden states equal draftsmith's head's (fp32 tolerance).
@@ -130,9 +131,13 @@ def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] 
     if hasattr(spec.module, "static_check"):
         lines += spec.module.static_check(folder, fmt, target)
     exported = spec.module.load(folder, fmt, target)
+    if not os.path.isdir(info["source"]["path"]):
+        raise DraftsmithError(f"the drafter {folder} was exported from, {info['source']['path']} (recorded in {INFO_FILE}), "
+                              f"is gone; the check compares the export's proposals with it")
     source = open_source(info["source"]["path"], target.name)
     prompts = prompts or default_prompts(target)
     lines += compare_proposals(target, source.drafter, exported, prompts)
+    lines += compare_decodes(target, source.drafter, exported, prompts[0])
     if fmt == "hf":
         lines += hf.assisted_identity(folder, target, prompts, max_new_tokens=16)
     if fmt == "speculators":
@@ -184,6 +189,21 @@ def compare_proposals(target: Target, source: Any, exported: Any, prompts: list[
                                           f"(> {PROPOSAL_TOLERANCE:.0e}) ({name})")
     return [f"loaded into draftsmith's decoder, the export proposes the source drafter's {k} tokens on {len(prompts)} "
             f"prompts, greedy and sampled (max |Δq| = {worst:.1e}, fp32)"]
+
+
+def compare_decodes(target: Target, source: Any, exported: Any, prompt: list[int], new_tokens: int = 24) -> list[str]:
+    """A whole sampled speculative decode (every round's drafts, rejections and cache rollbacks) with the
+    export gives the source's tokens and acceptance, round for round (same seed)."""
+    from ..eval.decoder import DecodeConfig, speculative_decode
+
+    cfg = DecodeConfig(k=4, max_new_tokens=new_tokens, temperature=0.8, top_p=0.95, seed=0)
+    a, b = (speculative_decode(target, d, prompt, cfg) for d in (source, exported))
+    same = a.tokens == b.tokens and a.stats.accept_hist == b.stats.accept_hist and a.stats.accepted_at == b.stats.accepted_at
+    if not same:
+        raise DraftsmithError(f"a sampled decode with the export accepts {b.stats.accept_hist} (histogram) where the source "
+                              f"drafter accepts {a.stats.accept_hist}: the export drafts differently")
+    return [f"a sampled speculative decode ({len(a.tokens)} tokens, {sum(a.stats.accept_hist)} rounds, k = 4) with the "
+            f"export emits the source's tokens and accepts the same drafts in every round"]
 
 
 def compare_speculators(folder: str, target: Target, source: Any, ids: list[int], steps: int = 3) -> list[str]:
