@@ -19,6 +19,10 @@ places, any one of which changes every draft:
 3. **the readout**: EAGLE-1 computes logits as ``lm_head(h)`` (its features are already normed);
    draftsmith computes ``lm_head(norm(h))`` with the target's final norm.
 
+vLLM's loader (``vllm/model_executor/models/llama_eagle.py`` at commit 00da9231) adds a fourth:
+its ``fc`` has no bias (``bias=False``) and ``load_weights`` skips names the model lacks, so
+draftsmith's ``fc.bias`` (EAGLE-1's reference default, kept here) would be dropped silently.
+
 Exporting the weights under EAGLE-1 names would load without an error and propose other
 tokens than draftsmith's decoder — the silent failure exports must not have — so ``--to
 eagle1`` is refused with this explanation. Making the head match means training it the EAGLE-1
@@ -35,6 +39,7 @@ DIFFERENCES = (
     "layer, which no fc weight can turn into the other)",
     "layer 0's input_layernorm (absent in EAGLE-1, vLLM and SGLang; an RMSNorm with a trained scale in draftsmith)",
     "the readout (EAGLE-1: lm_head(h); draftsmith: lm_head(final_norm(h)))",
+    "and for vLLM the fc bias (vLLM's EAGLE-1 fc has none and drops fc.bias silently)",
 )
 
 

@@ -13,7 +13,8 @@ speculators 0.9.0 from PyPI):
   embedding is the target's (both engines share it when the file has none). speculators names
   the layer ``layers.0.*`` and needs ``embed_tokens.weight`` in the file: under transformers 5 a
   tensor missing from the file is uninitialized memory, and speculators copies the verifier's
-  embedding only where it finds NaN.
+  embedding only where it finds NaN. It holds ``d2t`` / ``t2d`` only for a reduced draft
+  vocabulary (a full-vocabulary head has no such buffers, so the tensors would be unexpected).
 * config: ``tie_word_embeddings: false`` (SGLang ties lm_head to the embedding otherwise), no
   attention / fc bias (SGLang builds the 2H-input qkv without bias and drops a bias tensor
   silently), ``draft_vocab_size``, ``target_hidden_size``, ``num_hidden_layers: 1``.
@@ -131,12 +132,23 @@ def write(source: Any, fmt: str, out: str) -> None:
     from .tensors import cast_floats
 
     state = {k: v for k, v in source.drafter.module.state_dict().items() if not k.startswith("rotary_emb.")}
+    if fmt == "speculators" and not _reduced(source.drafter.module.d2t.shape[0], source.target.vocab_size):
+        del state["d2t"], state["t2d"]  # speculators has no such buffers for a full vocabulary (they would be unexpected)
     tensors = cast_floats(adapter("eagle3", fmt).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
     write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
 
 
 # ---------------------------------------------------------------- reading back
+
+
+def _reduced(draft_vocab: int, vocab: int) -> bool:
+    return draft_vocab != vocab
+
+
+def _has_vocab_map(cfg: dict[str, Any], fmt: str) -> bool:
+    """eagle3 always carries d2t / t2d; speculators only for a reduced draft vocabulary."""
+    return fmt == "eagle3" or _reduced(int(cfg["draft_vocab_size"]), int(_layer_section(cfg, fmt)["vocab_size"]))
 
 
 def _layer_section(cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -155,8 +167,6 @@ def expected_tensors(cfg: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
         "fc.weight": ((h, 3 * ht), f),
         "norm.weight": ((h,), f),
         "lm_head.weight": ((vd, h), f),
-        "d2t": ((vd,), torch.int64),
-        "t2d": ((v,), torch.bool),
         **{f"{layer}{n}.weight": ((h,), f) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
         f"{layer}self_attn.q_proj.weight": ((q, 2 * h), f),
         f"{layer}self_attn.k_proj.weight": ((kv, 2 * h), f),
@@ -168,6 +178,8 @@ def expected_tensors(cfg: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
     }
     if fmt == "speculators":
         out["embed_tokens.weight"] = ((v, h), f)
+    if _has_vocab_map(cfg, fmt):
+        out.update({"d2t": ((vd,), torch.int64), "t2d": ((v,), torch.bool)})
     return out
 
 
@@ -210,8 +222,9 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
         need(eagle.get("use_aux_hidden_state") is True and native_layer_ids(sglang, n, "sglang") == ours,
              f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang adds 1) names the same layers")
     done += check_tensors(tensors, expected_tensors(cfg, fmt), where)
-    check_draft_vocab(tensors["d2t"], tensors["t2d"], target.vocab_size, where)
-    done.append(f"d2t: {tensors['d2t'].shape[0]} int64 offsets in range, one target id each, consistent with t2d")
+    if _has_vocab_map(cfg, fmt):
+        check_draft_vocab(tensors["d2t"], tensors["t2d"], target.vocab_size, where)
+        done.append(f"d2t: {tensors['d2t'].shape[0]} int64 offsets in range, one target id each, consistent with t2d")
     return done
 
 
@@ -237,7 +250,8 @@ def load(folder: str, fmt: str, target: Target) -> Any:
         embed.weight.data = native.pop("embed_tokens.weight").to(embed.weight.dtype)
     head = Eagle3Head(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]))
     head.to(device=target.device, dtype=target.dtype)
-    _load_exact(head, native, skip=("embed_tokens.", "rotary_emb."), where=folder)
+    full = () if _has_vocab_map(cfg, fmt) else ("d2t", "t2d")  # the identity mapping the head starts with
+    _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)
     layers = native_layer_ids(cfg["eagle_aux_hidden_state_layer_ids"], target.num_layers, "vllm")
     return EagleDrafter(head.eval(), tuple(layers), None, describe(target))
 

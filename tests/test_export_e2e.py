@@ -41,3 +41,23 @@ def test_hf_export_drives_assisted_generation_to_the_targets_greedy_output(tmp_p
         assisted = smollm2.model.generate(ids, assistant_model=assistant, **common)
     assert greedy.shape[1] > ids.shape[1] + 8
     assert torch.equal(assisted, greedy)
+
+
+def test_eagle3_head_of_smollm2_exports_with_the_engines_layer_ids(tmp_path, smollm2):
+    """SmolLM2 (30 layers): our default [1, 14, 26] are vLLM's / speculators' [2, 15, 27] and SGLang's
+    eagle_config [1, 14, 26]; the speculators export loads in speculators against the real verifier
+    config and matches draftsmith's logits."""
+    import json
+
+    from draftsmith.drafters import Eagle3Config
+
+    config = Eagle3Config()
+    drafters.save(config.build(smollm2), str(tmp_path / "drafter"))
+    for fmt in ("eagle3", "speculators"):
+        export(str(tmp_path / "drafter"), fmt, str(tmp_path / fmt))
+        cfg = json.load(open(tmp_path / fmt / "config.json"))
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfg["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert json.load(open(tmp_path / "eagle3" / "config.json"))["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    lines = check(str(tmp_path / "speculators"))
+    assert any("speculators' forward on the same hidden states" in line for line in lines), lines
