@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 
 from ..errors import DraftsmithError
 from ..target import Target, describe
