@@ -160,7 +160,7 @@ def _features(target: Target, ids: list[int], layers: tuple[int, ...]) -> tuple[
 
 def compare_proposals(target: Target, source: Any, exported: Any, prompts: list[list[int]], k: int = 4) -> list[str]:
     """After the same prefill, the export proposes the source's tokens with the source's q (greedy and sampled)."""
-    from ..eval.sampling import Warp
+    from ..decode.sampling import Warp
 
     worst = 0.0
     warps = {"greedy": Warp(), "sampled (T=0.8, top-p 0.95)": Warp(temperature=0.8, top_p=0.95)}
@@ -194,10 +194,12 @@ def compare_proposals(target: Target, source: Any, exported: Any, prompts: list[
 def compare_decodes(target: Target, source: Any, exported: Any, prompt: list[int], new_tokens: int = 24) -> list[str]:
     """A whole sampled speculative decode (every round's drafts, rejections and cache rollbacks) with the
     export gives the source's tokens and acceptance, round for round (same seed)."""
-    from ..eval.decoder import DecodeConfig, speculative_decode
+    from ..decode.chain import speculative_decode
+    from ..decode.sampling import Warp
 
-    cfg = DecodeConfig(k=4, max_new_tokens=new_tokens, temperature=0.8, top_p=0.95, seed=0)
-    a, b = (speculative_decode(target, d, prompt, cfg) for d in (source, exported))
+    warp = Warp(temperature=0.8, top_p=0.95)
+    a, b = (speculative_decode(target, d, prompt, k=4, max_new_tokens=new_tokens, warp=warp, seed=0)
+            for d in (source, exported))
     same = a.tokens == b.tokens and a.stats.accept_hist == b.stats.accept_hist and a.stats.accepted_at == b.stats.accepted_at
     if not same:
         raise DraftsmithError(f"a sampled decode with the export accepts {b.stats.accept_hist} (histogram) where the source "
