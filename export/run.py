@@ -79,9 +79,11 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
     family = source_family(source_path)
     spec = FORMATS[fmt]
     if family != spec.family:
-        fits = [name for name, f in FORMATS.items() if f.family == family]
+        fits = [name for name, f in FORMATS.items() if f.family == family and name != "eagle1"]
+        hint = f"export it with --to {' or --to '.join(fits)}" if fits else (
+            "no format holds it (--to eagle1 says why)" if family == "eagle1" else "no format holds it")
         raise DraftsmithError(f"the {fmt} format holds {spec.family} drafters only, and '{source_path}' is a {family} "
-                              f"drafter; export it with --to {' or --to '.join(fits) if fits else '(none: no format holds it)'}")
+                              f"drafter; {hint}")
     if fmt == "eagle1":
         eagle1.refuse()
     source = open_source(source_path, target)

@@ -238,6 +238,7 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, s
     out = tmp_path / "out"
     _refused(["export", sources["medusa"], "--to", "eagle3", "--out", str(out)], out, capsys, "medusa-vllm")
     _refused(["export", sources["eagle3"], "--to", "hf", "--out", str(out)], out, capsys, "--to eagle3 or --to speculators")
+    _refused(["export", sources["eagle1"], "--to", "eagle3", "--out", str(out)], out, capsys, "--to eagle1 says why")
     _refused(["export", sources["eagle3"], "--to", "onnx", "--out", str(out)], out, capsys, "unknown export format")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
