@@ -115,6 +115,8 @@ def _open_checkpoint(path: str, target_spec: str | None) -> Source:
     target = _load_checked_target(spec, identity.get("target"), f"checkpoint '{path}'")
     config = from_dict(families[kind], section, where="drafter")
     if kind == "eagle3":  # the vocabulary is in the weights (d2t); the file it was read from may be gone
+        if "d2t" not in weights:
+            raise DraftsmithError(f"checkpoint '{path}' holds an EAGLE-3 head without its d2t buffer; it is damaged")
         config = dataclasses.replace(config, draft_vocab="", draft_vocab_size=int(weights["d2t"].shape[0]))
         module = config.module_for_checkpoint(target, {})
     else:
