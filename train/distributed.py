@@ -307,6 +307,24 @@ def save_engine(engine: Any, root: str, tag: str) -> None:
     engine.save_checkpoint(root, tag=tag, save_latest=False)
 
 
+def consolidated_weights(root: str, tag: str) -> dict[str, torch.Tensor]:
+    """The whole fp32 weights of the ZeRO-1/2/3 checkpoint ``root/tag``, gathered from every rank's
+    partition files on one CPU process (no process group), named as the engine's module names them.
+
+    DeepSpeed's own ``zero_to_fp32`` reader does the gathering; buffers come back as saved.
+    """
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
+            return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' is incomplete or not a DeepSpeed ZeRO "
+                              f"checkpoint: {e}") from e
+
+
 def load_engine(engine: Any, root: str, tag: str) -> None:
     """Restore model, optimizer and scheduler state from ``root/tag``."""
     path, _ = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
