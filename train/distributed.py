@@ -333,6 +333,21 @@ def load_engine(engine: Any, root: str, tag: str) -> None:
                               f"is it complete, and made with the same ZeRO stage and number of processes?")
 
 
+def set_peak_lr(engine: Any, lr: float) -> float:
+    """Give the engine's schedule the peak learning rate ``lr`` at its current step; return the peak it had.
+
+    ``load_engine`` restores the scheduler's ``base_lrs`` (and the optimizer's current lr) from the
+    checkpoint, which would silently keep the old peak when a resumed run changes ``train.optimizer.lr``.
+    """
+    scheduler = engine.lr_scheduler  # the LambdaLR of build_engine
+    old = float(scheduler.base_lrs[0])
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return old
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Peak accelerator memory (GiB) on a GPU; the process's peak resident memory on CPU."""
     if device.type == "cuda":
