@@ -73,6 +73,7 @@ class Target:
     """A frozen causal LM with its tokenizer and fingerprint. Holds no config object."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None):
+        check_architecture(model, name, need="decode")
         freeze(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -130,9 +131,7 @@ class Target:
 
     # ---- compute
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
+        return rollback_cache(self.config)
 
     def forward(
         self,
@@ -149,13 +148,7 @@ class Target:
         """
         captured: dict[int, Tensor] = {}
         hooks = []
-        layers = getattr(getattr(self.model, "model", None), "layers", None) if feature_layers else ()
-        if layers is None:
-            raise DraftsmithError(
-                f"target '{self.name}' ({type(self.model).__name__}) has no decoder layers at model.model.layers, "
-                f"where draftsmith captures features; the feature cache and the EAGLE / Medusa drafters need a "
-                f"Llama-style model (Llama, Qwen2/3, Mistral, SmolLM, …)"
-            )
+        layers = check_architecture(self.model, self.name, need="features") if feature_layers else ()
         for layer in feature_layers:
             idx = self.layer_index(layer)
 
@@ -189,6 +182,50 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
     if hasattr(out, "keys") and "input_ids" in out:
         out = out["input_ids"]
     return list(out)
+
+
+DECODABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_architecture(model: torch.nn.Module, name: str, need: Literal["decode", "features"]) -> Any:
+    """Refuse, in one line, a target draftsmith cannot decode with (``decode``) or capture features from
+    (``features``: also needs the Llama-style layer stack ``model.model.layers``, returned).
+
+    Families known to work: Llama / Llama-3.x (rope scaling), Qwen2 / Qwen3 (q/k norms, untied
+    embeddings), Mistral and SmolLM; sliding-window layers decode (see :func:`rollback_cache`).
+    """
+    cfg = getattr(model, "config", None)
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t not in DECODABLE_LAYER_TYPES})
+    if other:
+        raise DraftsmithError(
+            f"target '{name}' ({type(model).__name__}) has {', '.join(other)} layers: draftsmith's decoder rolls the KV "
+            f"cache back after a rejected draft, which only attention layers ({', '.join(DECODABLE_LAYER_TYPES)}) allow"
+        )
+    if need == "decode":
+        return None
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise DraftsmithError(
+            f"target '{name}' ({type(model).__name__}) has no decoder layers at model.model.layers, "
+            f"where draftsmith captures features; the feature cache and the EAGLE / Medusa drafters need a "
+            f"Llama-style model (Llama, Qwen2/3, Mistral, SmolLM, …)"
+        )
+    return layers
+
+
+def rollback_cache(config: Any) -> Any:
+    """A HF ``DynamicCache`` for ``config`` that :func:`crop_cache` can roll back.
+
+    transformers gives sliding-window layers a cache that forgets positions past the window,
+    so it cannot be cropped after a rejected draft; here every layer keeps its full past (the
+    attention mask still applies the window, so logits are unchanged).
+    """
+    from transformers import DynamicCache
+
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        return DynamicCache()  # layers created on first use, all full
+    return DynamicCache(config=config)
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -366,10 +403,12 @@ __all__ = [
     "Target",
     "TargetConfig",
     "TargetOutput",
+    "check_architecture",
     "crop_cache",
     "describe",
     "load_target",
     "model_fingerprint",
     "render_chat",
+    "rollback_cache",
     "tokenizer_fingerprint",
 ]
