@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .chat import apply_option, check_option, render_prompt
 from .devices import cache_dir, detect_device, resolve_dtype
 from .errors import DraftsmithError
 from .files import atomic_dir
@@ -46,6 +47,12 @@ class TargetConfig:
     """Weights/compute dtype; auto = bf16 on a GPU, fp32 on CPU (exact greedy identity)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when available, else cpu."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's (none there: raw prompts in eval, prepare refuses); none: raw prompts;
+    plain: a minimal 'User: / Assistant:' template for base models; or a path to a Jinja template file."""
+
+    def validate(self) -> None:
+        check_option(self.chat_template)
 
 
 @dataclass(frozen=True)
@@ -173,15 +180,13 @@ class Target:
         return TargetOutput(logits=out.logits, features=features)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the target's chat template."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        """Token ids of ``messages`` rendered with the target's chat template (a lone user prompt raw
+        when there is none; see ``chat.py`` and ``target.chat_template``)."""
+        return render_prompt(self.tokenizer, messages, add_generation_prompt, self.name)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    return list(out)
+    return render_prompt(tokenizer, messages, add_generation_prompt)
 
 
 DECODABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -297,10 +302,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 # ------------------------------------------------------------------ loading
 
 
-def load_target(spec: str | TargetConfig, dtype: str = "auto", device: str = "auto") -> Target:
-    """Load and freeze a target. See the module docstring for what ``spec`` may be."""
+def load_target(
+    spec: str | TargetConfig, dtype: str = "auto", device: str = "auto", chat_template: str = "auto"
+) -> Target:
+    """Load and freeze a target. See the module docstring for what ``spec`` may be; ``chat_template``
+    as ``TargetConfig.chat_template``."""
     if isinstance(spec, TargetConfig):
-        spec, dtype, device = spec.name, spec.dtype, spec.device
+        spec, dtype, device, chat_template = spec.name, spec.dtype, spec.device, spec.chat_template
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = detect_device(device)
@@ -316,7 +324,7 @@ def load_target(spec: str | TargetConfig, dtype: str = "auto", device: str = "au
             f"or a builtin alias ({', '.join(BUILTINS)})."
         ) from e
     model.to(dev)
-    return Target(model, tokenizer, name=spec)
+    return Target(model, apply_option(tokenizer, chat_template), name=spec)
 
 
 def resolve_target_folder(spec: str) -> str:
