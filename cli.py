@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from .demo import DemoSize
 from .errors import DraftsmithError
@@ -122,14 +121,15 @@ def _recipe_args(p: argparse.ArgumentParser, default: str) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .config import load_recipe
+    from .eval.run import run_eval_recipe
 
-    recipe = load_recipe(args.config, args.overrides)
-    return run_eval_recipe(recipe)
+    return run_eval_recipe(load_recipe(args.config, args.overrides))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from .config import load_recipe, save_recipe
+    from .config import load_recipe
     from .data import run_prepare
+    from .schema import save_recipe
 
     recipe = load_recipe(args.config, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -158,32 +158,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"trained {summary['method']} for {summary['steps']} steps on {summary['world_size']} process(es) "
               f"(ZeRO-{summary['zero_stage']}, {summary['dtype']}); held-out: {heldout}")
         print(f"wrote {summary['drafter']} and {os.path.join(recipe.run_dir, 'train_summary.json')}")
-    return 0
-
-
-def run_eval_recipe(recipe) -> int:
-    from .config import save_recipe
-    from .eval.prompts import load_questions
-    from .eval.run import evaluate, write_eval
-    from .schema import to_dict
-    from .target import load_target
-
-    save_recipe(recipe)
-    t0 = time.perf_counter()
-    target = load_target(recipe.target)
-    drafter = recipe.drafter.build(target)
-    print(f"target {target.name} ({target.num_layers} layers, {target.dtype}, {target.device}) loaded in "
-          f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
-    questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
-    stats, records = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity)
-    write_eval(recipe.run_dir, target, stats, records, {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode)})
-    s = stats.summary()
-    print(f"{len(records)} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.1f}s ({s['tokens_per_s']:.1f} tok/s)")
-    print(f"tau (tokens per target forward, bonus token counted) = {s['tau_with_bonus']:.3f}; "
-          f"acceptance rate {s['acceptance_rate']:.3f}; per position {s['acceptance_at_position']}")
-    if recipe.eval.check_identity:
-        print("greedy output token-identical to the target's own greedy decoding on every prompt")
-    print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     return 0
 
 

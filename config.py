@@ -3,8 +3,8 @@
 ``load_recipe("configs/smollm2-135m-layerskip.yaml", ["decode.k=5"])`` reads the
 YAML, applies dotted overrides, validates every key (unknown keys are errors that
 list the valid ones) and returns a :class:`Recipe`. Each run writes the resolved
-recipe to ``<run_dir>/config.yaml``. The machinery lives in ``schema.py``; each
-section's dataclass lives next to the code it configures.
+recipe to ``<run_dir>/config.yaml`` (``schema.save_recipe``). The machinery lives in
+``schema.py``; each section's dataclass lives next to the code it configures.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 from .data.config import DataConfig
 from .drafters import DrafterConfig
 from .drafters.layer_skip import LayerSkipConfig
-from .eval.decoder import DecodeConfig
-from .eval.run import EvalConfig
-from .files import write_text
-from .schema import dump_yaml, from_dict, load_yaml, merge, parse_overrides
+from .eval.config import DecodeConfig, EvalConfig
+from .schema import from_dict, load_yaml, merge, parse_overrides
 from .target import TargetConfig
 from .train.config import TrainConfig
 
@@ -51,10 +49,3 @@ def load_recipe(path: str | None = None, overrides: list[str] | None = None) -> 
     data = load_yaml(resolve_config_path(path)) if path else {}
     data = merge(data, parse_overrides(overrides or []))
     return from_dict(Recipe, data)
-
-
-def save_recipe(recipe: Recipe, run_dir: str | None = None) -> str:
-    """Write the resolved recipe to ``<run_dir>/config.yaml`` (atomically); return its path."""
-    path = os.path.join(run_dir or recipe.run_dir, "config.yaml")
-    write_text(path, dump_yaml(recipe))
-    return path

@@ -73,9 +73,10 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
 
 
 def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None) -> dict[str, Any]:
-    from .cli import run_eval_recipe
-    from .config import load_recipe, save_recipe
+    from .config import load_recipe
     from .data import run_prepare
+    from .eval.run import run_eval_recipe
+    from .schema import save_recipe
     from .train.run import run_training
 
     size = size or DemoSize()

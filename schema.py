@@ -13,6 +13,7 @@ Rules every config class follows (torchtune/litgpt style):
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from .errors import ConfigError
+from .files import write_text
 
 T = TypeVar("T")
 
@@ -111,6 +113,15 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False)
+
+
+def save_recipe(recipe: Any, run_dir: str | None = None) -> str:
+    """Write a resolved recipe (any config with a ``run_dir``) to ``<run_dir>/config.yaml``
+    atomically; return its path. Here, below every stage that writes one, not in ``config.py``,
+    which imports the stages' sections."""
+    path = os.path.join(run_dir or recipe.run_dir, "config.yaml")
+    write_text(path, dump_yaml(recipe))
+    return path
 
 
 # ---------------------------------------------------------------- internals

@@ -73,15 +73,14 @@ def count_cuda_syncs() -> Iterator[list]:
 
 def measure(target: Any, drafter: Any, prompts: list[list[int]], k: int, max_new_tokens: int, cuda_debug: bool = False) -> dict[str, Any]:
     """Decode ``prompts`` greedily; host reads (and CUDA syncs) per verification round."""
-    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+    from draftsmith.decode.chain import speculative_decode
 
-    cfg = DecodeConfig(k=k, max_new_tokens=max_new_tokens)
-    speculative_decode(target, drafter, prompts[0], cfg)  # warm-up (lazy initialization reads values once)
+    speculative_decode(target, drafter, prompts[0], k=k, max_new_tokens=max_new_tokens)  # warm-up (lazy initialization reads values once)
     rounds = tokens = prefills = 0
     cuda = contextlib.nullcontext([]) if not cuda_debug else count_cuda_syncs()
     with count_host_reads() as reads, cuda as syncs:
         for p in prompts:
-            res = speculative_decode(target, drafter, p, cfg)
+            res = speculative_decode(target, drafter, p, k=k, max_new_tokens=max_new_tokens)
             rounds += res.stats.rounds
             tokens += res.stats.new_tokens
             prefills += 1

@@ -54,7 +54,7 @@ def sharegpt(n: int) -> list[list[dict[str, str]]]:
 
 def token_level_render(tokenizer, messages, max_length, stop_ids):
     """The naive reference: tokenize the prompt and the turn render for every assistant turn."""
-    from draftsmith.drafters.base import common_prefix
+    from draftsmith.decode.protocol import common_prefix
     from draftsmith.target import render_chat
 
     ids = render_chat(tokenizer, messages, add_generation_prompt=False)
@@ -164,8 +164,8 @@ def bench_regen(target, convs, args) -> dict:
     from draftsmith.config import load_recipe
     from draftsmith.data.config import RegenerateConfig
     from draftsmith.data.regenerate import generate_batch
+    from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters.layer_skip import layer_skip_drafter
-    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
 
     prompts = []
     for m in convs:
@@ -183,8 +183,7 @@ def bench_regen(target, convs, args) -> dict:
                 for t in generate_batch(target, prompts[b: b + batch_size], cfg)]
 
     def speculative():
-        cfg = DecodeConfig(k=4, max_new_tokens=args.regen_tokens)
-        return [speculative_decode(target, drafter, p, cfg).tokens for p in prompts]
+        return [speculative_decode(target, drafter, p, k=4, max_new_tokens=args.regen_tokens).tokens for p in prompts]
 
     results, outputs = {}, {}
     for name, fn in (("generate_batch8", lambda: generate(8)), ("generate_batch1", lambda: generate(1)),

@@ -197,12 +197,13 @@ def _answer(
 ) -> Iterator[tuple[int, list[int], str]]:
     """(conversation, new tokens ending with EOS if any, finish reason) for every prompt."""
     if st.method == "speculative":
-        from ..eval.decoder import DecodeConfig, speculative_decode
+        from ..decode.chain import speculative_decode
+        from ..decode.sampling import Warp
 
+        warp = Warp(temperature=st.temperature, top_p=st.top_p)
         for j, prompt in asks:
-            cfg = DecodeConfig(k=st.k, max_new_tokens=st.max_new_tokens, temperature=st.temperature,
-                               top_p=st.top_p, seed=seed * 1_000_003 + j)
-            result = speculative_decode(target, drafter, prompt, cfg)
+            result = speculative_decode(target, drafter, prompt, k=st.k, max_new_tokens=st.max_new_tokens, warp=warp,
+                                        seed=seed * 1_000_003 + j)
             yield j, result.tokens, result.finish_reason
         return
     asks = sorted(asks, key=lambda a: len(a[1]))  # similar lengths together: less padding

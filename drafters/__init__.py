@@ -1,4 +1,4 @@
-"""Drafters: one file per architecture, all speaking the protocol of ``base.py``.
+"""Drafters: one file per architecture, all speaking the protocol of ``decode/protocol.py``.
 
 A drafter config is a tagged section (``drafter: {type: layer_skip, …}``); each
 config class knows how to ``build(target)`` its runtime drafter. Add a family by
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Union
 
-from .base import Drafter, Proposal
 from .checkpoint import SavedDrafterConfig, families, load, save
 from .draft_lm import DraftLMConfig, DraftLMDrafter
 from .eagle1 import Eagle1Config, Eagle1Head
@@ -21,7 +20,6 @@ from .medusa import MedusaConfig, MedusaHeads
 DrafterConfig = Union[LayerSkipConfig, HFDrafterConfig, DraftLMConfig, Eagle1Config, Eagle3Config, MedusaConfig, SavedDrafterConfig]
 
 __all__ = [
-    "Drafter",
     "DraftLMConfig",
     "DraftLMDrafter",
     "DrafterConfig",
@@ -34,7 +32,6 @@ __all__ = [
     "LayerSkipConfig",
     "MedusaConfig",
     "MedusaHeads",
-    "Proposal",
     "SavedDrafterConfig",
     "families",
     "load",

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..decode.protocol import Proposal, draft_chain
+from ..decode.sampling import Warp
 from ..errors import DraftsmithError
-from ..eval.sampling import Warp
 from ..target import crop_cache
-from .base import Proposal
 from .common import check_features
 
 
@@ -88,23 +88,16 @@ class EagleDrafter:
         if self._last is None:
             raise DraftsmithError("EAGLE drafter asked to propose before any target features arrived")
         hidden, logits = self._last
-        drafts: list[int] = []
-        probs: list[Tensor] = []
         position = self.rows
-        for i in range(k):
-            token, q = warp.choose(self.module.target_logits(logits), generator)
-            drafts.append(token)
-            if q is not None:
-                probs.append(q)
-            if i + 1 < k:
-                ids = torch.tensor([[token]], device=self.device)
-                hidden, out = self._step(ids, hidden, position)  # predicted feature in, next one out
-                logits = out[0, -1]
-                position += 1
-        return Proposal(
-            tokens=torch.tensor(drafts, device=self.device, dtype=torch.long),
-            probs=torch.stack(probs) if probs else None,
-        )
+
+        def step(token: int) -> Tensor:
+            nonlocal hidden, position
+            ids = torch.tensor([[token]], device=self.device)
+            hidden, out = self._step(ids, hidden, position)  # predicted feature in, next one out
+            position += 1
+            return self.module.target_logits(out[0, -1])
+
+        return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
 
     def _step(self, ids: Tensor, hidden: Tensor, start: int) -> tuple[Tensor, Tensor]:
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]  # [1, S]

@@ -13,10 +13,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..decode.protocol import Proposal, common_prefix, draft_chain
+from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
-from ..eval.sampling import Warp
 from ..target import Target, crop_cache, freeze, rollback_cache
-from .base import Proposal, common_prefix
 
 
 class HFDrafter:
@@ -50,23 +50,15 @@ class HFDrafter:
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
         cached = self.cache.get_seq_length()
-        feed = torch.tensor([self.tokens[cached:]], device=self.device)  # [1, n ≥ 1]
-        drafts: list[int] = []
-        probs: list[Tensor] = []
-        for i in range(k):
-            logits = self.model(input_ids=feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-            token, q = warp.choose(logits, generator)
-            drafts.append(token)
-            if q is not None:
-                probs.append(q)
-            if i + 1 < k:
-                feed = torch.tensor([[token]], device=self.device)
+
+        def feed(ids: list[int]) -> Tensor:
+            ids_t = torch.tensor([ids], device=self.device)  # [1, n ≥ 1]
+            return self.model(input_ids=ids_t, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+        proposal = draft_chain(lambda token: feed([token]), feed(self.tokens[cached:]), k, warp, generator)
         self._drafted_from = len(self.tokens)
-        self._drafts = drafts
-        return Proposal(
-            tokens=torch.tensor(drafts, device=self.device, dtype=torch.long),
-            probs=torch.stack(probs) if probs else None,
-        )
+        self._drafts = proposal.tokens.tolist()
+        return proposal
 
 
 @dataclass

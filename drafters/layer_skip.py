@@ -24,10 +24,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..decode.protocol import Proposal, common_prefix, draft_chain
+from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
-from ..eval.sampling import Warp
 from ..target import Target, TargetOutput
-from .base import Proposal, common_prefix
 from .hf_lm import HFDrafter
 
 # Architectures whose decoder stack is model.model.{embed_tokens, layers, norm, rotary_emb} + lm_head,
@@ -108,24 +108,18 @@ class SelfSpeculativeDrafter:
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
         if self.cache is None:
             raise DraftsmithError("SelfSpeculativeDrafter.propose needs the target's cache: call bind(cache) first")
-        start = len(self.tokens) - 1  # position of the last committed token, not yet in the cache
+        position = len(self.tokens) - 1  # of the last committed token, not yet in the cache
         device = self.model.lm_head.weight.device
-        token = self.tokens[-1]
-        drafts: list[int] = []
-        probs: list[Tensor] = []
-        for i in range(k):
-            h = self._layers(self._embed([token], device), 0, self.num_layers, start + i)  # [1, 1, H]
+
+        def step(token: int) -> Tensor:
+            nonlocal position
+            h = self._layers(self._embed([token], device), 0, self.num_layers, position)  # [1, 1, H]
+            position += 1
             self._states.append(h)
             self._state_tokens.append(token)
-            logits = self.model.lm_head(self.model.model.norm(h))[0, -1]  # [V]
-            token, q = warp.choose(logits, generator)
-            drafts.append(token)
-            if q is not None:
-                probs.append(q)
-        return Proposal(
-            tokens=torch.tensor(drafts, device=device, dtype=torch.long),
-            probs=torch.stack(probs) if probs else None,
-        )
+            return self.model.lm_head(self.model.model.norm(h))[0, -1]  # [V]
+
+        return draft_chain(step, step(self.tokens[-1]), k, warp, generator)
 
     @torch.inference_mode()
     def verify(self, input_ids: Tensor) -> TargetOutput:

@@ -34,10 +34,10 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from ..decode.protocol import Proposal, draft_chain
+from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
-from ..eval.sampling import Warp
 from ..target import Target, describe
-from .base import Proposal
 from .common import check_features, frozen_copy, place, seeded, target_parts, text_config
 
 IGNORE = -100
@@ -127,17 +127,10 @@ class MedusaDrafter:
         if self.last is None:
             raise DraftsmithError("Medusa drafter asked to propose before any target features arrived")
         normed = self.module.normalize(self.last)  # [H]
-        drafts: list[int] = []
-        probs: list[Tensor] = []
-        for i in range(min(k, self.module.num_heads)):
-            token, q = warp.choose(self.module.head_logits(i, normed), generator)
-            drafts.append(token)
-            if q is not None:
-                probs.append(q)
-        return Proposal(
-            tokens=torch.tensor(drafts, device=normed.device, dtype=torch.long),
-            probs=torch.stack(probs) if probs else None,
-        )
+        heads = iter(range(1, self.module.num_heads))
+        # head i drafts token i from the same feature: the drafted tokens are not fed back
+        return draft_chain(lambda _token: self.module.head_logits(next(heads), normed),
+                           self.module.head_logits(0, normed), min(k, self.module.num_heads), warp, generator)
 
 
 def build_medusa(arch: Any, feature_norm: nn.Module, num_heads: int, num_layers: int, seed: int = 0) -> MedusaHeads:

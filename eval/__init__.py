@@ -1,1 +1,1 @@
-"""Evaluation: the built-in speculative decoder, its metrics, benchmarks and reports."""
+"""Evaluation: drafters in the built-in decoder (``decode/``) over prompt sets, metrics on disk, benchmarks."""

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from ..decode.chain import speculative_decode
+from ..decode.stats import DecodeStats
 from ..drafters.layer_skip import layer_skip_drafter, truncated_model
 from ..target import Target
-from .decoder import DecodeConfig, speculative_decode
-from .metrics import DecodeStats
 from .reference import hf_generate, target_greedy
 
 
@@ -97,13 +97,12 @@ def bench_decode(
     drafter = layer_skip_drafter(target.model, num_layers, share_cache=True)
     own_cache = layer_skip_drafter(target.model, num_layers, share_cache=False)
     assistant = hf_assistant(target, num_layers, k)
-    cfg = DecodeConfig(k=k, max_new_tokens=max_new_tokens)
     stats = DecodeStats(k=k)
     last_stats: dict[str, DecodeStats] = {}
 
     def ours(name: str, d: Any) -> Callable[[list[int]], list[int]]:
         def run(p: list[int]) -> list[int]:
-            res = speculative_decode(target, d, p, cfg)
+            res = speculative_decode(target, d, p, k=k, max_new_tokens=max_new_tokens)
             last_stats[name] = res.stats
             return res.tokens
 
@@ -201,14 +200,14 @@ def acceptance_sweep(
     totals = {n: DecodeStats(k=k_max) for n in depths}
     spent = {n: [0.0, 0.0, 0] for n in depths}  # wall, cpu, tokens at k
     greedy = [0.0, 0.0, 0]
-    speculative_decode(target, drafters[depths[0]], prompts[0], DecodeConfig(k=k, max_new_tokens=8))  # warm-up
+    speculative_decode(target, drafters[depths[0]], prompts[0], k=k, max_new_tokens=8)  # warm-up
     for p in prompts:
         tokens, wall, cpu = _timed(lambda: target_greedy(target, p, max_new_tokens))
         greedy = [greedy[0] + wall, greedy[1] + cpu, greedy[2] + len(tokens)]
         for n in depths:
-            res = speculative_decode(target, drafters[n], p, DecodeConfig(k=k_max, max_new_tokens=max_new_tokens))
+            res = speculative_decode(target, drafters[n], p, k=k_max, max_new_tokens=max_new_tokens)
             totals[n] = totals[n].merge(res.stats)
-            tokens, wall, cpu = _timed(lambda: speculative_decode(target, drafters[n], p, DecodeConfig(k=k, max_new_tokens=max_new_tokens)).tokens)
+            tokens, wall, cpu = _timed(lambda: speculative_decode(target, drafters[n], p, k=k, max_new_tokens=max_new_tokens).tokens)
             spent[n] = [spent[n][0] + wall, spent[n][1] + cpu, spent[n][2] + len(tokens)]
     out = []
     for n in depths:

@@ -1,5 +1,9 @@
 """``draftsmith eval``: a drafter in the built-in decoder over a prompt set, with metrics on disk.
 
+:func:`run_eval_recipe` is the whole command (the CLI and the demo call it);
+:func:`evaluate` decodes a prompt set with a loaded target and drafter (training-time
+evaluation and the benchmarks call it).
+
 Writes to the run folder: ``config.yaml`` (resolved recipe), ``eval_outputs.jsonl``
 (one line per prompt: tokens, text, per-prompt stats) and ``eval_metrics.json``
 (aggregate stats; τ counts the bonus token, as the file says).
@@ -9,33 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import time
 from typing import Any
 
 from tqdm import tqdm
 
-from ..drafters.base import Drafter
+from ..decode.chain import check_prompt, speculative_decode
+from ..decode.protocol import Drafter
+from ..decode.stats import DecodeStats
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
-from ..target import Target, describe
-from .decoder import DecodeConfig, check_prompt, speculative_decode
-from .metrics import DecodeStats
-from .prompts import Question
+from ..schema import save_recipe, to_dict
+from ..target import Target, describe, load_target
+from .config import DecodeConfig
+from .prompts import Question, load_questions
 from .reference import target_greedy
-
-
-@dataclass
-class EvalConfig:
-    prompts: str = "mtbench"
-    """"mtbench" (first turns of the 80 MT-bench questions) or a JSONL path with 'turns' or 'prompt'."""
-    num_prompts: int = 10
-    """How many prompts to decode (from the start of the set)."""
-    check_identity: bool = False
-    """Greedy only: also decode each prompt with the target alone and fail on any token difference."""
-
-    def validate(self) -> None:
-        if self.num_prompts < 1:
-            raise ConfigError(f"eval.num_prompts = {self.num_prompts} must be at least 1")
 
 
 def evaluate(
@@ -59,7 +51,8 @@ def evaluate(
     total = DecodeStats(k=decode.k)
     records = []
     for q, prompt in tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress):
-        result = speculative_decode(target, drafter, prompt, decode)
+        result = speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
+                                    warp=decode.warp, seed=decode.seed)
         total = total.merge(result.stats)
         rec = {
             "id": q.id,
@@ -89,3 +82,24 @@ def write_eval(run_dir: str, target: Target, stats: DecodeStats, records: list[d
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
     write_json(os.path.join(run_dir, "eval_metrics.json"), {"target": describe(target), **extra, **stats.summary()})
+
+
+def run_eval_recipe(recipe: Any) -> int:
+    """``draftsmith eval``: load the recipe's target and drafter, decode its prompts, write and print the metrics."""
+    save_recipe(recipe)
+    t0 = time.perf_counter()
+    target = load_target(recipe.target)
+    drafter = recipe.drafter.build(target)
+    print(f"target {target.name} ({target.num_layers} layers, {target.dtype}, {target.device}) loaded in "
+          f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
+    questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
+    stats, records = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity)
+    write_eval(recipe.run_dir, target, stats, records, {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode)})
+    s = stats.summary()
+    print(f"{len(records)} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.1f}s ({s['tokens_per_s']:.1f} tok/s)")
+    print(f"tau (tokens per target forward, bonus token counted) = {s['tau_with_bonus']:.3f}; "
+          f"acceptance rate {s['acceptance_rate']:.3f}; per position {s['acceptance_at_position']}")
+    if recipe.eval.check_identity:
+        print("greedy output token-identical to the target's own greedy decoding on every prompt")
+    print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
+    return 0

@@ -14,7 +14,7 @@ from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.layer_skip import LayerSkipConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+from draftsmith.decode.chain import speculative_decode
 from draftsmith.eval.reference import target_greedy
 from draftsmith.target import Target, check_architecture
 
@@ -145,7 +145,7 @@ def test_trained_eagle3_decodes_losslessly(family):
     accepted = 0
     for p in prompts:
         expected = target_greedy(family, p, 24)
-        res = speculative_decode(family, drafter, p, DecodeConfig(k=4, max_new_tokens=24))
+        res = speculative_decode(family, drafter, p, k=4, max_new_tokens=24)
         assert res.tokens == expected
         accepted += res.stats.accepted
     assert accepted > 10  # the head learned something: identity is checked on accepted drafts too
@@ -156,7 +156,7 @@ def test_layer_skip_on_qwen3_is_self_speculative_and_lossless(smollm2_tokenizer)
     drafter = LayerSkipConfig(num_layers=2).build(target)
     assert type(drafter).__name__ == "SelfSpeculativeDrafter"
     p = [1, 520, 33, 904, 77]
-    assert speculative_decode(target, drafter, p, DecodeConfig(k=3, max_new_tokens=16)).tokens == target_greedy(target, p, 16)
+    assert speculative_decode(target, drafter, p, k=3, max_new_tokens=16).tokens == target_greedy(target, p, 16)
 
 
 def sliding_qwen3() -> torch.nn.Module:
@@ -178,7 +178,7 @@ def test_sliding_window_target_decodes_losslessly_past_the_window(smollm2_tokeni
     for cfg in (LayerSkipConfig(num_layers=3), DraftLMConfig(num_layers=3)):
         drafter = cfg.build(target)
         assert type(drafter).__name__ != "SelfSpeculativeDrafter"  # the truncated-model fallback
-        assert speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=20)).tokens == expected
+        assert speculative_decode(target, drafter, prompt, k=3, max_new_tokens=20).tokens == expected
 
 
 def test_unsupported_architectures_are_refused_in_one_line(smollm2_tokenizer):

@@ -10,11 +10,11 @@ from typing import Literal, Union
 import pytest
 import yaml
 
-from draftsmith.config import CONFIG_DIR, Recipe, load_recipe, save_recipe
+from draftsmith.config import CONFIG_DIR, Recipe, load_recipe
 from draftsmith.drafters.hf_lm import HFDrafterConfig
 from draftsmith.drafters.layer_skip import LayerSkipConfig
 from draftsmith.errors import ConfigError
-from draftsmith.schema import from_dict, merge, parse_overrides, to_dict
+from draftsmith.schema import from_dict, merge, parse_overrides, save_recipe, to_dict
 
 RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
 

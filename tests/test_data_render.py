@@ -107,7 +107,7 @@ def test_text_divergence_equals_token_divergence_on_sharegpt(smollm2_tokenizer, 
     """The fast text-level divergence gives the same mask as comparing token renders turn by turn."""
     from draftsmith.data.config import SourceConfig
     from draftsmith.data.normalize import ReadStats, iter_conversations
-    from draftsmith.drafters.base import common_prefix
+    from draftsmith.decode.protocol import common_prefix
 
     convs = list(iter_conversations([SourceConfig(path="sharegpt")], 25, ReadStats()))
     for c in convs:

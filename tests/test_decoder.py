@@ -22,13 +22,14 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache, LlamaConfig
 
-from draftsmith.drafters.base import Proposal
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.protocol import Proposal
+from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.hf_lm import HFDrafter
 from draftsmith.drafters.layer_skip import SelfSpeculativeDrafter, layer_skip_drafter
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+from draftsmith.eval.config import DecodeConfig
 from draftsmith.eval.reference import target_greedy
-from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
 from .conftest import tiny_llama
@@ -176,9 +177,7 @@ def test_markov_sequence_frequencies_match_exact_law(markov, warp, k):
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     for seed in range(DRAWS):
-        cfg = DecodeConfig(k=k, max_new_tokens=length, temperature=warp.temperature, top_k=warp.top_k,
-                           top_p=warp.top_p, seed=seed)
-        res = speculative_decode(target, drafter, PROMPT, cfg)
+        res = speculative_decode(target, drafter, PROMPT, k=k, max_new_tokens=length, warp=warp, seed=seed)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
         accepted += res.stats.accepted
     assert accepted > DRAWS // 10  # the drafter's proposals are often accepted: the accept path is exercised
@@ -205,22 +204,22 @@ def test_markov_check_has_power_against_a_wrong_q(markov):
 
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(DRAWS):
-        res = speculative_decode(target, LyingDrafter(), PROMPT, DecodeConfig(k=2, max_new_tokens=3, temperature=1.0, seed=seed))
+        res = speculative_decode(target, LyingDrafter(), PROMPT, k=2, max_new_tokens=3, warp=Warp(temperature=1.0), seed=seed)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
     assert pooled_chi2(counts, sequence_law(target.model.table.exp(), PROMPT, 3, Warp(temperature=1.0))) < 1e-6
 
 
 def test_markov_same_seed_same_output_different_seeds_differ(markov):
     target, drafter = markov
-    cfg = dict(k=3, max_new_tokens=24, temperature=1.0)
-    outs = [speculative_decode(target, drafter, PROMPT, DecodeConfig(seed=s, **cfg)).tokens for s in (5, 5, 6, 7, 8, 9)]
+    cfg = dict(k=3, max_new_tokens=24, warp=Warp(temperature=1.0))
+    outs = [speculative_decode(target, drafter, PROMPT, seed=s, **cfg).tokens for s in (5, 5, 6, 7, 8, 9)]
     assert outs[0] == outs[1]
     assert len({tuple(o) for o in outs[1:]}) >= 4  # short outputs (EOS is likely) may coincide by chance
 
 
 def test_markov_greedy_matches_argmax_chain(markov):
     target, drafter = markov
-    res = speculative_decode(target, drafter, PROMPT, DecodeConfig(k=3, max_new_tokens=10))
+    res = speculative_decode(target, drafter, PROMPT, k=3, max_new_tokens=10)
     t = target.model.table
     prev, cur, ref = PROMPT[-2], PROMPT[-1], []
     for _ in range(10):
@@ -321,7 +320,7 @@ def test_greedy_identity_with_layer_skip_and_standalone_drafters(tiny):
     assert expected == ref[:30]
     for drafter in drafters:
         for k in (1, 4):
-            res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=k, max_new_tokens=30))
+            res = speculative_decode(target, drafter, PROMPT_IDS, k=k, max_new_tokens=30)
             assert res.tokens == expected
 
 
@@ -329,7 +328,7 @@ def test_metrics_arithmetic_with_known_acceptance(tiny, smollm2_tokenizer):
     target, ref = tiny
     pattern, k, max_new = [0, 2, 4, 1, 3], 4, 30
     drafter = ScriptedDrafter(ref, pattern, target.vocab_size)
-    res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=k, max_new_tokens=max_new))
+    res = speculative_decode(target, drafter, PROMPT_IDS, k=k, max_new_tokens=max_new)
     assert res.tokens == ref[:max_new]
     rounds = expected_rounds(pattern, k, max_new)
     st = res.stats
@@ -356,7 +355,7 @@ def test_sampling_with_scripted_drafter_keeps_output_of_target(tiny):
     """One-hot q at the target's greedy tokens, temperature tiny: the output is the greedy one."""
     target, ref = tiny
     drafter = ScriptedDrafter(ref, [1, 3, 0], target.vocab_size)
-    res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=3, max_new_tokens=20, temperature=1e-4))
+    res = speculative_decode(target, drafter, PROMPT_IDS, k=3, max_new_tokens=20, warp=Warp(temperature=0.0001))
     assert res.tokens == ref[:20]
     assert res.stats.accepted > 0
 
@@ -365,7 +364,7 @@ def test_sampling_with_scripted_drafter_keeps_output_of_target(tiny):
 def test_max_new_tokens_respected_exactly(tiny, max_new):
     target, ref = tiny
     drafter = ScriptedDrafter(ref, [4], target.vocab_size)  # accepts everything it may
-    res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=4, max_new_tokens=max_new))
+    res = speculative_decode(target, drafter, PROMPT_IDS, k=4, max_new_tokens=max_new)
     assert res.tokens == ref[:max_new] and res.finish_reason == "length"
     assert res.stats.drafted == sum(p for p, _ in expected_rounds([4], 4, max_new))
 
@@ -383,7 +382,7 @@ def test_stops_on_eos_even_inside_an_accepted_block(smollm2_tokenizer, tiny, ins
     assert target.eos_token_ids & set(ref[:j]) == set()
     pattern = [4] if inside_block else [0]
     drafter = ScriptedDrafter(ref, pattern, target.vocab_size)
-    res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=4, max_new_tokens=30))
+    res = speculative_decode(target, drafter, PROMPT_IDS, k=4, max_new_tokens=30)
     assert res.tokens == ref[: j + 1] and res.finish_reason == "eos"
     # no round after the one that produced EOS
     rounds = expected_rounds(pattern, 4, 30)
@@ -432,7 +431,7 @@ def test_no_committed_token_is_fed_twice(tiny):
     drafter = layer_skip_drafter(target.model, 3)
     t_log, d_log = FeedLog(target.model), FeedLog(drafter.model)
     try:
-        res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=3, max_new_tokens=25))
+        res = speculative_decode(target, drafter, PROMPT_IDS, k=3, max_new_tokens=25)
     finally:
         t_log.handle.remove()
         d_log.handle.remove()
@@ -463,7 +462,7 @@ def test_self_speculation_runs_each_verified_position_through_each_layer_once(ti
     drafter = layer_skip_drafter(target.model, 3, share_cache=True)
     first, last = LayerFeeds(target.model.model.layers[0]), LayerFeeds(target.model.model.layers[-1])
     try:
-        res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=3, max_new_tokens=25))
+        res = speculative_decode(target, drafter, PROMPT_IDS, k=3, max_new_tokens=25)
     finally:
         first.handle.remove()
         last.handle.remove()
@@ -526,7 +525,7 @@ def test_caches_equal_a_fresh_forward_after_rollbacks(tiny, share_cache):
     target.new_cache = spy_cache
     drafter.update = checked_update
     try:
-        res = speculative_decode(target, drafter, PROMPT_IDS, DecodeConfig(k=3, max_new_tokens=20))
+        res = speculative_decode(target, drafter, PROMPT_IDS, k=3, max_new_tokens=20)
     finally:
         del target.new_cache
     assert res.tokens == ref[:20] and len(caches) == 1
@@ -540,8 +539,8 @@ def test_sampled_decoding_is_reproducible_and_seed_dependent(tiny, share_cache):
     drafter = layer_skip_drafter(target.model, 3, share_cache=share_cache)
     runs = {}
     for seed in (3, 3, 4):
-        cfg = DecodeConfig(k=3, max_new_tokens=20, temperature=1.0, top_p=0.95, seed=seed)
-        runs.setdefault(seed, []).append(speculative_decode(target, drafter, PROMPT_IDS, cfg).tokens)
+        cfg = dict(k=3, max_new_tokens=20, warp=Warp(temperature=1.0, top_p=0.95), seed=seed)
+        runs.setdefault(seed, []).append(speculative_decode(target, drafter, PROMPT_IDS, **cfg).tokens)
     assert runs[3][0] == runs[3][1]
     assert runs[3][0] != runs[4][0]
 
@@ -553,9 +552,9 @@ def test_prompt_longer_than_context_is_a_clear_error(tiny):
     target, _ = tiny
     drafter = layer_skip_drafter(target.model, 3)
     with pytest.raises(DraftsmithError, match="exceeds the target's context of 512 positions; shorten the prompt"):
-        speculative_decode(target, drafter, [5] * 500, DecodeConfig(k=2, max_new_tokens=20))
+        speculative_decode(target, drafter, [5] * 500, k=2, max_new_tokens=20)
     with pytest.raises(DraftsmithError, match="empty"):
-        speculative_decode(target, drafter, [], DecodeConfig())
+        speculative_decode(target, drafter, [], k=4, max_new_tokens=128)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -563,9 +562,14 @@ def test_prompt_longer_than_context_is_a_clear_error(tiny):
     ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -1, "top_k"),
 ])
 def test_bad_decode_values(tiny, field, value, match):
+    """The recipe's decode section names the bad key; the decoder itself refuses a bad k or max_new_tokens too."""
     target, _ = tiny
     with pytest.raises(ConfigError, match=match):
-        speculative_decode(target, layer_skip_drafter(target.model, 3), PROMPT_IDS, DecodeConfig(**{field: value}))
+        DecodeConfig(**{field: value}).validate()
+    if field in ("k", "max_new_tokens"):
+        with pytest.raises(DraftsmithError, match=f"{field} = {value}"):
+            speculative_decode(target, layer_skip_drafter(target.model, 3), PROMPT_IDS,
+                               **{"k": 2, "max_new_tokens": 5, field: value})
 
 
 def test_drafter_without_probs_in_sampling_mode_is_a_clear_error(tiny):
@@ -577,7 +581,7 @@ def test_drafter_without_probs_in_sampling_mode_is_a_clear_error(tiny):
 
     with pytest.raises(DraftsmithError, match="warped distributions"):
         speculative_decode(target, NoProbs(ref, [1], target.vocab_size), PROMPT_IDS,
-                           DecodeConfig(k=2, max_new_tokens=5, temperature=1.0))
+                           k=2, max_new_tokens=5, warp=Warp(temperature=1.0))
 
 
 def test_all_outcomes_enumerated():

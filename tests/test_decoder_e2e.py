@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from draftsmith.config import load_recipe
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.sampling import Warp
+from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.hf_lm import HFDrafterConfig
 from draftsmith.drafters.layer_skip import SelfSpeculativeDrafter, truncated_model
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
-from draftsmith.eval.metrics import DecodeStats
 from draftsmith.eval.reference import target_greedy
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +39,7 @@ def test_greedy_identical_to_target_on_10_mtbench_prompts(smollm2, prompts, refe
     assert isinstance(drafter, SelfSpeculativeDrafter)  # the default runtime
     total = DecodeStats(k=3)
     for p, ref in zip(prompts, references):
-        res = speculative_decode(smollm2, drafter, p, DecodeConfig(k=3, max_new_tokens=MAX_NEW))
+        res = speculative_decode(smollm2, drafter, p, k=3, max_new_tokens=MAX_NEW)
         assert res.tokens == ref
         total = total.merge(res.stats)
     assert sum(total.accept_hist[2:]) > 0  # blocks of ≥ 2 accepted drafts happened
@@ -48,9 +49,9 @@ def test_greedy_identical_to_target_on_10_mtbench_prompts(smollm2, prompts, refe
 def test_default_recipe_greedy_identity(smollm2, prompts, references):
     recipe = load_recipe("smollm2-135m-layerskip")
     drafter = recipe.drafter.build(smollm2)
-    cfg = DecodeConfig(k=recipe.decode.k, max_new_tokens=MAX_NEW)
+    cfg = dict(k=recipe.decode.k, max_new_tokens=MAX_NEW)
     for p, ref in list(zip(prompts, references))[:4]:
-        assert speculative_decode(smollm2, drafter, p, cfg).tokens == ref
+        assert speculative_decode(smollm2, drafter, p, **cfg).tokens == ref
 
 
 def test_hf_lm_drafter_from_a_folder_is_identical(smollm2, prompts, references, tmp_path_factory):
@@ -61,7 +62,7 @@ def test_hf_lm_drafter_from_a_folder_is_identical(smollm2, prompts, references, 
     drafter = HFDrafterConfig(model=str(folder)).build(smollm2)
     assert drafter.model.model.layers[0] is not smollm2.model.model.layers[0]  # its own weights
     for p, ref in list(zip(prompts, references))[:3]:
-        res = speculative_decode(smollm2, drafter, p, DecodeConfig(k=2, max_new_tokens=MAX_NEW))
+        res = speculative_decode(smollm2, drafter, p, k=2, max_new_tokens=MAX_NEW)
         assert res.tokens == ref
 
 
@@ -69,8 +70,8 @@ def test_sampled_decoding_reproducible_with_seed(smollm2, prompts):
     drafter = load_recipe("smollm2-135m-layerskip").drafter.build(smollm2)
 
     def run(seed: int) -> list[int]:
-        cfg = DecodeConfig(k=2, max_new_tokens=16, temperature=0.8, top_p=0.95, seed=seed)
-        return speculative_decode(smollm2, drafter, prompts[0], cfg).tokens
+        cfg = dict(k=2, max_new_tokens=16, warp=Warp(temperature=0.8, top_p=0.95), seed=seed)
+        return speculative_decode(smollm2, drafter, prompts[0], **cfg).tokens
 
     first = run(11)
     assert run(11) == first
@@ -81,7 +82,7 @@ def test_sampled_decoding_reproducible_with_seed(smollm2, prompts):
 def test_first_token_is_exactly_the_target_argmax(smollm2, prompts):
     """Sanity on the prefill path: one new token = the target's argmax after the prompt."""
     drafter = load_recipe("smollm2-135m-layerskip").drafter.build(smollm2)
-    res = speculative_decode(smollm2, drafter, prompts[1], DecodeConfig(k=1, max_new_tokens=1))
+    res = speculative_decode(smollm2, drafter, prompts[1], k=1, max_new_tokens=1)
     with torch.inference_mode():
         expected = int(smollm2.model(input_ids=torch.tensor([prompts[1]])).logits[0, -1].argmax())
     assert res.tokens == [expected] and res.stats.rounds == 0

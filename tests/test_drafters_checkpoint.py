@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from draftsmith import drafters
+from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.eagle1 import Eagle1Config
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.medusa import MedusaConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

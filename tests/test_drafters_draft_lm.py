@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
+from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters.draft_lm import DraftLMConfig, layer_sources, merged_model, principal_projection
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
 from draftsmith.eval.reference import target_greedy
 from draftsmith.target import Target
 
@@ -34,7 +34,7 @@ def test_full_copy_is_the_target_and_every_draft_is_accepted(tiny_target):
     with torch.no_grad():
         assert torch.equal(drafter.module(input_ids=ids).logits, tiny_target.model(input_ids=ids).logits)
     prompt = [5, 900, 31, 7000, 12, 4400, 18, 250]
-    result = speculative_decode(tiny_target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=10))
+    result = speculative_decode(tiny_target, drafter, prompt, k=3, max_new_tokens=10)
     assert result.tokens == target_greedy(tiny_target, prompt, 10)
     assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
 
@@ -83,7 +83,7 @@ def test_pretrained_folder_with_the_same_vocab(tiny_target, tmp_path):
     tiny_target.tokenizer.save_pretrained(tmp_path / "same")
     drafter = DraftLMConfig(pretrained=str(tmp_path / "same")).build(tiny_target)
     prompt = [5, 900, 31, 7000]
-    result = speculative_decode(tiny_target, drafter, prompt, DecodeConfig(k=2, max_new_tokens=6))
+    result = speculative_decode(tiny_target, drafter, prompt, k=2, max_new_tokens=6)
     assert result.stats.accepted == result.stats.drafted > 0  # the same weights: every draft accepted
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from draftsmith.config import load_recipe
+from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.medusa import MedusaConfig
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
 from draftsmith.eval.reference import target_greedy
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,7 @@ def test_untrained_drafter_is_lossless_on_smollm2(smollm2, prompts, name):
         config = recipe_drafter(name)
     drafter = config.build(smollm2)
     for prompt, reference in prompts:
-        result = speculative_decode(smollm2, drafter, prompt, DecodeConfig(k=4, max_new_tokens=MAX_NEW))
+        result = speculative_decode(smollm2, drafter, prompt, k=4, max_new_tokens=MAX_NEW)
         assert result.tokens == reference
         assert result.stats.drafted > 0
 
@@ -64,7 +64,7 @@ def test_medusa_reads_the_feature_of_the_last_committed_token(smollm2, prompts):
 
     drafter.update, drafter.propose = record_update, record_propose
     prompt, reference = prompts[0]
-    result = speculative_decode(smollm2, drafter, prompt, DecodeConfig(k=2, max_new_tokens=16))
+    result = speculative_decode(smollm2, drafter, prompt, k=2, max_new_tokens=16)
     assert result.tokens == reference[:16]
     assert len({last for last, _ in seen}) > 3  # real text: the last token changes
     for last, drafts in seen:

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
+from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.common import causal_mask, shift_left
 from draftsmith.drafters.eagle1 import Eagle1Config
 from draftsmith.drafters.eagle3 import Eagle3Config, attend, default_feature_layers
 from draftsmith.errors import ConfigError
-from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

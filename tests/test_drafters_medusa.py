@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.medusa import MedusaConfig, medusa_labels
 from draftsmith.errors import ConfigError
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
-from draftsmith.eval.sampling import Warp
 from draftsmith.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

@@ -16,7 +16,7 @@ from draftsmith.devices import detect_device, resolve_dtype
 from draftsmith.drafters.common import causal_mask
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.layer_skip import LayerSkipConfig
-from draftsmith.eval.decoder import DecodeConfig, speculative_decode
+from draftsmith.decode.chain import speculative_decode
 from draftsmith.eval.reference import target_greedy
 from draftsmith.target import Target
 
@@ -93,6 +93,6 @@ def test_greedy_identity_on_the_gpu_and_syncs_per_round(gpu_target):
     for drafter in (LayerSkipConfig(num_layers=2).build(gpu_target), Eagle3Config(feature_layers=[0, 1, 2]).build(gpu_target)):
         for p in prompts:
             expected = target_greedy(gpu_target, p, 24)
-            assert speculative_decode(gpu_target, drafter, p, DecodeConfig(k=4, max_new_tokens=24)).tokens == expected
+            assert speculative_decode(gpu_target, drafter, p, k=4, max_new_tokens=24).tokens == expected
         row = hs.measure(gpu_target, drafter, prompts, 4, 24, cuda_debug=True)
         assert row["host_reads_per_round"] <= hs.budget_per_round(4), row

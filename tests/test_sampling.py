@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.eval.sampling import Warp, greedy_accept, speculative_accept
+from draftsmith.decode.sampling import Warp, greedy_accept, speculative_accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: intra-op threads only add sync cost
 

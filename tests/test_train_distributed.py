@@ -79,8 +79,8 @@ def test_two_processes_zero2_under_torchrun(tmp_path, tiny_target_dir, tiny_trai
 
 
 def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny_target_dir, tiny_train_data):
+    from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
     from draftsmith.eval.reference import target_greedy
 
     run_dir = tmp_path / "run"
@@ -99,7 +99,7 @@ def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny
         assert trained[name].shape == tensor.shape, name
     assert not torch.equal(trained["fc.weight"], init["fc.weight"])  # and it holds the trained weights
     prompt = target.render_chat([{"role": "user", "content": "Hi!"}])
-    out = speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=10))
+    out = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=10)
     assert out.tokens == target_greedy(target, prompt, 10)[: len(out.tokens)]
 
 

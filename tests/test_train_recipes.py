@@ -36,8 +36,8 @@ def heldout(log: list[dict], name: str) -> list[float]:
 
 
 def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, tiny_train_data):
+    from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
     from draftsmith.eval.reference import target_greedy
 
     recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=12", "train.eval.every=12",
@@ -55,7 +55,7 @@ def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, t
     assert summary["target_fingerprint"] == target.fingerprint  # the target was frozen: same weights
     drafter = load(summary["drafter"], target)
     prompt = target.render_chat([{"role": "user", "content": "Name three colors."}])
-    out = speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=12))
+    out = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=12)
     assert out.tokens == target_greedy(target, prompt, 12)[: len(out.tokens)]
 
 
@@ -103,8 +103,8 @@ def test_recipe_improves_heldout_metrics(tmp_path, tiny_target_dir, tiny_train_d
 def test_bf16_engine_under_zero2_trains_every_method(tmp_path, tiny_target_dir, tiny_train_data, method, extra):
     """The GPU configuration (bf16 target, bf16 DeepSpeed engine with its fp32 master weights,
     ZeRO-2), run on CPU: the held-out loss falls and the saved drafter drafts for a bf16 target."""
+    from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.eval.decoder import DecodeConfig, speculative_decode
 
     ds = tmp_path / "bf16_zero2.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}))
@@ -117,7 +117,7 @@ def test_bf16_engine_under_zero2_trains_every_method(tmp_path, tiny_target_dir, 
     target = load_target(tiny_target_dir, "bfloat16", "cpu")
     drafter = load(summary["drafter"], target)
     prompt = target.render_chat([{"role": "user", "content": "Name three colors."}])
-    out = speculative_decode(target, drafter, prompt, DecodeConfig(k=3, max_new_tokens=8))
+    out = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=8)
     assert len(out.tokens) == 8 and out.stats.target_forwards <= 8
 
 

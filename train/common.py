@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, DraftsmithError
 from ..files import write_json
-from ..schema import to_dict
+from ..schema import save_recipe, to_dict
 from ..target import Target, TargetOutput, load_target
 from . import checkpoint, distributed
 from .data import Batch, BatchOrder, Split, collate, heldout_batches, load_rows, split_heldout
@@ -106,8 +106,6 @@ def trainable(recipe: Any) -> Any:
 
 def start(recipe: Any, world: World) -> Run:
     """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
-    from ..config import save_recipe
-
     cfg = recipe.train
     os.makedirs(recipe.run_dir, exist_ok=True)
     if world.is_main:

@@ -1,4 +1,4 @@
-"""The drafter protocol: how the decoder talks to every drafter.
+"""The drafter protocol: how the decoder talks to every drafter, and the one draft loop they share.
 
 A drafter sees one growing sequence (batch size 1). The decoder calls
 
@@ -20,7 +20,8 @@ A drafter sees one growing sequence (batch size 1). The decoder calls
 
 Anything a drafter computed speculatively (KV cache entries for drafts that end up
 rejected) is its own business to roll back on the next ``update``: it knows what it
-proposed and sees what was committed. Drafters never see a config object.
+proposed and sees what was committed. Drafters never see a config object. A chain drafter's
+``propose`` is its own state handling around :func:`draft_chain`, the one draft loop.
 
 Optional, for self-speculative drafters that run *inside the target* (layer skip); the
 decoder uses them only when present, so the three methods above stay the whole contract:
@@ -36,13 +37,14 @@ decoder uses them only when present, so the three methods above stay the whole c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from ..eval.sampling import Warp
+from .sampling import Warp
 
 
 @dataclass
@@ -63,6 +65,32 @@ class Drafter(Protocol):
     def update(self, tokens: Tensor, features: Tensor | None) -> None: ...
 
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal: ...
+
+
+def draft_chain(
+    step: Callable[[int], Tensor], first_logits: Tensor, k: int, warp: Warp, generator: torch.Generator | None
+) -> Proposal:
+    """Draft k tokens one after another: the draft loop of every chain drafter.
+
+    first_logits: [V] the drafter's logits for the first draft (over the target's vocabulary);
+    step(token) feeds one drafted token to the drafter and returns its [V] logits for the next
+    draft. Each draft is chosen with ``warp`` (argmax when greedy, else sampled from the warped
+    q, which is kept); ``step`` runs k − 1 times, never after the last draft.
+    """
+    drafts: list[int] = []
+    probs: list[Tensor] = []
+    logits = first_logits
+    for i in range(k):
+        token, q = warp.choose(logits, generator)
+        drafts.append(token)
+        if q is not None:
+            probs.append(q)
+        if i + 1 < k:
+            logits = step(token)
+    return Proposal(
+        tokens=torch.tensor(drafts, device=first_logits.device, dtype=torch.long),
+        probs=torch.stack(probs) if probs else None,
+    )
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

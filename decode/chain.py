@@ -17,42 +17,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..drafters.base import Drafter
-from ..errors import ConfigError, DraftsmithError
+from ..errors import DraftsmithError
 from ..target import Target, crop_cache
-from .metrics import DecodeStats
+from .protocol import Drafter
 from .sampling import Warp, greedy_accept, speculative_accept
-
-
-@dataclass
-class DecodeConfig:
-    k: int = 4
-    """Draft tokens proposed per round."""
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    """0 = greedy (token-identical to the target's own greedy decoding)."""
-    top_k: int = 0
-    """0 disables."""
-    top_p: float = 1.0
-    """1.0 disables."""
-    seed: int = 0
-    """Seeds the sampler: same seed, same output."""
-
-    def validate(self) -> None:
-        if self.k < 1:
-            raise ConfigError(f"decode.k = {self.k}: the number of draft tokens per round must be at least 1")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"decode.max_new_tokens = {self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise ConfigError(f"decode.temperature = {self.temperature} must be ≥ 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ConfigError(f"decode.top_k = {self.top_k} must be ≥ 0 (0 disables)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"decode.top_p = {self.top_p} must be in (0, 1]")
-
-    @property
-    def warp(self) -> Warp:
-        return Warp(self.temperature, self.top_k, self.top_p)
+from .stats import DecodeStats
 
 
 @dataclass
@@ -64,13 +33,22 @@ class DecodeResult:
 
 
 @torch.inference_mode()
-def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], cfg: DecodeConfig) -> DecodeResult:
-    """Decode one prompt speculatively. Greedy mode reproduces the target's greedy output."""
-    cfg.validate()
-    check_prompt(target, prompt_ids, cfg.max_new_tokens)
-    warp, k = cfg.warp, cfg.k
+def speculative_decode(
+    target: Target, drafter: Drafter, prompt_ids: list[int], *, k: int, max_new_tokens: int,
+    warp: Warp = Warp(), seed: int = 0,
+) -> DecodeResult:
+    """Decode one prompt speculatively, k drafts per round, at most max_new_tokens new tokens.
+
+    warp: temperature / top-k / top-p applied to target and drafter alike (greedy by default:
+    then the output is the target's own greedy output); seed seeds the sampler.
+    """
+    if k < 1:
+        raise DraftsmithError(f"k = {k}: the number of draft tokens per round must be at least 1")
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"max_new_tokens = {max_new_tokens} must be at least 1")
+    check_prompt(target, prompt_ids, max_new_tokens)
     device = target.device
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     eos = target.eos_token_ids
     stats = DecodeStats(k=k, sequences=1)
     start = time.perf_counter()
@@ -89,9 +67,9 @@ def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], 
     drafter.update(torch.tensor(prompt_ids + [token], device=device), _first(out.features))
     no_draft = torch.empty(0, dtype=torch.long, device=device)
 
-    while token not in eos and len(tokens) < cfg.max_new_tokens:
+    while token not in eos and len(tokens) < max_new_tokens:
         # never draft past max_new_tokens: the round emits at most k_round + 1 tokens
-        k_round = min(k, cfg.max_new_tokens - len(tokens) - 1)
+        k_round = min(k, max_new_tokens - len(tokens) - 1)
         proposal = drafter.propose(k_round, warp, gen) if k_round > 0 else None
         draft = proposal.tokens[:k_round] if proposal is not None else no_draft  # [k'] — a drafter may propose fewer
         committed = len(prompt_ids) + len(tokens) - 1  # in the cache: every committed token but the last
@@ -114,7 +92,7 @@ def speculative_decode(target: Target, drafter: Drafter, prompt_ids: list[int], 
             break  # an accepted draft was EOS: the sequence is over (the tokens after it are cut below)
         drafter.update(torch.tensor(emitted, device=device), _first(out.features, n + 1))
 
-    tokens, reason = _finish(tokens, eos, cfg.max_new_tokens)
+    tokens, reason = _finish(tokens, eos, max_new_tokens)
     stats.new_tokens = len(tokens)
     stats.wall_s = time.perf_counter() - start
     return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)

@@ -1,0 +1,57 @@
+"""The recipe's ``decode`` and ``eval`` sections: how to decode, and what to evaluate on.
+
+``decode/`` takes plain values (k, max_new_tokens, a :class:`~draftsmith.decode.sampling.Warp`,
+a seed); these sections are where a recipe names them, validated with the key that is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..decode.sampling import Warp
+from ..errors import ConfigError
+
+
+@dataclass
+class DecodeConfig:
+    k: int = 4
+    """Draft tokens proposed per round."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    """0 = greedy (token-identical to the target's own greedy decoding)."""
+    top_k: int = 0
+    """0 disables."""
+    top_p: float = 1.0
+    """1.0 disables."""
+    seed: int = 0
+    """Seeds the sampler: same seed, same output."""
+
+    def validate(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"decode.k = {self.k}: the number of draft tokens per round must be at least 1")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"decode.max_new_tokens = {self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"decode.temperature = {self.temperature} must be ≥ 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"decode.top_k = {self.top_k} must be ≥ 0 (0 disables)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"decode.top_p = {self.top_p} must be in (0, 1]")
+
+    @property
+    def warp(self) -> Warp:
+        return Warp(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = "mtbench"
+    """"mtbench" (first turns of the 80 MT-bench questions) or a JSONL path with 'turns' or 'prompt'."""
+    num_prompts: int = 10
+    """How many prompts to decode (from the start of the set)."""
+    check_identity: bool = False
+    """Greedy only: also decode each prompt with the target alone and fail on any token difference."""
+
+    def validate(self) -> None:
+        if self.num_prompts < 1:
+            raise ConfigError(f"eval.num_prompts = {self.num_prompts} must be at least 1")

@@ -1,0 +1,129 @@
+"""The import graph of the package's folders and top-level modules has no cycle, and the
+decoder core sits below its users (STYLE.md: a folder imports only the folders below it).
+
+Every ``.py`` file of the package is parsed with ``ast`` (imports inside functions count, as
+a lazy import is still an arrow); ``from ..x import y``, ``from draftsmith.x import y`` and
+``import draftsmith.x`` all name node ``x``: a folder (``drafters``) or a top-level module
+(``config``). Imports within one folder are not arrows between nodes.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import draftsmith
+
+ROOT = os.path.dirname(os.path.abspath(draftsmith.__file__))
+SKIP_DIRS = {"tests", "benchmarks", "runs", "configs", "__pycache__"}
+DECODE_MAY_IMPORT = {"target", "errors", "files", "devices"}
+
+
+def package_files() -> list[str]:
+    """Paths relative to the package root of every module of the package (tests and benchmarks excluded)."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
+        out += [os.path.relpath(os.path.join(folder, f), ROOT) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def node_of(rel_path: str) -> str:
+    """'drafters/eagle3.py' → 'drafters'; 'config.py' → 'config'; '__init__.py' → '__init__'."""
+    parts = rel_path[: -len(".py")].split(os.sep)
+    return parts[0]
+
+
+def imported_nodes(rel_path: str, source: str) -> set[str]:
+    """The nodes (folders / top-level modules of draftsmith) that one file imports."""
+    package = ["draftsmith", *rel_path[: -len(".py")].split(os.sep)[:-1]]  # the file's package
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source, filename=rel_path)):
+        if isinstance(node, ast.Import):
+            targets = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                if len(base) < 1:
+                    raise AssertionError(f"{rel_path}: relative import above the package")
+            else:
+                base = []
+            mod = base + (node.module.split(".") if node.module else [])
+            # `from .. import x` / `from draftsmith import x`: x may itself be a module
+            targets = [mod + [a.name] for a in node.names] if len(mod) == 1 else [mod]
+        else:
+            continue
+        for t in targets:
+            if t[0] == "draftsmith" and len(t) > 1:
+                out.add(t[1])
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for rel in package_files():
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            src = f.read()
+        here = node_of(rel)
+        graph.setdefault(here, set()).update(n for n in imported_nodes(rel, src) if n != here)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a closed path [a, b, …, a], or None."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_parser_sees_every_kind_of_import():
+    src = (
+        "from ..decode.chain import speculative_decode\n"
+        "from . import common\n"
+        "from .. import errors\n"
+        "import draftsmith.target\n"
+        "def f():\n"
+        "    from draftsmith.data.vocab import DraftVocab\n"
+    )
+    assert imported_nodes(os.path.join("drafters", "m.py"), src) == {"drafters", "decode", "errors", "target", "data"}
+    assert imported_nodes(os.path.join("train", "sub", "m.py"), "from ... import config\nfrom .. import losses\n") == {
+        "config", "train"}
+    assert imported_nodes("cli.py", "from .demo import DemoSize\nfrom . import config\n") == {"demo", "config"}
+
+
+def test_find_cycle_reports_the_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_between_folders_and_top_level_modules():
+    graph = import_graph()
+    assert {"decode", "drafters", "data", "train", "eval", "cli", "config", "target"} <= set(graph)  # the walk saw them
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " → ".join(cycle) + "; arrows: " + "; ".join(
+        f"{n} → {', '.join(sorted(graph[n]))}" for n in sorted(graph) if graph[n])
+
+
+def test_decode_imports_only_what_lies_below_it():
+    graph = import_graph()
+    assert graph["decode"] <= DECODE_MAY_IMPORT, f"decode/ imports {sorted(graph['decode'] - DECODE_MAY_IMPORT)}"
