@@ -78,7 +78,7 @@ TRAIN=(-c smollm2-135m-eagle3 target.dtype=bfloat16 "train.dataset=$RUN/prepare/
        "drafter.draft_vocab=$RUN/prepare/data/draft_vocab.safetensors" train.batch_size=8 train.max_length=1024
        train.checkpoint.every=100000 train.eval.every=0 train.eval.decoder_at_end=false train.logging.every=20
        train.logging.wandb=disabled train.logging.progress=false)
-step train_zero2 240 "$DS" train "${TRAIN[@]}" "run_dir=$RUN/eagle3-zero2" train.deepspeed=zero2 train.steps=300
+step train_zero2 240 "$DS" train "${TRAIN[@]}" "run_dir=$RUN/eagle3-zero2" train.deepspeed=zero2 train.steps=600
 "$PY" benchmarks/gpu_check.py train-stats "$RUN/eagle3-zero2" "$OUT/train_zero2.stats.json" train_zero2 >/dev/null 2>&1
 step train_zero3 150 "$DS" train "${TRAIN[@]}" "run_dir=$RUN/eagle3-zero3" train.deepspeed=zero3 train.steps=60
 "$PY" benchmarks/gpu_check.py train-stats "$RUN/eagle3-zero3" "$OUT/train_zero3.stats.json" train_zero3 >/dev/null 2>&1
