@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("drafters", help="list the drafter families; --params: their parameter counts",
                        description="Without options: the drafter types a recipe's drafter.type may name. "
-                                   "--params: parameters of each family for SmolLM2-135M and Llama-3.1-8B, "
+                                   "--params: parameters of each family for SmolLM2-135M, Llama-3.1-8B and Qwen3-8B, "
                                    "computed from their architecture configs on the meta device (no weights).")
     p.add_argument("--params", action="store_true", help="print parameter counts (Markdown table)")
     p.set_defaults(func=cmd_drafters)
