@@ -159,7 +159,7 @@ def short_run(args: argparse.Namespace, data: dict[str, str]) -> dict:
                            f"decode.max_new_tokens={args.max_new_tokens}", f"decode.k={args.k}", "decode.temperature=0")
     target = load_target(recipe.target)
     questions = load_questions(recipe.eval.prompts, args.prompts)
-    untrained, _ = evaluate(target, recipe.drafter.build(target), questions, recipe.decode, progress=False)
+    untrained = evaluate(target, recipe.drafter.build(target), questions, recipe.decode, progress=False).stats
     del target
     t0 = time.perf_counter()
     summary = run_training(recipe)

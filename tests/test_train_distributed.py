@@ -101,6 +101,15 @@ def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny
     prompt = target.render_chat([{"role": "user", "content": "Hi!"}])
     out = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=10)
     assert out.tokens == target_greedy(target, prompt, 10)[: len(out.tokens)]
+    # export straight from the two ranks' partitions gives the saved drafter's tensors
+    from safetensors.torch import load_file
+
+    from draftsmith.export import export
+
+    export(ckpt, "eagle3", str(tmp_path / "from_ckpt"))
+    export(summary["drafter"], "eagle3", str(tmp_path / "from_drafter"))
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("from_ckpt", "from_drafter"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 RESUME_ARGS = ["train.steps=10", "train.feature_noise=0.05", "train.checkpoint.keep=1", "train.schedule.kind=cosine",

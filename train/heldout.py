@@ -91,7 +91,7 @@ def decoder_eval(run: Run, path: str) -> dict[str, Any] | None:
         from ..eval.run import evaluate
 
         questions = load_questions(run.recipe.eval.prompts, run.cfg.eval.decoder_prompts)
-        stats, _ = evaluate(run.target, load(path, run.target), questions, run.recipe.decode, progress=False)
+        stats = evaluate(run.target, load(path, run.target), questions, run.recipe.decode, progress=False).stats
         summary = stats.summary()
         run.monitor.log(run.state.step, {}, {"decoder/tau_with_bonus": summary["tau_with_bonus"],
                                              "decoder/acceptance_rate": summary["acceptance_rate"],

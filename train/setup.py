@@ -108,7 +108,7 @@ def start(recipe: Any, world: World) -> Run:
         save_recipe(recipe)
     ds_config = distributed.load_engine_config(cfg.deepspeed, cfg.batch_size, world.device)  # fail before loading
     checkpoint.seed_everything(cfg.seed)
-    target = load_target(recipe.target.name, recipe.target.dtype, str(world.device))
+    target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
     rows = load_rows(cfg.dataset, cfg.features, target)
     split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed)
     order = BatchOrder(split.train, cfg.batch_size, world.world_size, world.rank, cfg.seed)
