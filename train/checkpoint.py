@@ -142,7 +142,7 @@ def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, An
 
 
 ENGINE_MODULE_PREFIX = "drafter."
-"""The engine wraps the drafter in ``common.Forward``, so checkpoint names start with this."""
+"""The engine wraps the drafter in ``setup.Forward``, so checkpoint names start with this."""
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
