@@ -220,6 +220,10 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
 
     r = cfg.regenerate
     target = env.target()
+    if r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
+        from ..target import load_target
+
+        target = load_target(env.recipe.target.name, r.dtype, str(target.device))  # this stage only
     drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
     report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, inputs_hash=conv_hash, drafter=drafter,

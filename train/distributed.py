@@ -343,12 +343,45 @@ def save_engine(engine: Any, root: str, tag: str) -> None:
     engine.save_checkpoint(root, tag=tag, save_latest=False)
 
 
+def consolidated_weights(root: str, tag: str) -> dict[str, torch.Tensor]:
+    """The whole fp32 weights of the ZeRO-1/2/3 checkpoint ``root/tag``, gathered from every rank's
+    partition files on one CPU process (no process group), named as the engine's module names them.
+
+    DeepSpeed's own ``zero_to_fp32`` reader does the gathering; buffers come back as saved.
+    """
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
+            return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' is incomplete or not a DeepSpeed ZeRO "
+                              f"checkpoint: {e}") from e
+
+
 def load_engine(engine: Any, root: str, tag: str) -> None:
     """Restore model, optimizer and scheduler state from ``root/tag``."""
     path, _ = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' could not be loaded by DeepSpeed; "
                               f"is it complete, and made with the same ZeRO stage and number of processes?")
+
+
+def set_peak_lr(engine: Any, lr: float) -> float:
+    """Give the engine's schedule the peak learning rate ``lr`` at its current step; return the peak it had.
+
+    ``load_engine`` restores the scheduler's ``base_lrs`` (and the optimizer's current lr) from the
+    checkpoint, which would silently keep the old peak when a resumed run changes ``train.optimizer.lr``.
+    """
+    scheduler = engine.lr_scheduler  # the LambdaLR of build_engine
+    old = float(scheduler.base_lrs[0])
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return old
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
