@@ -67,8 +67,8 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
         "eval_trained": [f"run_dir={run_dir}/eval-eagle3", "drafter.type=saved",
                          f"drafter.path={run_dir}/eagle3/drafter", *eval_common],
         "eval_untrained": [f"run_dir={run_dir}/eval-eagle3-untrained",
-                           f"drafter.draft_vocab={data}/draft_vocab.safetensors", *eval_common],
-        "eval_layerskip": [f"run_dir={run_dir}/eval-layerskip", *eval_common],
+                           f"drafter.draft_vocab={data}/draft_vocab.safetensors", *eval_common, "eval.baselines=[]"],
+        "eval_layerskip": [f"run_dir={run_dir}/eval-layerskip", *eval_common, "eval.baselines=[]"],
     }
 
 
@@ -114,6 +114,10 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None) -> dict[s
         rows.append({"drafter": label, "k": recipe.decode.k, **{key: metrics[key] for key in (
             "tau_with_bonus", "acceptance_rate", "acceptance_at_position", "tokens_per_s", "new_tokens")},
             "identical_to_target": f"{sum(c is True for c in checked)}/{len(checked)}"})
+        for base, b in metrics.get("baselines", {}).items():  # eval_trained runs the prompt-lookup baseline
+            rows.append({"drafter": f"{base} (model-free baseline)", "k": recipe.decode.k, **{key: b[key] for key in (
+                "tau_with_bonus", "acceptance_rate", "acceptance_at_position", "tokens_per_s", "new_tokens")},
+                "identical_to_target": rows[-1]["identical_to_target"]})  # checked against the main run's tokens
 
     summary = {"size": size.__dict__, "platform": platform, "stage_seconds": {k: round(v, 1) for k, v in times.items()},
                "train": {k: train_summary.get(k) for k in ("steps", "heldout", "drafter")}, "drafters": rows,

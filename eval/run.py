@@ -6,7 +6,8 @@ evaluation and the benchmarks call it).
 
 Writes to the run folder: ``config.yaml`` (resolved recipe), ``eval_outputs.jsonl``
 (one line per prompt: tokens, text, per-prompt stats) and ``eval_metrics.json``
-(aggregate stats; τ counts the bonus token, as the file says).
+(aggregate stats; τ counts the bonus token, as the file says; ``baselines``: the model-free drafters
+of ``eval.baselines`` on the same prompts, see ``baselines.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
+from .baselines import baseline_lines, run_baselines
 from .config import DecodeConfig
 from .prompts import Question, load_questions
 from .reference import target_greedy
@@ -94,11 +96,14 @@ def run_eval_recipe(recipe: Any) -> int:
           f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
     questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
     stats, records = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity)
-    write_eval(recipe.run_dir, target, stats, records, {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode)})
+    baselines = run_baselines(target, questions, recipe.decode, recipe.eval.baselines, records)
+    write_eval(recipe.run_dir, target, stats, records, {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode),
+                                                        "baselines": baselines})
     s = stats.summary()
     print(f"{len(records)} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.1f}s ({s['tokens_per_s']:.1f} tok/s)")
     print(f"tau (tokens per target forward, bonus token counted) = {s['tau_with_bonus']:.3f}; "
           f"acceptance rate {s['acceptance_rate']:.3f}; per position {s['acceptance_at_position']}")
+    print("\n".join(baseline_lines(stats, baselines)) or "no baselines (eval.baselines=[])")
     if recipe.eval.check_identity:
         print("greedy output token-identical to the target's own greedy decoding on every prompt")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
