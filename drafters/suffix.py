@@ -289,7 +289,7 @@ class SuffixConfig:
     """Stop drafting when the product of count(child)/count(node) along the draft falls below this."""
     corpus: str = ""
     """Earlier outputs to draft from as well: a JSONL file (tokens / text / messages per line) or a
-    regenerate folder of ``draftsmith prepare``; empty = the request only."""
+    regenerate folder of ``draftsmith prepare`` (``<data.out_dir>/regenerate``); empty = the request only."""
     grow_corpus: bool = False
     """Add every finished output to the corpus trie (SuffixDecoding's global tree). Off by default so
     that an evaluation's result for one prompt does not depend on the prompts before it."""
