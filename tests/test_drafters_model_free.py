@@ -322,3 +322,29 @@ def test_hybrid_and_baseline_configs_are_checked():
         model_free_config("eagle3")
     with pytest.raises(ConfigError, match="not a drafter family"):
         model_free_config("nope")
+
+
+def test_hybrid_refuses_a_drafter_inside_the_targets_cache(tiny_target):
+    from draftsmith.config import load_recipe
+
+    recipe = load_recipe(None, ["drafter.type=hybrid", "drafter.drafter.type=layer_skip", "drafter.drafter.num_layers=1"])
+    with pytest.raises(ConfigError, match="share_cache=false"):
+        recipe.drafter.build(tiny_target)
+    recipe = load_recipe(None, ["drafter.type=hybrid", "drafter.drafter.type=layer_skip", "drafter.drafter.num_layers=1",
+                                "drafter.drafter.share_cache=false"])
+    assert isinstance(recipe.drafter.build(tiny_target), HybridDrafter)
+
+
+# ---------------------------------------------------------------- the copy-heavy prompt set
+
+
+def test_copyheavy_set_is_what_its_builder_writes():
+    from draftsmith.eval import copyheavy
+    from draftsmith.eval.prompts import load_questions
+
+    with open(copyheavy.SHIPPED, encoding="utf-8") as f:
+        assert f.read() == copyheavy.render(copyheavy.build())
+    qs = load_questions("copyheavy")
+    assert len(qs) == 24 and qs[0].id == "copy-001"
+    assert {q.category.split("-")[0] for q in qs} == {"code", "text"}
+    assert all("```" in q.turns[0] for q in qs if q.category.startswith("code"))
