@@ -8,8 +8,8 @@ Three parts, all in one process:
 1. **τ and speedup vs the target alone (bf16)**, on MT-bench and the copy-heavy set: for each prompt
    the target's own greedy ``generate`` and every drafter in the built-in decoder run back to back in
    a rotating order (interleaved, after one warm-up prompt): prompt_lookup, suffix, and, given
-   ``--drafter`` (a trained drafter folder, e.g. the demo's EAGLE-3 head), that drafter and the
-   hybrid of it with the suffix drafter. Speedup = the target's total wall time over the drafter's
+   ``--drafter`` (a trained drafter folder, e.g. the demo's EAGLE-3 head, or ``layer_skip:N`` as a
+   stand-in), that drafter and the hybrid of it with the suffix drafter. Speedup = the target's total wall time over the drafter's
    on the same prompts; in bf16 outputs may drift from ``generate`` after tens of tokens (block vs
    single-token kernels), counted as "identical".
 2. **draftsmith's prompt_lookup vs HF** ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)``
@@ -48,8 +48,13 @@ def drafter_overrides(drafter_path: str, corpus: str) -> dict[str, list[str]]:
     suffix = ["drafter.type=suffix"] + ([f"drafter.corpus={corpus}"] if corpus else [])
     out = {"prompt_lookup": ["drafter.type=prompt_lookup"], "suffix": suffix}
     if drafter_path:
-        out["trained"] = ["drafter.type=saved", f"drafter.path={drafter_path}"]
-        out["hybrid"] = ["drafter.type=hybrid", "drafter.drafter.type=saved", f"drafter.drafter.path={drafter_path}",
+        if drafter_path.startswith("layer_skip:"):  # a stand-in model drafter when no trained head is at hand
+            model = ["type=layer_skip", "share_cache=false", f"num_layers={drafter_path.split(':', 1)[1]}"]
+        else:
+            model = ["type=saved", f"path={drafter_path}"]
+        name = "layer_skip" if drafter_path.startswith("layer_skip:") else "trained"
+        out[name] = [f"drafter.{o}" for o in model]
+        out["hybrid"] = ["drafter.type=hybrid", *[f"drafter.drafter.{o}" for o in model],
                          "drafter.lookup.type=suffix"] + ([f"drafter.lookup.corpus={corpus}"] if corpus else [])
     return out
 
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-ngram", type=int, default=3, help="prompt lookup n-gram size (HF: max_matching_ngram_size)")
-    ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head)")
+    ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head), or "
+                                                 "layer_skip:N (the target's first N layers, own cache) as a stand-in")
     ap.add_argument("--corpus", default="", help="the suffix drafter's corpus (JSONL or a regenerate folder)")
     ap.add_argument("--lengths", default="1000,4000,16000,64000", help="request lengths for the suffix cost")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,hf,cost")
