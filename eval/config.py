@@ -51,10 +51,17 @@ class EvalConfig:
     num_prompts: int = 10
     """How many prompts to decode (from the start of the set)."""
     check_identity: bool = False
-    """Greedy only: also decode each prompt with the target alone and fail on any token difference."""
+    """Greedy only: check every output token for token against the target's own greedy decoding and fail on
+    any difference. Checked in fp32 (where it is exact): in the same run when target.dtype is float32, else
+    in a second pass with the target reloaded in float32."""
+    time_target: bool = True
+    """Also decode every prompt with the target alone (its greedy ``generate``, same process, dtype and threads,
+    interleaved after a warm-up) and report target_tokens_per_s and speedup_vs_target. Speed is meant to be
+    measured in bf16 on CPU (target.dtype=bfloat16: verifying 4–8 tokens costs about one token there)."""
     baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])
     """Model-free drafters (default settings) also run on the same prompts, reported as baseline rows
-    under "baselines" in eval_metrics.json; [] turns them off."""
+    under "baselines" in eval_metrics.json (with their speedup against the same run's target-alone timing);
+    [] turns them off."""
 
     def validate(self) -> None:
         if self.num_prompts < 1:
