@@ -245,17 +245,17 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_drafters(args: argparse.Namespace) -> int:
-    from .drafters import families
-
     if args.params:
         from .drafters.params import format_rows, parameter_rows
 
         print(format_rows(parameter_rows()))
         return 0
     from .drafters.checkpoint import family_summary
+    from .drafters.registry import specs
 
-    for tag, cls in families().items():
-        print(f"{tag:12s} {'trainable' if hasattr(cls, 'build_module') else '':10s} {family_summary(cls)}")
+    for tag, s in specs().items():
+        kind = "trainable" if s.trainable else "model-free" if s.model_free else ""
+        print(f"{tag:14s} {kind:10s} {family_summary(s.config)}")
     return 0
 
 

@@ -132,6 +132,11 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
          "speedup_vs_target": speed["speedup_vs_target"], "predicted_speedup": speed["cost_model"]["predicted_speedup"],
          "identical_to_target": f"{ident['identical']}/{ident['prompts']}"},
     ]
+    for name, b in m.get("baselines", {}).items():  # eval.baselines: prompt lookup by default, same prompts and dtype
+        rows.append({"drafter": f"{name} (model-free baseline)", "k": b["k"], "tau_with_bonus": b["tau_with_bonus"],
+                     "acceptance_at_position": b["acceptance_at_position"], "tokens_per_s": b["tokens_per_s"],
+                     "speedup_vs_target": b.get("speedup_vs_target", 0.0), "predicted_speedup": None,
+                     "identical_to_target": None})
     passed = speed["speedup_vs_target"] > 1.0 and ident["identical"] == ident["prompts"]
     summary = {"size": size.__dict__, "speed_dtype": speed["dtype"], "identity_dtype": ident["dtype"],
                "device": speed["device"], "threads": speed["threads"],

@@ -6,7 +6,8 @@ evaluation and the benchmarks call it).
 
 Writes to the run folder: ``config.yaml`` (resolved recipe), ``eval_outputs.jsonl``
 (one line per prompt: tokens, text, per-prompt stats) and ``eval_metrics.json``
-(aggregate stats; τ counts the bonus token, as the file says).
+(aggregate stats; τ counts the bonus token, as the file says; ``baselines``: the model-free drafters
+of ``eval.baselines`` on the same prompts, see ``baselines.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
+from .baselines import baseline_lines, run_baselines
 from .config import DecodeConfig
 from .costs import TimedDrafter, conditional_acceptance, predicted_speedup, target_step_seconds, verify_costs
 from .prompts import Question, load_questions
@@ -206,6 +208,8 @@ def run_eval_recipe(recipe: Any) -> int:
     result = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity and exact,
                       time_target=recipe.eval.time_target)
     identity, described = None, describe(target)
+    baselines = run_baselines(target, questions, recipe.decode, recipe.eval.baselines, result.records,
+                              check_identity=recipe.eval.check_identity and exact)
     if recipe.eval.check_identity:
         if exact:
             identity = {"dtype": "float32", "identical": sum(r["identical_to_target"] for r in result.records)}
@@ -220,11 +224,12 @@ def run_eval_recipe(recipe: Any) -> int:
             for rec, checked in zip(result.records, audit.records):
                 rec["identical_to_target_fp32"] = checked["identical_to_target"]
         identity["prompts"] = len(result.records)
-    extra: dict[str, Any] = {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode)}
+    extra: dict[str, Any] = {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode), "baselines": baselines}
     if identity is not None:
         extra["identity"] = identity
     metrics = write_eval(recipe.run_dir, described, result, extra)
     print_eval(metrics)
+    print("\n".join(baseline_lines(baselines)) or "no baselines (eval.baselines=[])")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     return 0
 

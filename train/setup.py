@@ -94,7 +94,7 @@ def trainable(recipe: Any) -> Any:
     """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
     from ..drafters.checkpoint import trainable_families
 
-    if not hasattr(recipe.drafter, "build_module"):
+    if recipe.drafter.type not in trainable_families():
         raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
                           f"{', '.join(trainable_families())}")
     return recipe.drafter
