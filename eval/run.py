@@ -18,9 +18,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..decode.chain import check_prompt, speculative_decode
+from ..decode.chain import DecodeResult, check_prompt, speculative_decode
 from ..decode.protocol import Drafter
 from ..decode.stats import DecodeStats
+from ..decode.tree import tree_decode
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..schema import save_recipe, to_dict
@@ -48,11 +49,10 @@ def evaluate(
             check_prompt(target, prompt, decode.max_new_tokens)
         except DraftsmithError as e:
             raise DraftsmithError(f"prompt {q.id}: {e}") from e
-    total = DecodeStats(k=decode.k)
+    total = DecodeStats(k=decode.depth)
     records = []
     for q, prompt in tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress):
-        result = speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
-                                    warp=decode.warp, seed=decode.seed)
+        result = decode_prompt(target, drafter, prompt, decode)
         total = total.merge(result.stats)
         rec = {
             "id": q.id,
@@ -73,6 +73,16 @@ def evaluate(
                 )
         records.append(rec)
     return total, records
+
+
+def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: DecodeConfig) -> DecodeResult:
+    """One prompt through the decoder the recipe's decode section names: chains of k, or trees."""
+    shape = decode.tree_shape()
+    if shape is None:
+        return speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
+                                  warp=decode.warp, seed=decode.seed)
+    return tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=decode.max_new_tokens, warp=decode.warp,
+                       seed=decode.seed)
 
 
 def write_eval(run_dir: str, target: Target, stats: DecodeStats, records: list[dict[str, Any]], extra: dict[str, Any]) -> None:
