@@ -298,28 +298,30 @@ class _Build:
     replacement: bool
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
     score: list[float] = field(default_factory=list)  # path confidence of each row (row 0 = root)
     logits: list[Tensor | None] = field(default_factory=list)  # per row: drafter logits [V] once expanded
     q: list[Tensor | None] = field(default_factory=list)  # per row: warped q (sampling) once expanded
+    conf: list[Tensor | None] = field(default_factory=list)  # per row: softmax (greedy) or q: slot keys, scores
     drawn: list[list[int]] = field(default_factory=list)  # per row: tokens of its children so far
+
+    def __post_init__(self) -> None:
+        # row 0 is the root (the last committed token, not a node of the tree): per-row state only
+        for per_row in (self.logits, self.q, self.conf):
+            per_row.append(None)
+        self.score.append(1.0)
+        self.drawn.append([])
 
     def set_dist(self, row: int, logits: Tensor) -> None:
         self.logits[row] = logits
         self.q[row] = None if self.warp.greedy else self.warp.probs(logits)
+        self.conf[row] = logits.float().softmax(-1) if self.q[row] is None else self.q[row]
 
-    def confidence(self, row: int) -> Tensor:
-        """The distribution slot keys and path confidences come from: softmax (greedy) or the warped q."""
-        q = self.q[row]
-        return self.logits[row].float().softmax(-1) if q is None else q
-
-    def add_row(self, token: int, parent_row: int, rank: int, score: float) -> int:
+    def add_row(self, token: int, parent_row: int, score: float) -> int:
         self.tokens.append(token)
         self.parents.append(parent_row - 1)
-        self.ranks.append(rank)
+        for per_row in (self.logits, self.q, self.conf):
+            per_row.append(None)
         self.score.append(score)
-        self.logits.append(None)
-        self.q.append(None)
         self.drawn.append([])
         return len(self.tokens)  # the new row
 
@@ -340,10 +342,10 @@ class _Build:
             if taken:
                 q[taken] = 0.0
             picks = gumbel_top_k(q, min(m, int((q > 0).sum())), self.generator)
-        conf = self.confidence(row)
+        conf = self.conf[row]
         rows = []
         for x in picks:
-            rows.append(self.add_row(x, row, len(self.drawn[row]), self.score[row] * float(conf[x])))
+            rows.append(self.add_row(x, row, self.score[row] * float(conf[x])))
             self.drawn[row].append(x)
         return rows
 
@@ -351,7 +353,7 @@ class _Build:
         """Confidence of the next k child slots of ``row``: its path confidence times the largest
         probabilities of its distribution left undrawn — known before the slots are drawn (greedy:
         exactly the scores of the next best tokens)."""
-        conf = self.confidence(row)
+        conf = self.conf[row]
         if self.drawn[row]:
             conf = conf.clone()
             conf[self.drawn[row]] = 0.0
@@ -394,10 +396,6 @@ def build_tree(
     if replacement and not isinstance(shape, StaticTree):
         raise DraftsmithError("children drawn with replacement are supported for static trees only")
     b = _Build(warp, generator, replacement)
-    b.score.append(1.0)
-    b.logits.append(None)
-    b.q.append(None)
-    b.drawn.append([])
     b.set_dist(0, root_logits)
     depth = min(shape.depth, max_depth) if max_depth is not None else shape.depth
 
