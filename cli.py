@@ -4,7 +4,9 @@
     draftsmith train --config RECIPE [key.sub=value …]   the recipe's drafter, through DeepSpeed (resumable)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
     draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
-    draftsmith demo  [--steps N …]                       the main job: prepare → train EAGLE-3 → eval
+    draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
+    draftsmith export --check DIR                        load an export back and prove it
+    draftsmith demo  [--size default|full]               the main job: prepare → train EAGLE-3 → eval (speedup)
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
 lists them). Overrides use dotted keys: ``decode.k=5 target.dtype=bfloat16``.
@@ -16,7 +18,7 @@ import argparse
 import os
 import sys
 
-from .demo import DemoSize
+from .demo import SIZES
 from .errors import DraftsmithError
 
 
@@ -70,18 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the main job on the embedded default target and data",
-                       description="prepare (ShareGPT → the target's answers → tokens, feature cache, draft vocab) → "
-                                   "train an EAGLE-3 head through DeepSpeed → eval it, untrained, and the layer-skip "
-                                   "drafter in the built-in decoder on MT-bench, each output checked token for token "
-                                   "against the target's greedy decoding. Resumes where a killed run stopped.")
-    p.add_argument("--run-dir", default="runs/demo", help="where every stage writes (default: runs/demo)")
-    size = DemoSize()
-    p.add_argument("--conversations", type=int, default=size.conversations,
-                   help=f"ShareGPT conversations whose first answer the target regenerates (default: {size.conversations})")
-    p.add_argument("--steps", type=int, default=size.steps, help=f"EAGLE-3 training steps (default: {size.steps})")
-    p.add_argument("--prompts", type=int, default=size.prompts, help=f"MT-bench prompts per drafter (default: {size.prompts})")
-    p.add_argument("--max-new-tokens", type=int, default=size.max_new_tokens,
-                   help=f"tokens decoded per prompt (default: {size.max_new_tokens})")
+                       description="prepare (ShareGPT → the target's own answers → tokens, feature cache, draft vocab) → "
+                                   "train an EAGLE-3 head through DeepSpeed → eval it in the built-in decoder on MT-bench: "
+                                   "speed in bf16 against the target alone in the same run, every output checked token "
+                                   "for token against the target's greedy decoding in fp32. Exits 1 when the named size "
+                                   "does not end faster than the target alone. Resumes where a killed run stopped.")
+    p.add_argument("--size", choices=sorted(SIZES), default="default",
+                   help="default: ≈ 20 min on 2 CPU cores; full: ≈ 90 min, more data and steps (default: default)")
+    p.add_argument("--run-dir", default=None, help="where every stage writes (default: runs/demo, runs/demo-full)")
+    for name, kind, what in (("conversations", int, "ShareGPT conversations whose first answer the target regenerates"),
+                             ("steps", int, "EAGLE-3 training steps"), ("prompts", int, "MT-bench prompts decoded"),
+                             ("max-new-tokens", int, "tokens decoded per prompt"), ("k", int, "draft tokens per round")):
+        p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} (default: the size's)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="speed benchmarks measured side by side in one run (see benchmarks/)")
@@ -102,12 +104,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="benchmarks/out/decode.json", help="where the JSON results go")
     b.set_defaults(func=cmd_bench_decode)
 
+    p = sub.add_parser("export", help="write a drafter in a serving engine's format; --check proves an export",
+                       description="Write the drafter of SOURCE (a drafter folder, <run_dir>/drafter, or a training "
+                                   "checkpoint folder of any ZeRO stage, <run_dir>/checkpoints/step_N) in FORMAT: "
+                                   "hf (draft LM: transformers assistant model), eagle3 (SGLang / vLLM), speculators "
+                                   "(vLLM), medusa (reference / TGI), medusa-vllm, eagle1 (refused: the head's semantics "
+                                   "differ from the original layout). --check DIR loads an export back and proves it: "
+                                   "static checks against the engines' loaders, proposals equal to the source drafter's "
+                                   "in draftsmith's decoder, and per format transformers' assisted generation or "
+                                   "speculators' own forward.")
+    p.add_argument("source", nargs="?", help="drafter folder or training checkpoint folder")
+    p.add_argument("--to", dest="fmt", default=None, help="hf | eagle3 | speculators | medusa | medusa-vllm | eagle1")
+    p.add_argument("--out", default=None, help="the export folder to write (refused if it exists and is not empty)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--target", default=None,
+                   help="target to check the drafter against (default: the one the drafter or its run records)")
+    p.add_argument("--check", metavar="DIR", default=None, help="prove the export in DIR instead of exporting")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("configs", help="list the recipes shipped in configs/")
     p.set_defaults(func=cmd_configs)
 
     p = sub.add_parser("drafters", help="list the drafter families; --params: their parameter counts",
                        description="Without options: the drafter types a recipe's drafter.type may name. "
-                                   "--params: parameters of each family for SmolLM2-135M and Llama-3.1-8B, "
+                                   "--params: parameters of each family for SmolLM2-135M, Llama-3.1-8B and Qwen3-8B, "
                                    "computed from their architecture configs on the meta device (no weights).")
     p.add_argument("--params", action="store_true", help="print parameter counts (Markdown table)")
     p.set_defaults(func=cmd_drafters)
@@ -162,12 +182,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import run_demo, sized
 
-    size = DemoSize(conversations=args.conversations, steps=args.steps, prompts=args.prompts,
-                    max_new_tokens=args.max_new_tokens)
-    run_demo(args.run_dir, size)
-    return 0
+    size = sized(args.size, conversations=args.conversations, steps=args.steps, prompts=args.prompts,
+                 max_new_tokens=args.max_new_tokens, k=args.k)
+    run_dir = args.run_dir or ("runs/demo" if args.size == "default" else f"runs/demo-{args.size}")
+    summary = run_demo(run_dir, size, check=True)
+    return 0 if summary["passed"] else 1
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -189,6 +210,31 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import time
+
+    from .errors import ConfigError
+    from .export import FORMATS, check, export
+
+    if args.check:
+        if args.source or args.fmt or args.out:
+            raise ConfigError("draftsmith export --check DIR takes no SOURCE, --to or --out")
+        t0 = time.perf_counter()
+        for line in check(args.check, args.target):
+            print(f"ok  {line}")
+        print(f"export {args.check} checked in {time.perf_counter() - t0:.1f}s")
+        return 0
+    if not (args.source and args.fmt and args.out):
+        raise ConfigError(f"draftsmith export needs SOURCE, --to ({' | '.join(FORMATS)}) and --out DIR (or --check DIR)")
+    info = export(args.source, args.fmt, args.out, target=args.target, force=args.force)
+    print(f"wrote {args.out}: {info['source']['family']} drafter from {info['source']['kind']} {args.source} as {args.fmt} "
+          f"for {FORMATS[args.fmt].engines}")
+    if "feature_layers" in info:
+        print("feature layers: " + "; ".join(f"{k} {v}" for k, v in info["feature_layers"].items()))
+    print(f"prove it with: draftsmith export --check {args.out}")
+    return 0
+
+
 def cmd_configs(args: argparse.Namespace) -> int:
     from .config import CONFIG_DIR
 
@@ -199,17 +245,17 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_drafters(args: argparse.Namespace) -> int:
-    from .drafters import families
-
     if args.params:
         from .drafters.params import format_rows, parameter_rows
 
         print(format_rows(parameter_rows()))
         return 0
     from .drafters.checkpoint import family_summary
+    from .drafters.registry import specs
 
-    for tag, cls in families().items():
-        print(f"{tag:12s} {'trainable' if hasattr(cls, 'build_module') else '':10s} {family_summary(cls)}")
+    for tag, s in specs().items():
+        kind = "trainable" if s.trainable else "model-free" if s.model_free else ""
+        print(f"{tag:14s} {kind:10s} {family_summary(s.config)}")
     return 0
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .chat import apply_option, check_option, render_prompt
 from .devices import cache_dir, detect_device, resolve_dtype
 from .errors import DraftsmithError
 from .files import atomic_dir
@@ -46,6 +47,12 @@ class TargetConfig:
     """Weights/compute dtype; auto = bf16 on a GPU, fp32 on CPU (exact greedy identity)."""
     device: str = "auto"
     """auto = cuda:LOCAL_RANK when available, else cpu."""
+    chat_template: str = "auto"
+    """auto: the tokenizer's (none there: raw prompts in eval, prepare refuses); none: raw prompts;
+    plain: a minimal 'User: / Assistant:' template for base models; or a path to a Jinja template file."""
+
+    def validate(self) -> None:
+        check_option(self.chat_template)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Target:
     """A frozen causal LM with its tokenizer and fingerprint. Holds no config object."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None):
+        check_architecture(model, name, need="decode")
         freeze(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -130,9 +138,7 @@ class Target:
 
     # ---- compute
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
+        return rollback_cache(self.config)
 
     def forward(
         self,
@@ -154,13 +160,7 @@ class Target:
         """
         captured: dict[int, Tensor] = {}
         hooks = []
-        layers = getattr(getattr(self.model, "model", None), "layers", None) if feature_layers else ()
-        if layers is None:
-            raise DraftsmithError(
-                f"target '{self.name}' ({type(self.model).__name__}) has no decoder layers at model.model.layers, "
-                f"where draftsmith captures features; the feature cache and the EAGLE / Medusa drafters need a "
-                f"Llama-style model (Llama, Qwen2/3, Mistral, SmolLM, …)"
-            )
+        layers = check_architecture(self.model, self.name, need="features") if feature_layers else ()
         for layer in feature_layers:
             idx = self.layer_index(layer)
 
@@ -186,15 +186,57 @@ class Target:
         return TargetOutput(logits=out.logits, features=features)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the target's chat template."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+        """Token ids of ``messages`` rendered with the target's chat template (a lone user prompt raw
+        when there is none; see ``chat.py`` and ``target.chat_template``)."""
+        return render_prompt(self.tokenizer, messages, add_generation_prompt, self.name)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    if hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    return list(out)
+    return render_prompt(tokenizer, messages, add_generation_prompt)
+
+
+DECODABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_architecture(model: torch.nn.Module, name: str, need: Literal["decode", "features"]) -> Any:
+    """Refuse, in one line, a target draftsmith cannot decode with (``decode``) or capture features from
+    (``features``: also needs the Llama-style layer stack ``model.model.layers``, returned).
+
+    Families known to work: Llama / Llama-3.x (rope scaling), Qwen2 / Qwen3 (q/k norms, untied
+    embeddings), Mistral and SmolLM; sliding-window layers decode (see :func:`rollback_cache`).
+    """
+    cfg = getattr(model, "config", None)
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t not in DECODABLE_LAYER_TYPES})
+    if other:
+        raise DraftsmithError(
+            f"target '{name}' ({type(model).__name__}) has {', '.join(other)} layers: draftsmith's decoder rolls the KV "
+            f"cache back after a rejected draft, which only attention layers ({', '.join(DECODABLE_LAYER_TYPES)}) allow"
+        )
+    if need == "decode":
+        return None
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise DraftsmithError(
+            f"target '{name}' ({type(model).__name__}) has no decoder layers at model.model.layers, "
+            f"where draftsmith captures features; the feature cache and the EAGLE / Medusa drafters need a "
+            f"Llama-style model (Llama, Qwen2/3, Mistral, SmolLM, …)"
+        )
+    return layers
+
+
+def rollback_cache(config: Any) -> Any:
+    """A HF ``DynamicCache`` for ``config`` that :func:`crop_cache` can roll back.
+
+    transformers gives sliding-window layers a cache that forgets positions past the window,
+    so it cannot be cropped after a rejected draft; here every layer keeps its full past (the
+    attention mask still applies the window, so logits are unchanged).
+    """
+    from transformers import DynamicCache
+
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        return DynamicCache()  # layers created on first use, all full
+    return DynamicCache(config=config)
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -286,10 +328,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 # ------------------------------------------------------------------ loading
 
 
-def load_target(spec: str | TargetConfig, dtype: str = "auto", device: str = "auto") -> Target:
-    """Load and freeze a target. See the module docstring for what ``spec`` may be."""
+def load_target(
+    spec: str | TargetConfig, dtype: str = "auto", device: str = "auto", chat_template: str = "auto"
+) -> Target:
+    """Load and freeze a target. See the module docstring for what ``spec`` may be; ``chat_template``
+    as ``TargetConfig.chat_template``."""
     if isinstance(spec, TargetConfig):
-        spec, dtype, device = spec.name, spec.dtype, spec.device
+        spec, dtype, device, chat_template = spec.name, spec.dtype, spec.device, spec.chat_template
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = detect_device(device)
@@ -305,7 +350,7 @@ def load_target(spec: str | TargetConfig, dtype: str = "auto", device: str = "au
             f"or a builtin alias ({', '.join(BUILTINS)})."
         ) from e
     model.to(dev)
-    return Target(model, tokenizer, name=spec)
+    return Target(model, apply_option(tokenizer, chat_template), name=spec)
 
 
 def resolve_target_folder(spec: str) -> str:
@@ -392,10 +437,12 @@ __all__ = [
     "Target",
     "TargetConfig",
     "TargetOutput",
+    "check_architecture",
     "crop_cache",
     "describe",
     "load_target",
     "model_fingerprint",
     "render_chat",
+    "rollback_cache",
     "tokenizer_fingerprint",
 ]

@@ -9,8 +9,17 @@
    stage (`datasets.map`, 1 vs 2 workers).
 2. feature cache (target tokens/s, bytes/token): `write_feature_cache` (EAGLE-3 layers +
    last, bf16 shards, checksums) vs a bare target forward over the same batches, interleaved.
-3. regeneration (new tokens/s): batched HF generate (batch 8) vs batch 1 vs the built-in
+3. regeneration engines (new tokens/s): batched HF generate (batch 8) vs batch 1 vs the built-in
    speculative decoder with the layer-skip drafter, greedy, same prompts, outputs compared.
+4. the regenerate stage as `draftsmith prepare` runs it (``regenerate_conversations``, ShareGPT
+   first turns, greedy, the demo's 64 new tokens): the old settings (fp32, batch 8, shards of 8,
+   one HF ``generate`` call per batch) vs the new ones (``--regenerate-new``, default fp32, batch
+   16, shards of 64, the greedy loop that drops finished rows: longer shards sort more prompts by
+   length, so a batch pads less) on the same conversations, alternating, the median of
+   ``--rounds``; and how many answers the two agree on token for token.
+5. feature capture by dtype (``--feature-dtypes float32,bfloat16``): ``write_feature_cache`` with
+   an fp32 and a bf16 target over the same rows, alternating, and how far the stored (bf16)
+   features of the two differ.
 
 Prints a table and writes ``benchmarks/out/prepare.json``; figures go to RESULTS.md.
 """
@@ -40,7 +49,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--regen-prompts", type=int, default=8)
     p.add_argument("--regen-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: render,features,regen")
+    p.add_argument("--regenerate-conversations", type=int, default=48,
+                   help="ShareGPT conversations for the regenerate-stage comparison (the demo: 96)")
+    p.add_argument("--regenerate-old", default="float32,8,8", help="old settings: dtype,batch_size,shard_size")
+    p.add_argument("--regenerate-new", default="float32,16,64", help="new settings: dtype,batch_size,shard_size")
+    p.add_argument("--feature-dtypes", default="", help="e.g. float32,bfloat16: time feature capture per dtype")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: render,features,regen,regenerate")
     p.add_argument("--out", default="benchmarks/out/prepare.json")
     return p.parse_args(argv)
 
@@ -117,19 +131,26 @@ def bench_tokenize_stage(tokenizer, folder, convs, args) -> dict:
     return {f"map_{w}_workers_conv_per_s": len(convs) / statistics.median(t) for w, t in times.items()}
 
 
-def bench_features(target, tokenizer, folder, convs, args) -> dict:
+def tokenized_rows(tokenizer, folder, convs, max_length: int) -> tuple[list, object]:
+    """(input_ids, loss_mask) of each renderable conversation, and the same as a tokenized Dataset."""
     import datasets
 
-    from draftsmith.data.feature_cache import _length_batches, write_feature_cache
     from draftsmith.data.render import render_conversation, stop_token_ids
     from draftsmith.data.tokenized import tokenized_features
 
     stops = stop_token_ids(tokenizer, folder)
-    rows = [r for r in (render_conversation(tokenizer, m, args.max_length, False, stops) for m in convs)
+    rows = [r for r in (render_conversation(tokenizer, m, max_length, False, stops) for m in convs)
             if isinstance(r, tuple)]
     ds = datasets.Dataset.from_dict({"conv_id": [str(i) for i in range(len(rows))], "source": ["s"] * len(rows),
                                      "input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows]},
                                     features=tokenized_features())
+    return rows, ds
+
+
+def bench_features(target, tokenizer, folder, convs, args) -> dict:
+    from draftsmith.data.feature_cache import _length_batches, write_feature_cache
+
+    rows, ds = tokenized_rows(tokenizer, folder, convs, args.max_length)
     tokens = sum(len(r[0]) for r in rows)
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     batches = _length_batches(order, [len(r[0]) for r in rows], 8192)
@@ -199,6 +220,98 @@ def bench_regen(target, convs, args) -> dict:
     return {"prompts": len(prompts), "max_new_tokens": args.regen_tokens, **results}
 
 
+def bench_feature_dtypes(tokenizer, folder, convs, args) -> dict:
+    """write_feature_cache with one target per dtype over the same rows, alternating; median tokens/s."""
+    from draftsmith.data.feature_cache import FeatureCache, write_feature_cache
+    from draftsmith.target import load_target
+
+    rows, ds = tokenized_rows(tokenizer, folder, convs, args.max_length)
+    tokens = sum(len(r[0]) for r in rows)
+    dtypes = [d for d in args.feature_dtypes.split(",") if d]
+    targets = {d: load_target(args.target, dtype=d) for d in dtypes}
+    times: dict[str, list[float]] = {d: [] for d in dtypes}
+    first: dict[str, torch.Tensor] = {}
+    for r in range(args.rounds):
+        for d in (dtypes if r % 2 == 0 else dtypes[::-1]):
+            tmp = tempfile.mkdtemp()
+            t = time.perf_counter()
+            write_feature_cache(ds, os.path.join(tmp, "f"), targets[d], shard_size=64, batch_tokens=8192,
+                                progress=False)
+            times[d].append(time.perf_counter() - t)
+            first[d] = FeatureCache.open(os.path.join(tmp, "f"), targets[d])[0]["hidden"].float()
+            shutil.rmtree(tmp)
+    out = {"samples": len(rows), "tokens": tokens,
+           **{f"{d}_target_tok_per_s": tokens / statistics.median(t) for d, t in times.items()}}
+    if len(dtypes) == 2:
+        a, b = (first[d] for d in dtypes)
+        out[f"{dtypes[1]}_over_{dtypes[0]}"] = out[f"{dtypes[1]}_target_tok_per_s"] / out[f"{dtypes[0]}_target_tok_per_s"]
+        out["sample0_max_rel_diff"] = float((a - b).abs().max() / a.abs().max())
+        out["sample0_equal_fraction"] = float((a == b).float().mean())
+    return out
+
+
+@torch.inference_mode()
+def hf_generate_batch(target, prompts: list[list[int]], st) -> list[list[int]]:
+    """The regenerate engine before the greedy loop: one left-padded HF ``generate`` call (greedy), new tokens
+    cut after the first EOS. The "old" settings run it, so they measure yesterday's code path."""
+    eos = sorted(target.eos_token_ids)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), eos[0], dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    out = target.model.generate(ids, attention_mask=mask, max_new_tokens=st.max_new_tokens, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos[0])
+    rows = out[:, width:].tolist()
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))] for row in rows]
+
+
+def bench_regenerate_stage(args) -> dict:
+    """The regenerate stage, old settings vs new, on the same ShareGPT first turns (see the module docstring)."""
+    import datasets
+
+    from draftsmith.data.config import RegenerateConfig, SourceConfig
+    from draftsmith.data.conversations import conversation_features
+    from draftsmith.data.normalize import ReadStats, iter_conversations
+    from draftsmith.data import regenerate
+    from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
+    from draftsmith.target import load_target
+
+    engine = regenerate.generate_batch
+    rows = [{"conv_id": str(i), "source": "sharegpt", "messages": c["messages"], "truncated_turns": []} for i, c in
+            enumerate(iter_conversations([SourceConfig(path="sharegpt")], args.regenerate_conversations, ReadStats()))]
+    convs = datasets.Dataset.from_list(rows, features=conversation_features())
+    settings = {}
+    for name, spec in (("old", args.regenerate_old), ("new", args.regenerate_new)):
+        dtype, batch, shard = spec.split(",")
+        settings[name] = (dtype, RegenerateConfig(max_new_tokens=64, max_turns=1, batch_size=int(batch),
+                                                  shard_size=int(shard)))
+    targets = {dtype: load_target(args.target, dtype=dtype) for dtype, _ in settings.values()}
+    rates: dict[str, list[float]] = {name: [] for name in settings}
+    answers: dict[str, list] = {}
+    for r in range(args.rounds):
+        for name in (("new", "old") if r % 2 else ("old", "new")):
+            dtype, cfg = settings[name]
+            tmp = tempfile.mkdtemp()
+            regenerate.generate_batch = hf_generate_batch if name == "old" else engine
+            report = regenerate_conversations(convs, os.path.join(tmp, "regen"), targets[dtype], cfg, max_length=1024,
+                                              inputs_hash="bench", progress=False)
+            answers[name] = [rec["messages"][-1]["content"] for rec in regenerated_records(os.path.join(tmp, "regen"))]
+            regenerate.generate_batch = engine
+            shutil.rmtree(tmp)
+            rates[name].append(report.new_tokens / report.seconds)
+            print(f"round {r + 1} {name} ({dtype}, batch {cfg.batch_size}, shards of {cfg.shard_size}): "
+                  f"{rates[name][-1]:.1f} new tok/s ({report.new_tokens} tokens, {report.seconds:.1f} s, "
+                  f"finish {dict(report.finish)})", flush=True)
+    out = {"conversations": len(rows), "max_new_tokens": 64,
+           **{name: {"dtype": d, "batch_size": c.batch_size, "shard_size": c.shard_size,
+                     "new_tok_per_s": statistics.median(rates[name]), "rounds": [round(x, 1) for x in rates[name]]}
+              for name, (d, c) in settings.items()}}
+    out["speedup"] = out["new"]["new_tok_per_s"] / out["old"]["new_tok_per_s"]
+    out["same_answers"] = f"{sum(a == b for a, b in zip(answers['old'], answers['new']))}/{len(answers['old'])}"
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -227,6 +340,12 @@ def main(argv: list[str]) -> int:
         if "regen" not in skip:
             result["regenerate"] = bench_regen(target, convs, args)
             print(json.dumps({"regenerate": result["regenerate"]}, indent=1), flush=True)
+    if args.feature_dtypes:
+        result["feature_dtypes"] = bench_feature_dtypes(tokenizer, folder, convs[: args.features], args)
+        print(json.dumps({"feature_dtypes": result["feature_dtypes"]}, indent=1), flush=True)
+    if "regenerate" not in skip:
+        result["regenerate_stage"] = bench_regenerate_stage(args)
+        print(json.dumps({"regenerate_stage": result["regenerate_stage"]}, indent=1), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,6 +1,7 @@
 """Training of an EAGLE-3 head on SmolLM2-135M-Instruct on this machine: throughput and a short real run.
 
     python benchmarks/train.py throughput          # online vs offline target tokens/s, interleaved rounds
+    python benchmarks/train.py throughput --compare dtype   # offline, fp32 vs bf16 engine (and target)
     python benchmarks/train.py short-run           # a few minutes of training: held-out acceptance and
                                                    # decoder τ of the untrained vs the trained head
 
@@ -15,7 +16,9 @@ throughput
     its cached last layer), alternating online/offline ``--rounds`` times in one process.
     The figure is target tokens per second of training (all real tokens of the batches, the
     first step of each run left out as warm-up; evaluation, checkpointing and setup are not
-    timed). Prints medians per mode and the offline/online ratio of each round.
+    timed). Prints medians per mode and the offline/online ratio of each round. With
+    ``--compare dtype`` both runs are offline and differ in precision instead: an fp32 target and
+    engine (ZeRO-0) vs a bf16 target and DeepSpeed's bf16 engine (ZeRO-0, fp32 master weights).
 
 short-run
     ``--steps`` steps of EAGLE-3 training (offline by default), then the trained head and the
@@ -50,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--steps", type=int, default=0, help="optimizer steps (default: 6 for throughput, 150 short-run)")
     p.add_argument("--rounds", type=int, default=2, help="throughput: online/offline rounds")
+    p.add_argument("--compare", choices=["target", "dtype"], default="target",
+                   help="throughput: online vs offline target (default), or fp32 vs bf16 training (offline)")
     p.add_argument("--lr", type=float, default=1e-3, help="short-run learning rate")
     p.add_argument("--online", action="store_true", help="short-run: run the target online instead of the cache")
     p.add_argument("--prompts", type=int, default=10, help="short-run: MT-bench prompts for τ")
@@ -100,30 +105,40 @@ def throughput(args: argparse.Namespace, data: dict[str, str]) -> dict:
     from draftsmith.train.run import run_training
 
     steps = args.steps or 6
-    rates: dict[str, list[float]] = {"online": [], "offline": []}
+    if args.compare == "dtype":
+        bf16 = os.path.join(args.out_dir, "zero0_bf16.json")
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(bf16, "w", encoding="utf-8") as f:
+            json.dump({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}, f)
+        modes = {"fp32": (True, ["target.dtype=float32", "train.deepspeed=zero0"]),
+                 "bf16": (True, ["target.dtype=bfloat16", f"train.deepspeed={bf16}"])}
+    else:
+        modes = {"online": (False, []), "offline": (True, [])}
+    first, second = modes
+    rates: dict[str, list[float]] = {m: [] for m in modes}
     ratios = []
     for r in range(args.rounds):
         medians = {}
-        for mode in ("online", "offline"):
+        for mode, (offline, extra) in modes.items():
             run_dir = os.path.join(args.out_dir, f"train-throughput-{mode}")
             shutil.rmtree(run_dir, ignore_errors=True)
-            run_training(eagle3_recipe(args, data, run_dir, mode == "offline", f"train.steps={steps}",
-                                       "train.eval.every=0", "train.eval.heldout=4", "train.logging.progress=false"))
+            run_training(eagle3_recipe(args, data, run_dir, offline, f"train.steps={steps}", "train.eval.every=0",
+                                       "train.eval.heldout=4", "train.logging.progress=false", *extra))
             medians[mode] = statistics.median(step_rates(run_dir))
             rates[mode].append(medians[mode])
             print(f"round {r + 1} {mode:7s}: {medians[mode]:8.1f} target tokens/s (median of {steps - 1} steps)")
-        ratios.append(medians["offline"] / medians["online"])
-        print(f"round {r + 1} offline/online: {ratios[-1]:.2f}x")
+        ratios.append(medians[second] / medians[first])
+        print(f"round {r + 1} {second}/{first}: {ratios[-1]:.2f}x")
     result = {
-        "online_tokens_per_s": statistics.median(rates["online"]),
-        "offline_tokens_per_s": statistics.median(rates["offline"]),
-        "offline_over_online": [round(x, 3) for x in ratios],
+        **{f"{m}_tokens_per_s": statistics.median(v) for m, v in rates.items()},
+        f"{second}_over_{first}": [round(x, 3) for x in ratios],
         "rounds": rates,
     }
     print(f"\nEAGLE-3 (ttt {args.ttt_steps}, vocab {args.vocab}, batch {args.batch_size}×{args.max_length}) on SmolLM2-135M, "
           f"torch threads {torch.get_num_threads()}:")
-    print(f"  online  {result['online_tokens_per_s']:8.1f} target tokens/s")
-    print(f"  offline {result['offline_tokens_per_s']:8.1f} target tokens/s   ratio per round {result['offline_over_online']}")
+    for m in modes:
+        print(f"  {m:7s} {result[f'{m}_tokens_per_s']:8.1f} target tokens/s")
+    print(f"  {second}/{first} per round {result[f'{second}_over_{first}']}")
     return result
 
 
@@ -144,7 +159,7 @@ def short_run(args: argparse.Namespace, data: dict[str, str]) -> dict:
                            f"decode.max_new_tokens={args.max_new_tokens}", f"decode.k={args.k}", "decode.temperature=0")
     target = load_target(recipe.target)
     questions = load_questions(recipe.eval.prompts, args.prompts)
-    untrained, _ = evaluate(target, recipe.drafter.build(target), questions, recipe.decode, progress=False)
+    untrained = evaluate(target, recipe.drafter.build(target), questions, recipe.decode, progress=False).stats
     del target
     t0 = time.perf_counter()
     summary = run_training(recipe)
@@ -185,7 +200,8 @@ def main(argv: list[str]) -> int:
     result = throughput(args, data) if args.mode == "throughput" else short_run(args, data)
     result["command"] = "python benchmarks/train.py " + " ".join(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"train_{args.mode.replace('-', '_')}.json")
+    name = args.mode.replace("-", "_") + ("_dtype" if args.mode == "throughput" and args.compare == "dtype" else "")
+    path = os.path.join(args.out_dir, f"train_{name}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")

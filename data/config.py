@@ -94,8 +94,13 @@ class RegenerateConfig:
     """Nucleus sampling when temperature > 0; 1.0 disables."""
     seed: int = 0
     """Sampling seed; shard i uses seed + i."""
-    batch_size: int = 8
-    """Conversations generated together (method=generate)."""
+    dtype: Literal["target", "float32", "bfloat16"] = "target"
+    """Compute dtype of the regeneration: ``target`` = the recipe's target.dtype. float32 gives the target's exact
+    fp32 greedy answers and is the fast one on a CPU without native bf16 (AVX2 only: batched bf16 generation ran
+    ~6× slower, benchmarks/RESULTS.md "prepare"); bfloat16 is the usual choice on a GPU. Another dtype than
+    target.dtype loads a second copy of the target for this stage only."""
+    batch_size: int = 16
+    """Conversations generated together (method=generate), sorted by prompt length within a shard."""
     shard_size: int = 64
     """Conversations per shard file; a kill loses at most the shard in progress."""
     k: int = 4

@@ -107,6 +107,9 @@ def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO) -> 
 
     conv_folder = conv_hash = None
     if "regenerate" in stages or "tokenize" in stages:
+        from ..chat import require_template
+
+        require_template(env.tokenizer(), recipe.target.name)  # before reading anything: one line, no traceback
         with _main_first(workers):
             conv_folder, conv_hash = _read_stage(cfg, paths, summary)
     if "regenerate" in stages:
@@ -162,8 +165,10 @@ class _Env:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
+            from ..chat import apply_option
+
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+                self._tokenizer = apply_option(AutoTokenizer.from_pretrained(self.folder), self.recipe.target.chat_template)
             except (OSError, ValueError) as e:
                 raise DraftsmithError(f"could not load the tokenizer of target '{self.recipe.target.name}': {e}") from e
         return self._tokenizer
@@ -215,6 +220,11 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
 
     r = cfg.regenerate
     target = env.target()
+    if r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
+        from ..target import load_target
+
+        target = load_target(env.recipe.target.name, r.dtype, str(target.device),
+                             env.recipe.target.chat_template)  # this stage only
     drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
     report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, inputs_hash=conv_hash, drafter=drafter,

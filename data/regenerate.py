@@ -11,8 +11,11 @@ same settings, keeps the finished shards and recomputes the rest from scratch; e
 shard seeds its sampler with ``seed + shard`` and batches the same conversations, so
 the result is exactly the set an uninterrupted run writes.
 
-Two engines (``method``): batched HF ``generate`` with left padding (default), or the
-built-in speculative decoder with any drafter (batch size 1, lossless). Measured on
+Two engines (``method``): batched generation (default) — a shard's prompts sorted by length
+into left-padded batches of ``batch_size`` (the records keep their order), greedy in a loop
+of its own where a row that reached EOS leaves the batch (:func:`greedy_batch`), sampled with
+HF ``generate`` — or the built-in speculative decoder with any drafter (batch size 1,
+lossless). Measured on
 the SmolLM2 target on 2 CPU cores, batch 8 ran 1.25× (one thread) to 2.0× (two threads)
 faster than batch 1 and 3.2× (one thread) to 7.8× (two threads) faster than speculative
 decoding with the untrained layer-skip drafter, all with identical greedy tokens
@@ -72,7 +75,7 @@ def regenerate_conversations(
     ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
     each process answers its share of the shards (see :mod:`~draftsmith.data.shards`)."""
     spec = {"inputs": inputs_hash, "target": target.fingerprint, "tokenizer": target.tokenizer_hash,
-            "dtype": str(target.dtype), "max_length": max_length, **asdict(settings)}
+            "max_length": max_length, **asdict(settings), "dtype": str(target.dtype)}  # the dtype it runs in
     job = ShardedJob(folder, spec, ".jsonl")
     n = len(conversations)
     num_shards = math.ceil(n / settings.shard_size)
@@ -216,29 +219,81 @@ def _answer(
 
 @torch.inference_mode()
 def generate_batch(target: Target, prompts: list[list[int]], st: RegenerateConfig) -> list[list[int]]:
-    """New tokens for each prompt (cut after the first EOS) from one left-padded HF ``generate`` call."""
+    """New tokens for each prompt (cut after the first EOS), generated together from one left-padded batch.
+
+    Greedy: :func:`greedy_batch` (rows that reached EOS leave the batch). Sampling: HF ``generate``
+    (it samples from the global generator, seeded per shard).
+    """
+    if st.temperature <= 0:
+        return greedy_batch(target, prompts, st.max_new_tokens)
     eos = sorted(target.eos_token_ids)
     pad = eos[0] if eos else 0
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, S]
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, S]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    sample = st.temperature > 0
+    ids, mask = _left_padded(prompts, pad)
     out = target.model.generate(
         ids.to(target.device),
         attention_mask=mask.to(target.device),
         max_new_tokens=st.max_new_tokens,
-        do_sample=sample,
-        temperature=st.temperature if sample else None,
-        top_p=st.top_p if sample else None,
+        do_sample=True,
+        temperature=st.temperature,
+        top_p=st.top_p,
         top_k=None,
         eos_token_id=eos or None,
         pad_token_id=pad,
     )
     result = []
-    for row in out[:, width:].tolist():
+    for row in out[:, ids.shape[1]:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in target.eos_token_ids), len(row))
         result.append(row[:cut])
     return result
+
+
+@torch.inference_mode()
+def greedy_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (new tokens, ending with EOS if reached), batched.
+
+    One left-padded prefill that computes logits at the last position only, then one token per
+    row per forward with the KV cache; a row that emits EOS leaves the batch (its cache rows are
+    dropped), so finished answers cost nothing while the longest one runs on. Token for token
+    what HF ``generate`` gives greedily, up to batched floating-point rounding.
+    """
+    from transformers import DynamicCache
+
+    eos = target.eos_token_ids
+    ids, mask = _left_padded(prompts, min(eos) if eos else 0)
+    ids, mask = ids.to(target.device), mask.to(target.device)  # [B, S]
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, S]: left padding does not shift positions
+    cache = DynamicCache(config=target.model.config)
+    logits = target.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    alive = list(range(len(prompts)))  # prompt index of each batch row
+    new: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        token = logits.argmax(-1)  # [b]
+        keep = []
+        for row, (i, t) in enumerate(zip(alive, token.tolist())):
+            new[i].append(t)
+            if t not in eos:
+                keep.append(row)
+        if not keep or step + 1 == max_new_tokens:
+            break
+        if len(keep) < len(alive):
+            rows = torch.tensor(keep, device=ids.device)
+            cache.batch_select_indices(rows)
+            token, mask, positions = token[rows], mask[rows], positions[rows]
+            alive = [alive[r] for r in keep]
+        mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)  # [b, S + step + 1]
+        positions = positions[:, -1:] + 1  # [b, 1]
+        logits = target.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                              past_key_values=cache, use_cache=True).logits[:, -1]
+    return new
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, S], attention mask [B, S]) with every prompt right-aligned, so all rows' next token is at column S."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask

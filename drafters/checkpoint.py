@@ -15,9 +15,9 @@ A drafter folder holds
 The folder is written atomically (``files.atomic_dir``): a reader never sees half of it.
 ``load`` refuses a folder made for another target (fingerprint) with a message saying so.
 
-Registry: the families are the members of ``drafters.DrafterConfig``; :func:`families` maps
-each ``type`` tag to its config class. Trainable families (``draft_lm``, ``eagle1``,
-``eagle3``, ``medusa``) implement ``build_module(target)``, ``runtime(module, target)``,
+Registry: the families are the specs of ``drafters/registry.py``; :func:`families` maps each
+``type`` tag to its config class. Trainable families (a spec with a ``recipe``) follow
+``registry.TrainableConfig``: ``build_module(target)``, ``runtime(module, target)``,
 ``module_for_checkpoint(target, meta)``, ``checkpoint_meta(module)`` and ``target_parts``.
 """
 
@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import json
 import os
-import typing
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 
@@ -43,14 +42,10 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def families() -> dict[str, type]:
-    """``type`` tag → config class, for every member of ``drafters.DrafterConfig``."""
-    from . import DrafterConfig
+    """``type`` tag → config class, for every family spec in ``drafters/registry.py``."""
+    from .registry import specs
 
-    out: dict[str, type] = {}
-    for cls in get_args(DrafterConfig):
-        for tag in get_args(typing.get_type_hints(cls)["type"]):
-            out[tag] = cls
-    return out
+    return {name: s.config for name, s in specs().items()}
 
 
 def family_summary(cls: type) -> str:
@@ -64,8 +59,10 @@ def family_summary(cls: type) -> str:
 
 
 def trainable_families() -> dict[str, type]:
-    """Families whose weights ``save`` can write."""
-    return {k: v for k, v in families().items() if hasattr(v, "build_module")}
+    """Families whose weights ``save`` can write (their spec names a training recipe)."""
+    from .registry import specs
+
+    return {name: s.config for name, s in specs().items() if s.trainable}
 
 
 def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -76,7 +73,7 @@ def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = N
     """
     config = getattr(drafter, "config", None)
     module = getattr(drafter, "module", None)
-    if config is None or module is None or not hasattr(config, "checkpoint_meta"):
+    if config is None or module is None or getattr(config, "type", None) not in trainable_families():
         kind = getattr(config, "type", type(drafter).__name__)
         raise DraftsmithError(
             f"drafter '{kind}' has no trained weights of its own to save; save works for "

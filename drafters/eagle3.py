@@ -349,16 +349,19 @@ class Eagle3Config:
 
     def resolve(self, target: Target) -> Eagle3Config:
         """This config checked against ``target``, with feature_layers made explicit (0-based)."""
+        return self.resolve_for(target.num_layers, target.vocab_size)
+
+    def resolve_for(self, n: int, vocab_size: int) -> Eagle3Config:
+        """:meth:`resolve` from the target's architecture alone (``n`` layers, ``vocab_size`` tokens)."""
         self.validate()
-        n = target.num_layers
         given = self.feature_layers or list(default_feature_layers(n))
         layers = [resolve_layer(x, n, f"drafter.feature_layers[{i}]") for i, x in enumerate(given)]
         if len(set(layers)) != 3:
             raise ConfigError(f"drafter.feature_layers = {given} names the same layer twice; give 3 distinct layers")
-        if self.draft_vocab_size > target.vocab_size:
+        if self.draft_vocab_size > vocab_size:
             raise ConfigError(
                 f"drafter.draft_vocab_size = {self.draft_vocab_size} is larger than the target's vocabulary "
-                f"({target.vocab_size})"
+                f"({vocab_size})"
             )
         return dataclasses.replace(self, feature_layers=layers)
 

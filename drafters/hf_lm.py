@@ -16,7 +16,7 @@ from torch import Tensor
 from ..decode.protocol import Proposal, common_prefix, draft_chain
 from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, crop_cache, freeze
+from ..target import Target, crop_cache, freeze, rollback_cache
 
 
 class HFDrafter:
@@ -33,9 +33,7 @@ class HFDrafter:
         return next(self.model.parameters()).device
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache: Any = DynamicCache(config=self.model.config)
+        self.cache: Any = rollback_cache(self.model.config)
         self.tokens: list[int] = []
         self._drafted_from = 0  # committed length when the last proposal was made
         self._drafts: list[int] = []

@@ -20,21 +20,28 @@ from .eagle1 import Eagle1Config, build_eagle1
 from .eagle3 import Eagle3Config, build_eagle3
 from .medusa import MedusaConfig, build_medusa
 
-# Architecture configs written from the models' published config.json (no hub access needed).
+# Architecture configs written from the models' published config.json (no hub access needed;
+# tests/archs/ holds the two 8B config.json files and a test checks these values against them).
 SMOLLM2_135M: dict[str, Any] = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
 )
 LLAMA_31_8B: dict[str, Any] = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     tie_word_embeddings=False,
 )
 
-TARGETS: dict[str, dict[str, Any]] = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.1-8B": LLAMA_31_8B}
+QWEN3_8B: dict[str, Any] = dict(
+    model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+)
+
+TARGETS: dict[str, dict[str, Any]] = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3.1-8B": LLAMA_31_8B, "Qwen3-8B": QWEN3_8B}
 
 # (label, config) rows per target: the shipped recipe's drafter plus common variants.
 VARIANTS: dict[str, list[tuple[str, Any]]] = {
@@ -53,13 +60,27 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("eagle3: draft vocabulary 32000", Eagle3Config(draft_vocab_size=32000)),
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
     ],
+    "Qwen3-8B": [
+        ("draft_lm: first 4 layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
+        ("eagle3: draft vocabulary 32000", Eagle3Config(draft_vocab_size=32000)),
+    ],
 }
 
 
 def arch_config(values: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig
+    """The HF config of a target from its architecture values (``model_type`` picks the class)."""
+    from transformers import AutoConfig
 
-    return LlamaConfig(num_key_value_heads=values.get("num_key_value_heads"), **{k: v for k, v in values.items() if k != "num_key_value_heads"})
+    rest = {k: v for k, v in values.items() if k != "model_type"}
+    return AutoConfig.for_model(values["model_type"], **rest)
+
+
+def target_parameters(arch: Any) -> int:
+    """Parameters of the target itself (meta device, tied weights once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return count_parameters(AutoModelForCausalLM.from_config(arch))["total"]
 
 
 def meta_module(config: Any, arch: Any) -> nn.Module:
@@ -109,13 +130,10 @@ def count(config: Any, arch: Any) -> dict[str, int]:
 
 def parameter_rows() -> list[dict[str, Any]]:
     """One row per (target, drafter variant), plus the target itself."""
-    from transformers import LlamaForCausalLM
-
     rows = []
     for target, values in TARGETS.items():
         arch = arch_config(values)
-        with torch.device("meta"):
-            own = count_parameters(LlamaForCausalLM(arch))["total"]
+        own = target_parameters(arch)
         rows.append({"target": target, "drafter": "(the target itself)", "trainable": 0, "frozen": own, "stored": 0, "total": own})
         for label, config in VARIANTS[target]:
             rows.append({"target": target, "drafter": label, **count(config, arch)})

@@ -6,7 +6,7 @@ a seed); these sections are where a recipe names them, validated with the key th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..decode.sampling import Warp
@@ -82,12 +82,25 @@ class DecodeConfig:
 @dataclass
 class EvalConfig:
     prompts: str = "mtbench"
-    """"mtbench" (first turns of the 80 MT-bench questions) or a JSONL path with 'turns' or 'prompt'."""
+    """"mtbench" (first turns of the 80 MT-bench questions), "copyheavy" (24 fix / rewrite / summarize prompts
+    built from ShareGPT, eval/prompts/copyheavy.jsonl) or a JSONL path with 'turns' or 'prompt'."""
     num_prompts: int = 10
     """How many prompts to decode (from the start of the set)."""
     check_identity: bool = False
-    """Greedy only: also decode each prompt with the target alone and fail on any token difference."""
+    """Greedy only: check every output token for token against the target's own greedy decoding and fail on
+    any difference. Checked in fp32 (where it is exact): in the same run when target.dtype is float32, else
+    in a second pass with the target reloaded in float32."""
+    time_target: bool = True
+    """Also decode every prompt with the target alone (its greedy ``generate``, same process, dtype and threads,
+    interleaved after a warm-up) and report target_tokens_per_s and speedup_vs_target. Speed is meant to be
+    measured in bf16 on CPU (target.dtype=bfloat16: verifying 4–8 tokens costs about one token there)."""
+    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])
+    """Model-free drafters (default settings) also run on the same prompts, reported as baseline rows
+    under "baselines" in eval_metrics.json (with their speedup against the same run's target-alone timing);
+    [] turns them off."""
 
     def validate(self) -> None:
         if self.num_prompts < 1:
             raise ConfigError(f"eval.num_prompts = {self.num_prompts} must be at least 1")
+        if len(set(self.baselines)) != len(self.baselines):
+            raise ConfigError(f"eval.baselines = {self.baselines} names a drafter twice")

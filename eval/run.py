@@ -6,29 +6,48 @@ evaluation and the benchmarks call it).
 
 Writes to the run folder: ``config.yaml`` (resolved recipe), ``eval_outputs.jsonl``
 (one line per prompt: tokens, text, per-prompt stats) and ``eval_metrics.json``
-(aggregate stats; τ counts the bonus token, as the file says).
+(aggregate stats; τ counts the bonus token, as the file says; ``baselines``: the model-free drafters
+of ``eval.baselines`` on the same prompts, see ``baselines.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from tqdm import tqdm
 
 from ..decode.chain import DecodeResult, check_prompt, speculative_decode
-from ..decode.protocol import Drafter
+from ..decode.protocol import Drafter, common_prefix
 from ..decode.stats import DecodeStats
 from ..decode.tree import tree_decode
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
+from .baselines import baseline_lines, run_baselines
 from .config import DecodeConfig
+from .costs import TimedDrafter, conditional_acceptance, predicted_speedup, target_step_seconds, verify_costs
 from .prompts import Question, load_questions
 from .reference import target_greedy
+
+
+@dataclass
+class Evaluation:
+    """What :func:`evaluate` measured: the decoder's stats, one record per prompt, and the speed
+    of the speculative decoder against the target alone (when timed)."""
+
+    stats: DecodeStats
+    records: list[dict[str, Any]]
+    speed: dict[str, Any] | None = None
+    """tokens_per_s, target_tokens_per_s, speedup_vs_target (median of per-prompt ratios), the
+    cost model (c, v(k), predicted speedup) and the dtype / device / threads they were measured in."""
 
 
 def evaluate(
@@ -38,8 +57,18 @@ def evaluate(
     decode: DecodeConfig,
     check_identity: bool = False,
     progress: bool = True,
-) -> tuple[DecodeStats, list[dict[str, Any]]]:
-    """Decode the first turn of each question; return merged stats and per-prompt records."""
+    time_target: bool = False,
+    warmup: int = 1,
+) -> Evaluation:
+    """Decode the first turn of each question with the drafter.
+
+    time_target: also decode every prompt with the target alone (its own greedy ``generate``,
+    same process, dtype and threads), interleaved per prompt with the speculative decode (who
+    goes first alternates) after ``warmup`` untimed rounds of both, and report
+    ``speedup_vs_target``. check_identity (greedy only): compare every output with the target's
+    own greedy output and raise on the first difference — a guarantee in fp32 only (bf16 kernels
+    of other shapes round differently), so :func:`run_eval_recipe` checks it in fp32.
+    """
     if check_identity and not decode.warp.greedy:
         raise ConfigError("eval.check_identity needs greedy decoding (decode.temperature=0)")
     decode.validate()
@@ -49,10 +78,32 @@ def evaluate(
             check_prompt(target, prompt, decode.max_new_tokens)
         except DraftsmithError as e:
             raise DraftsmithError(f"prompt {q.id}: {e}") from e
+    timed = TimedDrafter(drafter)
+
+    def spec(prompt: list[int]) -> Any:
+        return decode_prompt(target, timed, prompt, decode)
+
+    def alone(prompt: list[int]) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        tokens = target_greedy(target, prompt, decode.max_new_tokens)
+        return tokens, time.perf_counter() - t0
+
+    if time_target:
+        for prompt in prompts[:warmup]:
+            spec(prompt)
+            alone(prompt)
+        timed.seconds, timed.drafted = 0.0, 0
     total = DecodeStats(k=decode.depth)
     records = []
-    for q, prompt in tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress):
-        result = decode_prompt(target, drafter, prompt, decode)
+    for i, (q, prompt) in enumerate(tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress)):
+        ref = None
+        if time_target and i % 2:  # alternate who goes first, so a load change hits both alike
+            ref = alone(prompt)
+        result = spec(prompt)
+        if time_target and ref is None:
+            ref = alone(prompt)
+        if check_identity and ref is None:
+            ref = alone(prompt)
         total = total.merge(result.stats)
         rec = {
             "id": q.id,
@@ -63,16 +114,25 @@ def evaluate(
             "finish_reason": result.finish_reason,
             "stats": result.stats.summary(),
         }
-        if check_identity:
-            ref = target_greedy(target, prompt, decode.max_new_tokens)
-            rec["identical_to_target"] = ref == result.tokens
-            if ref != result.tokens:
-                first = next((i for i, (a, b) in enumerate(zip(ref, result.tokens)) if a != b), min(len(ref), len(result.tokens)))
+        if ref is not None:
+            ref_tokens, ref_s = ref
+            rec["identical_to_target"] = ref_tokens == result.tokens
+            if time_target:
+                rec["target"] = {"new_tokens": len(ref_tokens), "wall_s": round(ref_s, 4),
+                                 "tokens_per_s": round(len(ref_tokens) / ref_s, 3)}
+                rec["speedup_vs_target"] = round(result.stats.tokens_per_s / (len(ref_tokens) / ref_s), 4)
+            if check_identity and ref_tokens != result.tokens:
+                first = common_prefix(ref_tokens, result.tokens)
                 raise DraftsmithError(
-                    f"prompt {q.id}: speculative output differs from the target's greedy output at new token {first}"
+                    f"prompt {q.id}: speculative output differs from the target's greedy output at new token {first} "
+                    f"(target {ref_tokens[first:first + 1]}, speculative {result.tokens[first:first + 1]}; "
+                    f"{str(target.dtype).replace('torch.', '')})"
                 )
         records.append(rec)
-    return total, records
+    speed = None
+    if time_target:
+        speed = speed_summary(target, timed, total, records, prompts[0], decode.k, tree=decode.tree_shape() is not None)
+    return Evaluation(total, records, speed)
 
 
 def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: DecodeConfig) -> DecodeResult:
@@ -85,31 +145,126 @@ def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: D
                        seed=decode.seed)
 
 
-def write_eval(run_dir: str, target: Target, stats: DecodeStats, records: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, records: list[dict[str, Any]],
+                  prompt: list[int], k: int, tree: bool = False) -> dict[str, Any]:
+    """speedup_vs_target and the cost model that predicts it (see :mod:`draftsmith.eval.costs`).
+
+    tree: the decode drafted trees; the chain model τ(k) / (v(k) + k c) does not describe them, so
+    no prediction is made (c is then the drafter's seconds per drafted tree node)."""
+    spec_s = sum(r["stats"]["wall_s"] for r in records)
+    target_s = sum(r["target"]["wall_s"] for r in records)
+    step = target_step_seconds(target, prompt)
+    v = {} if tree else verify_costs(target, prompt, range(1, k + 1))
+    c = (timed.seconds / timed.drafted) / step if timed.drafted else 0.0
+    alpha = conditional_acceptance(stats.summary()["acceptance_at_position"])
+    by_k = {} if tree else {kk: round(predicted_speedup(alpha, kk, v[kk], c), 3) for kk in range(1, len(alpha) + 1)}
+    return {
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "device": str(target.device),
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": round(stats.new_tokens / spec_s, 3) if spec_s else 0.0,
+        "target_tokens_per_s": round(sum(r["target"]["new_tokens"] for r in records) / target_s, 3),
+        "speedup_vs_target": round(statistics.median(r["speedup_vs_target"] for r in records), 4),
+        "speedup_note": "median over prompts of per-prompt tok/s ratios; the target alone is its own greedy generate "
+                        "in the same process, dtype and threads, interleaved per prompt after a warm-up",
+        "cost_model": {
+            "draft_cost_c": round(c, 4),
+            "c_note": "seconds the drafter spends per draft token (propose + update) / one one-token target forward",
+            "target_step_ms": round(step * 1e3, 3),
+            "verify_cost_by_k": {kk: round(x, 3) for kk, x in v.items()},
+            "conditional_acceptance": [round(a, 4) for a in alpha],
+            "predicted_speedup": by_k.get(k),
+            "predicted_speedup_by_k": by_k,
+            "best_k": max(by_k, key=by_k.get) if by_k else None,
+            "note": "predicted = tau(k) / (v(k) + k c): tau from the measured acceptance by position (greedy: exact for "
+                    "every k up to the one decoded), v(k) the verification forward over k+1 tokens / a one-token "
+                    "forward; the decoder's own per-round overhead is not in the model" if not tree else
+                    "tree decoding: the chain cost model does not apply (no prediction); speedup_vs_target is measured",
+        },
+    }
+
+
+def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, extra: dict[str, Any]) -> dict[str, Any]:
+    """Write eval_outputs.jsonl and eval_metrics.json (atomically); return the metrics.
+
+    target_info: :func:`~draftsmith.target.describe` of the target the speed was measured on."""
     os.makedirs(run_dir, exist_ok=True)
     with atomic_path(os.path.join(run_dir, "eval_outputs.jsonl")) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
-            for rec in records:
+            for rec in result.records:
                 f.write(json.dumps(rec) + "\n")
-    write_json(os.path.join(run_dir, "eval_metrics.json"), {"target": describe(target), **extra, **stats.summary()})
+    metrics: dict[str, Any] = {"target": target_info, **extra, **result.stats.summary()}
+    if result.speed is not None:
+        metrics["target_tokens_per_s"] = result.speed["target_tokens_per_s"]
+        metrics["speedup_vs_target"] = result.speed["speedup_vs_target"]
+        metrics["speed"] = result.speed
+    write_json(os.path.join(run_dir, "eval_metrics.json"), metrics)
+    return metrics
 
 
 def run_eval_recipe(recipe: Any) -> int:
-    """``draftsmith eval``: load the recipe's target and drafter, decode its prompts, write and print the metrics."""
+    """``draftsmith eval``: decode the recipe's prompts with its drafter and with the target alone in the
+    recipe's dtype (speed), check greedy identity in fp32 (``eval.check_identity``), write and print the metrics.
+
+    When the recipe's dtype is not fp32 the identity audit is a second pass: the target reloaded in fp32,
+    the drafter rebuilt for it, every prompt decoded speculatively and by the target alone, compared token
+    for token (in bf16 outputs drift after tens of tokens, so identity is checked where it is exact).
+    """
+    import gc
+
     save_recipe(recipe)
     t0 = time.perf_counter()
     target = load_target(recipe.target)
     drafter = recipe.drafter.build(target)
-    print(f"target {target.name} ({target.num_layers} layers, {target.dtype}, {target.device}) loaded in "
+    dtype = str(target.dtype).replace("torch.", "")
+    print(f"target {target.name} ({target.num_layers} layers, {dtype}, {target.device}) loaded in "
           f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
     questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
-    stats, records = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity)
-    write_eval(recipe.run_dir, target, stats, records, {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode)})
-    s = stats.summary()
-    print(f"{len(records)} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.1f}s ({s['tokens_per_s']:.1f} tok/s)")
-    print(f"tau (tokens per target forward, bonus token counted) = {s['tau_with_bonus']:.3f}; "
-          f"acceptance rate {s['acceptance_rate']:.3f}; per position {s['acceptance_at_position']}")
+    exact = target.dtype == torch.float32
+    result = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity and exact,
+                      time_target=recipe.eval.time_target)
+    identity, described = None, describe(target)
+    baselines = run_baselines(target, questions, recipe.decode, recipe.eval.baselines, result.records,
+                              check_identity=recipe.eval.check_identity and exact)
     if recipe.eval.check_identity:
-        print("greedy output token-identical to the target's own greedy decoding on every prompt")
+        if exact:
+            identity = {"dtype": "float32", "identical": sum(r["identical_to_target"] for r in result.records)}
+        else:
+            del drafter, target
+            gc.collect()
+            print(f"identity audit: reloading the target in float32 (speed was measured in {dtype})")
+            target = load_target(replace(recipe.target, dtype="float32"))
+            audit = evaluate(target, recipe.drafter.build(target), questions, recipe.decode, check_identity=True)
+            identity = {"dtype": "float32", "identical": sum(r["identical_to_target"] for r in audit.records),
+                        "tau_with_bonus": round(audit.stats.tau, 4)}
+            for rec, checked in zip(result.records, audit.records):
+                rec["identical_to_target_fp32"] = checked["identical_to_target"]
+        identity["prompts"] = len(result.records)
+    extra: dict[str, Any] = {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode), "baselines": baselines}
+    if identity is not None:
+        extra["identity"] = identity
+    metrics = write_eval(recipe.run_dir, described, result, extra)
+    print_eval(metrics)
+    print("\n".join(baseline_lines(baselines)) or "no baselines (eval.baselines=[])")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     return 0
+
+
+def print_eval(m: dict[str, Any]) -> None:
+    """The figures a user reads first: speed against the target alone, then τ and acceptance, then identity."""
+    print(f"{m['sequences']} prompts, {m['new_tokens']} new tokens, k={m['k']}")
+    speed = m.get("speed")
+    if speed:
+        cm = speed["cost_model"]
+        print(f"speed ({speed['dtype']}, {speed['device']}, {speed['threads']} threads): "
+              f"{speed['tokens_per_s']:.1f} tok/s vs the target alone {speed['target_tokens_per_s']:.1f} tok/s -> "
+              f"speedup_vs_target {speed['speedup_vs_target']:.3f}x" + (
+                  f" (predicted {cm['predicted_speedup']}x from c={cm['draft_cost_c']:.3f}, "
+                  f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
+                  f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else ""))
+    print(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
+          f"acceptance rate {m['acceptance_rate']:.3f}; per position {m['acceptance_at_position']}")
+    ident = m.get("identity")
+    if ident:
+        print(f"identity ({ident['dtype']}): greedy output token-identical to the target's own greedy decoding on "
+              f"{ident['identical']}/{ident['prompts']} prompts")

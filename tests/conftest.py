@@ -20,6 +20,16 @@ from draftsmith.target import Target, load_target, resolve_target_folder
 SMOLLM2 = "smollm2-135m-instruct"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped, with the reason, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder() -> str:
     """The cached safetensors folder of the real SmolLM2 target (converted from GGUF once)."""

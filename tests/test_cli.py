@@ -126,6 +126,8 @@ def test_eval_writes_config_outputs_and_metrics(capsys, tmp_path, smollm2_folder
     assert metrics["target"]["fingerprint"] and metrics["sequences"] == 2
     assert sum(metrics["accepted_length_histogram"]) == metrics["verify_rounds"]
     assert metrics["target_forwards"] == metrics["verify_rounds"] + 2  # one prefill per prompt
+    assert list(metrics["baselines"]) == ["prompt_lookup"] and "baseline prompt_lookup: tau" in out  # eval.baselines default
+    assert metrics["baselines"]["prompt_lookup"]["new_tokens"] == metrics["new_tokens"]
     lines = [json.loads(x) for x in (run_dir / "eval_outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(rec["identical_to_target"] for rec in lines)
     assert sum(len(rec["tokens"]) for rec in lines) == metrics["new_tokens"]

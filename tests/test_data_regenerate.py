@@ -152,3 +152,50 @@ def test_killed_mid_way_and_rerun_gives_exactly_the_uninterrupted_records(tmp_pa
     assert summary["stages"][1]["note"].startswith(f"resuming: {done_before} finished shard(s) kept")
     assert list(regenerated_records(str(job))) == list(regenerated_records(str(clean / "regenerate")))
     assert len(list(regenerated_records(str(job)))) == 30
+
+
+def test_regenerate_dtype_answers_with_a_bfloat16_copy_of_an_fp32_target(tmp_path, tiny_target_dir):
+    """data.regenerate.dtype=bfloat16 with target.dtype=float32: the answers are the bf16 target's own
+    greedy ones (the fp32 target stays for the later stages), and the job records the dtype it ran in."""
+    from draftsmith.config import load_recipe
+    from draftsmith.data import run_prepare
+
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": u},
+                                                                   {"role": "assistant", "content": "old"}]}) + "\n"
+                           for i, u in enumerate(["Tell me a story.", "Hi", "Name a color."])))
+    recipe = load_recipe(None, [f"target.name={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
+                                f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]",
+                                f"data.out_dir={tmp_path / 'out'}", "data.regenerate.dtype=bfloat16",
+                                f"data.regenerate.max_new_tokens={NEW}", "data.regenerate.batch_size=1",
+                                f"run_dir={tmp_path / 'run'}"])
+    run_prepare(recipe, progress=False)
+    job = tmp_path / "out" / "regenerate"
+    assert json.loads((job / "manifest.json").read_text())["spec"]["dtype"] == "torch.bfloat16"
+    bf16 = load_target(tiny_target_dir, dtype="bfloat16", device="cpu")
+    fp32 = load_target(tiny_target_dir, dtype="float32", device="cpu")
+    records = list(regenerated_records(str(job)))
+    assert len(records) == 3
+    differ = 0
+    for rec in records:
+        prompt = bf16.render_chat(rec["messages"][:1])
+        tokens = target_greedy(bf16, prompt, NEW)
+        assert rec["messages"][1]["content"] == bf16.tokenizer.decode(
+            [t for t in tokens if t not in bf16.eos_token_ids], skip_special_tokens=True)
+        differ += tokens != target_greedy(fp32, prompt, NEW)
+    print(f"{differ} of 3 bf16 answers differ from the fp32 target's")
+
+
+def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
+    """Prompts of different lengths whose answers end at different points (some by EOS within the
+    budget, some cut): the batched loop gives each prompt the target's own batch-1 greedy answer."""
+    from draftsmith.data.regenerate import greedy_batch
+
+    asks = ["Answer with one word: is the sky blue?", "Hi", "Write a long poem about the sea and the wind.",
+            "What is 2+2? Reply with the number only."]
+    prompts = [smollm2.render_chat([{"role": "user", "content": a}]) for a in asks]
+    got = greedy_batch(smollm2, prompts, 20)
+    want = [target_greedy(smollm2, p, 20) for p in prompts]
+    assert got == want
+    ended = [len(t) < 20 and t[-1] in smollm2.eos_token_ids for t in got]
+    assert any(ended) and not all(ended), [len(t) for t in got]  # rows left the batch while others ran on

@@ -4,44 +4,60 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 import pytest
 
 from draftsmith.config import load_recipe
-from draftsmith.demo import DemoSize, demo_stages, run_demo
-
-RECIPES = {"prepare": "smollm2-135m-prepare", "train": "smollm2-135m-eagle3", "eval_trained": "smollm2-135m-eagle3",
-           "eval_untrained": "smollm2-135m-eagle3", "eval_layerskip": "smollm2-135m-layerskip"}
+from draftsmith.demo import SIZES, STAGE_RECIPES, DemoSize, demo_stages, run_demo
 
 
-def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path):
-    stages = demo_stages(str(tmp_path), DemoSize())
-    assert set(stages) == set(RECIPES)
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path, size):
+    stages = demo_stages(str(tmp_path), SIZES[size])
+    assert set(stages) == set(STAGE_RECIPES)
     run_dirs = set()
     for name, overrides in stages.items():
-        recipe = load_recipe(RECIPES[name], overrides)
+        recipe = load_recipe(STAGE_RECIPES[name], overrides)
         assert recipe.run_dir.startswith(str(tmp_path))
         run_dirs.add(recipe.run_dir)
     assert len(run_dirs) == len(stages)  # no stage overwrites another's outputs
-    trained = load_recipe(RECIPES["eval_trained"], stages["eval_trained"])
-    assert trained.drafter.type == "saved" and trained.eval.check_identity
+    ev = load_recipe(STAGE_RECIPES["eval"], stages["eval"])
+    # speed in bf16 against the target alone, identity audited (in fp32, by run_eval_recipe)
+    assert ev.drafter.type == "saved" and ev.eval.check_identity and ev.eval.time_target
+    assert ev.target.dtype == "bfloat16" and ev.decode.k == SIZES[size].k
+
+
+def test_the_full_size_is_larger_than_the_default():
+    d, f = SIZES["default"], SIZES["full"]
+    assert f.conversations > d.conversations and f.steps > d.steps and f.prompts >= d.prompts
 
 
 @pytest.mark.e2e
 def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
     run_dir = str(tmp_path / "demo")
-    summary = run_demo(run_dir, DemoSize(conversations=6, steps=2, prompts=1, max_new_tokens=8))
+    summary = run_demo(run_dir, DemoSize(conversations=6, answer_tokens=12, steps=2, prompts=2, max_new_tokens=8, k=2))
 
     assert summary["train"]["steps"] == 2
     assert os.path.isfile(os.path.join(run_dir, "eagle3", "drafter", "model.safetensors"))
-    assert [r["drafter"].split(",")[0] for r in summary["drafters"]] == [
-        "EAGLE-3 head", "EAGLE-3 head", "layer-skip self-drafter (no training)"]
-    for row in summary["drafters"]:
-        # identity is enforced by eval.check_identity (a mismatch raises); τ counts the bonus token
-        assert row["identical_to_target"] == "1/1"
-        assert row["tau_with_bonus"] >= 1.0
-        assert 1 <= row["new_tokens"] <= 8  # EOS may come first
+    alone, head = summary["drafters"]
+    assert alone["drafter"].startswith("target alone") and alone["speedup_vs_target"] == 1.0
+    assert head["drafter"].startswith("EAGLE-3 head") and head["k"] == 2
+    assert head["identical_to_target"] == "2/2"  # fp32 audit; a mismatch raises
+    assert summary["speed_dtype"] == "bfloat16" and summary["identity_dtype"] == "float32"
     with open(os.path.join(run_dir, "demo_summary.json"), encoding="utf-8") as f:
         assert json.load(f)["drafters"] == summary["drafters"]
+
+    # speedup_vs_target is the median of per-prompt ratios of measured speeds, not a made-up figure
     with open(os.path.join(run_dir, "eval-eagle3", "eval_outputs.jsonl"), encoding="utf-8") as f:
-        assert all(json.loads(line)["identical_to_target"] for line in f)
+        recs = [json.loads(line) for line in f]
+    assert all(r["identical_to_target_fp32"] for r in recs)
+    ratios = []
+    for r in recs:
+        spec = r["stats"]["new_tokens"] / r["stats"]["wall_s"]
+        alone_tps = r["target"]["new_tokens"] / r["target"]["wall_s"]
+        assert r["target"]["wall_s"] > 0 and r["stats"]["wall_s"] > 0
+        assert r["speedup_vs_target"] == pytest.approx(spec / alone_tps, rel=2e-3)
+        ratios.append(r["speedup_vs_target"])
+    assert head["speedup_vs_target"] == pytest.approx(statistics.median(ratios), rel=1e-3)
+    assert summary["passed"] == (head["speedup_vs_target"] > 1.0)

@@ -11,7 +11,7 @@ import torch
 from draftsmith.config import CONFIG_DIR, load_recipe
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.train import data as D
-from draftsmith.train.common import lr_lambda
+from draftsmith.train.setup import lr_lambda
 from draftsmith.train.distributed import DEEPSPEED_CONFIG_DIR, load_engine_config
 from draftsmith.train.run import run_training
 
@@ -155,7 +155,7 @@ def test_collate_pads_cached_features_with_zeros():
 
 def test_rows_ahead_equals_the_masked_shifted_copy():
     from draftsmith.drafters.common import shift_left
-    from draftsmith.train.common import rows_ahead
+    from draftsmith.train.target_side import rows_ahead
 
     x = torch.arange(2 * 6 * 3).view(2, 6, 3)  # [B, S, V]
     mask = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 0, 1, 0, 0]], dtype=torch.bool)  # last 2 columns False

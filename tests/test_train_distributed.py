@@ -101,6 +101,15 @@ def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny
     prompt = target.render_chat([{"role": "user", "content": "Hi!"}])
     out = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=10)
     assert out.tokens == target_greedy(target, prompt, 10)[: len(out.tokens)]
+    # export straight from the two ranks' partitions gives the saved drafter's tensors
+    from safetensors.torch import load_file
+
+    from draftsmith.export import export
+
+    export(ckpt, "eagle3", str(tmp_path / "from_ckpt"))
+    export(summary["drafter"], "eagle3", str(tmp_path / "from_drafter"))
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("from_ckpt", "from_drafter"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 RESUME_ARGS = ["train.steps=10", "train.feature_noise=0.05", "train.checkpoint.keep=1", "train.schedule.kind=cosine",
@@ -226,3 +235,50 @@ def test_resuming_with_another_drafter_or_data_is_refused(tmp_path, tiny_target_
     summary = run_training(load_recipe("smollm2-135m-eagle3", overrides(
         tiny_target_dir, tiny_train_data, run_dir, "train.steps=2", "train.optimizer.lr=0.001")))
     assert summary["steps"] == 2
+
+
+def test_two_ranks_weigh_every_token_like_one_process_holding_both(tmp_path, tiny_target_dir, make_tokenized):
+    """Per-token normalization across ranks: two processes (batch 1 each, a 3-token and a 40-token
+    answer) take the same first step as one process with both in its micro-batch. AdamW with
+    lr = eps = 1000 makes the first update −lr·g/(|g|+eps) ≈ −g, so the weights after one step
+    compare the gradients; averaging per rank instead would weigh each of the 3 tokens 13× more."""
+    from safetensors.torch import load_file
+
+    from draftsmith.train.data import BatchOrder, split_heldout
+
+    order = BatchOrder(split_heldout(12, 8, 0).train, 1, 2, 0, 0)
+    short, long = order.at(0)[0], BatchOrder(split_heldout(12, 8, 0).train, 1, 2, 1, 0).at(0)[0]
+    assert sorted(BatchOrder(split_heldout(12, 8, 0).train, 2, 1, 0, 0).at(0)) == sorted([short, long])
+    g = torch.Generator().manual_seed(1)
+    ids, masks = [], []
+    for i in range(12):
+        answer = 3 if i == short else 40 if i == long else 12
+        ids.append(torch.randint(100, 600, (4 + answer,), generator=g).tolist())
+        masks.append([0] * 4 + [1] * answer)
+    data = make_tokenized(tmp_path / "data", ids, masks)
+    step = ["train.steps=1", "train.eval.heldout=8", "train.deepspeed=zero0", "train.schedule.kind=constant",
+            "train.optimizer.weight_decay=0.0", "train.optimizer.eps=1000.0"]
+
+    def weights(run_dir, batch_size: int, lr: float, launcher: list[str] | None = None) -> dict[str, torch.Tensor]:
+        args = overrides(tiny_target_dir, data, run_dir, *step, f"train.batch_size={batch_size}",
+                         f"train.optimizer.lr={lr}")
+        if launcher:
+            summary_of(run_dir, launch(launcher, args))
+        else:
+            run_training(load_recipe("smollm2-135m-eagle3", args))
+        return load_file(os.path.join(run_dir, "drafter", "model.safetensors"))
+
+    two = weights(tmp_path / "two", 1, 1000.0, [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2",
+                                                 "--master_port", free_port()])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = weights(tmp_path / "one", 2, 1000.0)
+        start = weights(tmp_path / "start", 2, 1e-30)  # the initial weights
+    finally:
+        torch.set_num_threads(threads)
+    trained = [k for k in one if one[k].is_floating_point()]
+    moved = max(float((one[k] - start[k]).abs().max()) for k in trained)
+    worst = max(float((two[k] - one[k]).abs().max()) for k in trained)
+    print(f"first update up to {moved:.3e}; two ranks vs one process differ by up to {worst:.3e}")
+    assert moved > 1e-3 and worst < 1e-4 * moved

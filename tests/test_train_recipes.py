@@ -127,8 +127,8 @@ def flaky_smooth_l1(monkeypatch, nan_calls) -> None:
 
     real, calls = losses.smooth_l1, [0]
 
-    def smooth_l1(pred, target, mask, beta=1.0):
-        out = real(pred, target, mask, beta)
+    def smooth_l1(pred, target, mask, beta=1.0, reduction="mean"):
+        out = real(pred, target, mask, beta, reduction)
         if not torch.is_grad_enabled():  # held-out evaluation
             return out
         calls[0] += 1

@@ -141,6 +141,52 @@ def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, An
     return state
 
 
+ENGINE_MODULE_PREFIX = "drafter."
+"""The engine wraps the drafter in ``setup.Forward``, so checkpoint names start with this."""
+
+
+def read_trainer_state(path: str) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint folder, refused unless it records the drafter it holds."""
+    path = os.path.abspath(path)
+    state_file = os.path.join(path, "trainer_state.json")
+    if not os.path.isdir(path) or not os.path.isfile(state_file):
+        raise DraftsmithError(f"'{path}' is not a draftsmith checkpoint folder (no trainer_state.json; a complete one "
+                              f"is <run_dir>/checkpoints/step_N, written by draftsmith train)")
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            state = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{state_file} is not valid JSON ({e}); the checkpoint is damaged") from e
+    if not isinstance(state, dict) or not isinstance(state.get("identity"), dict) or "zero_stage" not in state:
+        raise DraftsmithError(f"checkpoint '{path}' does not record the drafter it holds (identity, zero_stage in "
+                              f"trainer_state.json): it was not written by this draftsmith's train")
+    return state
+
+
+def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The trainer state and the drafter's whole weights of a checkpoint folder, without an engine.
+
+    Any ZeRO stage: ZeRO-0 keeps the module whole in ``mp_rank_00_model_states.pt``; from ZeRO-1 on
+    the fp32 master weights are partitioned over the ranks' files and gathered here
+    (:func:`distributed.consolidated_weights`). Names are the drafter module's (the engine
+    wrapper's prefix removed). A folder that is not a complete draftsmith checkpoint is refused.
+    """
+    path = os.path.abspath(path)
+    state = read_trainer_state(path)
+    stage = int(state["zero_stage"])
+    if stage == 0:
+        file = os.path.join(path, "mp_rank_00_model_states.pt")
+        if not os.path.isfile(file):
+            raise DraftsmithError(f"checkpoint '{path}' is incomplete: it has no {os.path.basename(file)}")
+        module = torch.load(file, map_location="cpu", weights_only=False)["module"]
+    else:
+        module = distributed.consolidated_weights(os.path.dirname(path), os.path.basename(path))
+    weights = {k[len(ENGINE_MODULE_PREFIX):]: v for k, v in module.items() if k.startswith(ENGINE_MODULE_PREFIX)}
+    if not weights:
+        raise DraftsmithError(f"checkpoint '{path}' holds no drafter weights (no '{ENGINE_MODULE_PREFIX}*' tensors)")
+    return state, weights
+
+
 def check_layout(state: dict[str, Any], stage: int, world_size: int, path: str) -> None:
     """Refuse, before DeepSpeed tries, a checkpoint whose optimizer state this run cannot read.
 

@@ -269,8 +269,44 @@ def build_engine(
         raise DraftsmithError("the drafter has no trainable parameters")
     optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    fp32 = fp32_buffers(model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    restore_fp32_buffers(engine.module, fp32)
     return engine
+
+
+def fp32_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the module's float32 buffers (RoPE's ``inv_freq`` / ``original_inv_freq``), by name."""
+    return {name: b.detach().clone() for name, b in module.named_buffers() if b.dtype == torch.float32}
+
+
+def restore_fp32_buffers(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
+    """Put back, exactly, the float32 buffers an engine cast; then check all of them. Returns the names restored.
+
+    DeepSpeed 0.19 casts only parameters to bf16 and keeps buffers (its ``_cast_module_mixed_precision``);
+    older releases ran ``module.bfloat16()``, which rounds RoPE's ``inv_freq`` to bf16 and shifts every
+    rotary angle (by up to ~0.8 rad at position 2k). Restoring from the copies taken before
+    ``deepspeed.initialize`` makes the version irrelevant, so none is pinned for this.
+    """
+    restored = []
+    for name, buf in module.named_buffers():
+        ref = saved.get(name)
+        if ref is not None and buf.dtype != torch.float32:
+            buf.data = ref.to(buf.device)
+            restored.append(name)
+    check_fp32_buffers(module, saved)
+    return restored
+
+
+def check_fp32_buffers(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """DraftsmithError unless every buffer in ``saved`` is still float32 and bit-equal to its copy."""
+    own = dict(module.named_buffers())
+    for name, ref in saved.items():
+        buf = own.get(name)
+        if buf is None or buf.dtype != torch.float32 or not torch.equal(buf.detach().cpu(), ref.cpu()):
+            got = "missing" if buf is None else str(buf.dtype).replace("torch.", "")
+            raise DraftsmithError(f"buffer '{name}' of the drafter is no longer the float32 tensor it was ({got}) inside "
+                                  f"the training engine; RoPE would rotate with rounded frequencies")
 
 
 def _refuse_shared_tensors(model: torch.nn.Module, frozen: torch.nn.Module) -> None:
@@ -307,12 +343,45 @@ def save_engine(engine: Any, root: str, tag: str) -> None:
     engine.save_checkpoint(root, tag=tag, save_latest=False)
 
 
+def consolidated_weights(root: str, tag: str) -> dict[str, torch.Tensor]:
+    """The whole fp32 weights of the ZeRO-1/2/3 checkpoint ``root/tag``, gathered from every rank's
+    partition files on one CPU process (no process group), named as the engine's module names them.
+
+    DeepSpeed's own ``zero_to_fp32`` reader does the gathering; buffers come back as saved.
+    """
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
+            return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' is incomplete or not a DeepSpeed ZeRO "
+                              f"checkpoint: {e}") from e
+
+
 def load_engine(engine: Any, root: str, tag: str) -> None:
     """Restore model, optimizer and scheduler state from ``root/tag``."""
     path, _ = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' could not be loaded by DeepSpeed; "
                               f"is it complete, and made with the same ZeRO stage and number of processes?")
+
+
+def set_peak_lr(engine: Any, lr: float) -> float:
+    """Give the engine's schedule the peak learning rate ``lr`` at its current step; return the peak it had.
+
+    ``load_engine`` restores the scheduler's ``base_lrs`` (and the optimizer's current lr) from the
+    checkpoint, which would silently keep the old peak when a resumed run changes ``train.optimizer.lr``.
+    """
+    scheduler = engine.lr_scheduler  # the LambdaLR of build_engine
+    old = float(scheduler.base_lrs[0])
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return old
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

@@ -25,48 +25,51 @@ import torch
 from torch import Tensor, nn
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch, collate
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = common.trainable(recipe)
-    run = common.start(recipe, world)
-    engine = common.build_engine(run, config.build_module(run.target))
-    common.restore(run, engine, resume)
-    eos, pad = sorted(run.target.eos_token_ids), common.pad_id(run.target)
+    config = setup.trainable(recipe)
+    run = setup.start(recipe, world)
+    engine = setup.build_engine(run, config.build_module(run.target))
+    setup.restore(run, engine, resume)
+    eos, pad = sorted(run.target.eos_token_ids), setup.pad_id(run.target)
 
     def scored(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """(drafter logits [B,S,V], target logits [B,S,V], row mask [B,S]) — row t predicts x_{t+1}."""
-        target_logits = common.target_forward(run, batch).logits
+        target_logits = target_side.target_forward(run, batch).logits
         logits = engine(lambda m: m(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits)
         return logits, target_logits, shift_left(batch.loss_mask, 1, fill=False)
 
-    def objective(logits: Tensor, target_logits: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def objective(logits: Tensor, target_logits: Tensor, mask: Tensor) -> tuple[Tensor, heldout.Metrics]:
+        """The token loss summed over the rows of ``mask``."""
         return losses.token_loss(cfg.loss.kind, logits[mask], target_logits[mask], mask[mask],
-                                 cfg.loss.temperature, cfg.loss.jsd_beta), {}
+                                 cfg.loss.temperature, cfg.loss.jsd_beta, reduction="sum"), {}
 
-    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
+    def on_policy(batch: Batch) -> Batch:
+        """The micro-batch trained on: with probability on_policy.fraction, the drafter's own samples."""
         if on_policy_now(cfg.seed, run.state.micro_step, cfg.on_policy.fraction):
-            batch = sample_on_policy(engine.module.drafter, batch, cfg.on_policy.max_new_tokens,
-                                     cfg.on_policy.temperature, eos, pad)
-        return objective(*scored(batch))
+            return sample_on_policy(engine.module.drafter, batch, cfg.on_policy.max_new_tokens,
+                                    cfg.on_policy.temperature, eos, pad)
+        return batch
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         logits, p, mask = scored(batch)
         return {
-            "loss": common.masked_metric(lambda: objective(logits, p, mask)[0], mask),
-            "acceptance": common.masked_metric(lambda: losses.expected_acceptance(logits, p, mask), mask),
-            "top1": common.masked_metric(lambda: losses.top1_accuracy(logits, p.argmax(-1), mask), mask),
+            "loss": (float(objective(logits, p, mask)[0]), float(mask.sum())),
+            "acceptance": heldout.masked_metric(lambda: losses.expected_acceptance(logits, p, mask), mask),
+            "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p.argmax(-1), mask), mask),
         }
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    # the micro-batches of one optimizer step (sampled first when on-policy), their valid rows counted
+    for micro in step.step_batches(run, lambda batch: shift_left(batch.loss_mask, 1, fill=False), on_policy):
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*scored(batch)))
+        step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
 
 
 def on_policy_now(seed: int, micro_step: int, fraction: float) -> bool:

@@ -7,7 +7,8 @@ the target's own distribution at position t+1). A row counts when x_{t+2} is a
 loss-masked (assistant) token. Optional uniform noise on the input features makes the
 head robust to its own errors at decoding time (EAGLE: U(−0.1, 0.1)).
 
-Loss = feature_weight · smooth_l1 + token_weight · token_loss (EAGLE-1: 1.0 and 0.1, soft_ce).
+Loss = feature_weight · smooth_l1 + token_weight · token_loss (EAGLE-1: 1.0 and 0.1, soft_ce),
+summed over the rows and divided by the rows of the whole optimizer step (``step.py``).
 """
 
 from __future__ import annotations
@@ -18,47 +19,55 @@ import torch
 from torch import Tensor
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = common.trainable(recipe)
-    run = common.start(recipe, world)
-    engine = common.build_engine(run, config.build_module(run.target))
+    config = setup.trainable(recipe)
+    run = setup.start(recipe, world)
+    engine = setup.build_engine(run, config.build_module(run.target))
     last_layer = (run.target.num_layers - 1,)
-    common.restore(run, engine, resume)
+    setup.restore(run, engine, resume)
 
-    def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, dict[str, float]]:
-        regression = losses.smooth_l1(pred, shift_left(features, 1), mask)
-        token = losses.token_loss(cfg.loss.kind, logits[mask], common.rows_ahead(target_logits, 1, mask),
-                                  mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
+    def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, heldout.Metrics]:
+        """feature_weight · smooth-L1 + token_weight · token loss, summed over the rows of ``mask``."""
+        regression = losses.smooth_l1(pred, shift_left(features, 1), mask, reduction="sum")
+        token = losses.token_loss(cfg.loss.kind, logits[mask], target_side.rows_ahead(target_logits, 1, mask),
+                                  mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta, reduction="sum")
         loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
-        return loss, {"loss/feature": regression.item(), "loss/token": token.item()}
+        n = float(mask.sum())
+        return loss, {"loss/feature": (regression.item(), n), "loss/token": (token.item(), n)}
 
-    def loss_fn(batch: Batch) -> tuple[Tensor, dict[str, float]]:
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
-        noisy = common.uniform_noise(features, cfg.feature_noise)
+    def loss_fn(batch: Batch) -> tuple[Tensor, heldout.Metrics]:
+        features, target_logits = target_side.features_and_logits(run, batch, last_layer)
+        noisy = target_side.uniform_noise(features, cfg.feature_noise)
         return objective(*forward(engine, batch, noisy, run.dtype), features, target_logits)
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
+        features, target_logits = target_side.features_and_logits(run, batch, last_layer)
         pred, logits, mask = forward(engine, batch, features, run.dtype)
         p_logits = shift_left(target_logits, 1)
+        loss, parts = objective(pred, logits, mask, features, target_logits)
         return {
-            "loss": common.masked_metric(lambda: objective(pred, logits, mask, features, target_logits)[0], mask),
-            "feature_loss": common.masked_metric(lambda: losses.smooth_l1(pred, shift_left(features, 1), mask), mask),
-            "acceptance": common.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
-            "top1": common.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
+            "loss": (float(loss), float(mask.sum())),
+            "feature_loss": parts["loss/feature"],
+            "acceptance": heldout.masked_metric(lambda: losses.expected_acceptance(logits, p_logits, mask), mask),
+            "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
         }
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: loss_fn(batch), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid rows counted
+        step.optimizer_step(run, engine, micro, loss_fn)
+        step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
+
+
+def rows(batch: Batch) -> Tensor:
+    """[B, S] bool: row t counts when x_{t+2} is a loss-masked token."""
+    return shift_left(batch.loss_mask, 2, fill=False)
 
 
 def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -68,4 +77,4 @@ def forward(engine: Any, batch: Batch, features: Tensor, dtype: torch.dtype) -> 
     """
     ids, features = shift_left(batch.input_ids, 1), features.to(dtype)
     pred, logits = engine(lambda head: head(ids, features, attention_mask=batch.attention_mask))
-    return pred, logits, shift_left(batch.loss_mask, 2, fill=False)
+    return pred, logits, rows(batch)

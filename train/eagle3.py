@@ -5,6 +5,8 @@ for ``train.ttt_steps`` steps (default 7), as it will run when drafting: step j,
 reads the true token x_{t+j+1} and, for j ≥ 1, the head's own step-(j-1) state instead
 of a target feature; it predicts x_{t+j+2}, whose target distribution is the target's
 output at position t+j+1. Step j's loss is weighted ``step_decay**j`` (EAGLE-3: 0.8^j).
+The loss of a step is Σ_j w_j Σ_rows loss, divided by the rows that count at step 0 over the
+whole optimizer step (``step.py``): every answer token weighs the same.
 
 Over the reduced vocabulary the target's p is renormalized onto the draft ids, and a
 position whose target argmax is outside the draft vocabulary is masked (the head could
@@ -12,7 +14,7 @@ never propose it). There is no feature regression: EAGLE-3 drops it.
 
 Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the head's q
 (zero outside the draft vocabulary) against the target's full p, and top-1 agreement
-(see ``common.heldout_metrics`` for the summary figures derived from them).
+(see ``heldout.heldout_metrics`` for the summary figures derived from them).
 """
 
 from __future__ import annotations
@@ -22,57 +24,59 @@ from typing import Any
 from torch import Tensor
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    run = common.start(recipe, world)
-    config = common.trainable(recipe).resolve(run.target)
+    run = setup.start(recipe, world)
+    config = setup.trainable(recipe).resolve(run.target)
     head = config.build_module(run.target)
     layers, draft_ids = tuple(config.feature_layers), head.draft_ids.clone()
     weights = losses.decayed_weights(cfg.ttt_steps, cfg.loss.step_decay)
-    engine = common.build_engine(run, head)
-    common.restore(run, engine, resume)
+    engine = setup.build_engine(run, head)
+    setup.restore(run, engine, resume)
 
     def unroll(batch: Batch, noise: float) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
-        features, target_logits = common.features_and_logits(run, batch, layers)
-        features = common.uniform_noise(features, noise).to(run.dtype)
+        features, target_logits = target_side.features_and_logits(run, batch, layers)
+        features = target_side.uniform_noise(features, noise).to(run.dtype)
         steps = engine(lambda h: h.unroll(batch.input_ids, features, steps=cfg.ttt_steps,
                                           attention_mask=batch.attention_mask))
         return steps, target_logits
 
-    def objective(steps: list[tuple[Tensor, Tensor]], target_logits: Tensor, batch: Batch) -> tuple[Tensor, dict[str, float]]:
+    def rows(batch: Batch) -> Tensor:
+        """[B, S] bool: row t counts when x_{t+2} is a loss-masked token (the step-0 prediction)."""
+        return shift_left(batch.loss_mask, 2, fill=False)
+
+    def objective(steps: list[tuple[Tensor, Tensor]], target_logits: Tensor, batch: Batch) -> tuple[Tensor, heldout.Metrics]:
+        """Σ_j w_j · (step j's token loss summed over its rows); parts: each step's (sum, rows)."""
         # p over the draft vocabulary, and where the target's argmax is in it, once for all steps
         p_draft, in_vocab = losses.restrict_to_draft_vocab(target_logits, draft_ids, batch.attention_mask.bool())
         total, parts = None, {}
         for j, (_, logits) in enumerate(steps):
             mask = shift_left(batch.loss_mask, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
-            if j > 0 and not mask.any():
-                continue  # sequences shorter than the unroll; step 0 with nothing raises EmptyBatchError
-            p_rows = common.rows_ahead(p_draft, j + 1, mask)  # the target at t+j+1, for the rows that count
-            step_loss = losses.token_loss(cfg.loss.kind, logits[mask], p_rows, mask[mask], cfg.loss.temperature,
-                                          cfg.loss.jsd_beta)
-            total = weights[j] * step_loss if total is None else total + weights[j] * step_loss
-            parts[f"loss/step{j}"] = step_loss.item()
+            p_rows = target_side.rows_ahead(p_draft, j + 1, mask)  # the target at t+j+1, for the rows that count
+            step_sum = losses.token_loss(cfg.loss.kind, logits[mask], p_rows, mask[mask], cfg.loss.temperature,
+                                         cfg.loss.jsd_beta, reduction="sum")  # 0 past short sequences' ends
+            total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
+            parts[f"loss/step{j}"] = (step_sum.item(), float(mask.sum()))
         return total, parts
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         steps, target_logits = unroll(batch, 0.0)
-        first = shift_left(batch.loss_mask, 2, fill=False)
-        out: common.Metrics = {"loss": common.masked_metric(lambda: objective(steps, target_logits, batch)[0], first)}
+        out: heldout.Metrics = {"loss": (float(objective(steps, target_logits, batch)[0]), float(rows(batch).sum()))}
         for j, (_, logits) in enumerate(steps):
             q_logits = head.target_logits(logits.float())  # q = 0 outside the draft vocabulary
             p_logits = shift_left(target_logits, j + 1)
             mask = shift_left(batch.loss_mask, j + 2, fill=False)
-            out[f"acceptance_step{j}"] = common.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)
-            out[f"top1_step{j}"] = common.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), mask), mask)
+            out[f"acceptance_step{j}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)
+            out[f"top1_step{j}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), mask), mask)
         return out
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: objective(*unroll(batch, cfg.feature_noise), batch), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid rows counted
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*unroll(batch, cfg.feature_noise), batch))
+        step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)

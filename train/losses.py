@@ -2,7 +2,10 @@
 
 Every function takes logits (never probabilities) shaped ``[..., V]`` and a boolean
 ``mask`` shaped ``[...]`` (True = the position counts), computes in float32, and
-returns the **mean over valid positions** (sum over valid positions / their count).
+returns the **mean over valid positions** (sum over valid positions / their count), or
+with ``reduction="sum"`` the sum over them: the training step normalizes sums by the valid
+tokens of a whole optimizer step (``train/step.py``), so every token weighs the same
+whatever micro-batch or rank it falls in.
 p is the target's distribution, q the drafter's; both are ``softmax(logits / T)``.
 
 The token losses are DistillSpec's set (Zhou et al. 2023): forward KL(p‖q), reverse
@@ -12,8 +15,9 @@ optionally over a reduced draft vocabulary. :func:`smooth_l1` is EAGLE's feature
 regression. :func:`expected_acceptance` Σ_x min(p, q) is the probability that one
 sampled draft token is accepted by speculative sampling (= 1 − TVD); it is a metric.
 
-A batch whose mask selects no position raises :class:`EmptyBatchError`: a mean over
-nothing is not a number, and silently returning 0 would hide a data bug.
+A mean whose mask selects no position raises :class:`EmptyBatchError`: a mean over
+nothing is not a number, and silently returning 0 would hide a data bug. A sum over
+nothing is 0 (still on the autograd graph, so a backward through it gives zero gradients).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..errors import DraftsmithError
 
 TokenLoss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce"]
 TOKEN_LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce")
+Reduction = Literal["mean", "sum"]
 
 
 class EmptyBatchError(DraftsmithError):
@@ -47,6 +52,15 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return values.float().masked_fill(~mask, 0.0).sum() / count
 
 
+def masked_reduce(values: Tensor, mask: Tensor, reduction: Reduction = "mean") -> Tensor:
+    """Mean (:func:`masked_mean`) or sum of ``values`` [...] over positions where ``mask`` [...] is True."""
+    if reduction == "mean":
+        return masked_mean(values, mask)
+    if reduction != "sum":
+        raise DraftsmithError(f"unknown loss reduction '{reduction}'; choose mean or sum")
+    return values.float().masked_fill(~mask.bool(), 0.0).sum()
+
+
 def _log_probs(logits: Tensor, temperature: float) -> Tensor:
     if temperature <= 0:
         raise DraftsmithError(f"loss temperature must be > 0, got {temperature}")
@@ -59,19 +73,22 @@ def _kl_terms(log_a: Tensor, log_b: Tensor) -> Tensor:
     return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
 
 
-def forward_kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+def forward_kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+               reduction: Reduction = "mean") -> Tensor:
     """KL(p‖q) = Σ p (log p − log q): mode-covering; the usual KD loss."""
     log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
-    return masked_mean(_kl_terms(log_p, log_q), mask)
+    return masked_reduce(_kl_terms(log_p, log_q), mask, reduction)
 
 
-def reverse_kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+def reverse_kl(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+               reduction: Reduction = "mean") -> Tensor:
     """KL(q‖p) = Σ q (log q − log p): mode-seeking."""
     log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
-    return masked_mean(_kl_terms(log_q, log_p), mask)
+    return masked_reduce(_kl_terms(log_q, log_p), mask, reduction)
 
 
-def jsd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, beta: float = 0.5, temperature: float = 1.0) -> Tensor:
+def jsd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, beta: float = 0.5, temperature: float = 1.0,
+        reduction: Reduction = "mean") -> Tensor:
     """Generalized JSD(β) = β KL(p‖m) + (1−β) KL(q‖m), m = β p + (1−β) q.
 
     β → 0 behaves like forward KL / β, β → 1 like reverse KL / (1−β) (DistillSpec, GKD);
@@ -81,27 +98,30 @@ def jsd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, beta: float =
         raise DraftsmithError(f"JSD beta must be in (0, 1), got {beta}")
     log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
-    return masked_mean(beta * _kl_terms(log_p, log_m) + (1 - beta) * _kl_terms(log_q, log_m), mask)
+    return masked_reduce(beta * _kl_terms(log_p, log_m) + (1 - beta) * _kl_terms(log_q, log_m), mask, reduction)
 
 
-def tvd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+def tvd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+               reduction: Reduction = "mean") -> Tensor:
     """Total variation distance ½ Σ |p − q| (= 1 − expected acceptance)."""
     q, p = _log_probs(draft_logits, temperature).exp(), _log_probs(target_logits, temperature).exp()
-    return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+    return masked_reduce(0.5 * (p - q).abs().sum(-1), mask, reduction)
 
 
-def hard_ce(draft_logits: Tensor, target_ids: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+def hard_ce(draft_logits: Tensor, target_ids: Tensor, mask: Tensor, temperature: float = 1.0,
+               reduction: Reduction = "mean") -> Tensor:
     """Cross-entropy −log q(y) on given token ids ``target_ids`` [...] (e.g. the target's argmax)."""
     log_q = _log_probs(draft_logits, temperature)
     picked = log_q.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
-    return masked_mean(-picked, mask)
+    return masked_reduce(-picked, mask, reduction)
 
 
-def soft_ce(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
+def soft_ce(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+               reduction: Reduction = "mean") -> Tensor:
     """Soft cross-entropy −Σ p log q against the target's full distribution (= KL(p‖q) + H(p))."""
     log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
     p = log_p.exp()
-    return masked_mean(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1), mask)
+    return masked_reduce(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1), mask, reduction)
 
 
 def restrict_to_draft_vocab(target_logits: Tensor, draft_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,30 +145,31 @@ def token_loss(
     mask: Tensor,
     temperature: float = 1.0,
     beta: float = 0.5,
+    reduction: Reduction = "mean",
 ) -> Tensor:
     """Dispatch by name to one of :data:`TOKEN_LOSSES` (``ce`` uses the target's argmax)."""
     if kind == "forward_kl":
-        return forward_kl(draft_logits, target_logits, mask, temperature)
+        return forward_kl(draft_logits, target_logits, mask, temperature, reduction)
     if kind == "reverse_kl":
-        return reverse_kl(draft_logits, target_logits, mask, temperature)
+        return reverse_kl(draft_logits, target_logits, mask, temperature, reduction)
     if kind == "jsd":
-        return jsd(draft_logits, target_logits, mask, beta, temperature)
+        return jsd(draft_logits, target_logits, mask, beta, temperature, reduction)
     if kind == "tvd":
-        return tvd(draft_logits, target_logits, mask, temperature)
+        return tvd(draft_logits, target_logits, mask, temperature, reduction)
     if kind == "ce":
-        return hard_ce(draft_logits, target_logits.argmax(-1), mask, temperature)
+        return hard_ce(draft_logits, target_logits.argmax(-1), mask, temperature, reduction)
     if kind == "soft_ce":
-        return soft_ce(draft_logits, target_logits, mask, temperature)
+        return soft_ce(draft_logits, target_logits, mask, temperature, reduction)
     raise DraftsmithError(f"unknown token loss '{kind}'; choose one of: {', '.join(TOKEN_LOSSES)}")
 
 
-def smooth_l1(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0) -> Tensor:
-    """EAGLE's feature regression: smooth-L1 per element, mean over the feature axis, mean over valid positions.
+def smooth_l1(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0, reduction: Reduction = "mean") -> Tensor:
+    """EAGLE's feature regression: smooth-L1 per element, mean over the feature axis, mean (or sum) over valid positions.
 
     pred, target: [..., H]; mask: [...].
     """
     per_elem = F.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=beta)
-    return masked_mean(per_elem.mean(-1), mask)
+    return masked_reduce(per_elem.mean(-1), mask, reduction)
 
 
 @torch.no_grad()
@@ -178,6 +199,7 @@ __all__ = [
     "hard_ce",
     "jsd",
     "masked_mean",
+    "masked_reduce",
     "restrict_to_draft_vocab",
     "reverse_kl",
     "smooth_l1",

@@ -4,7 +4,8 @@ Head k at row t reads the target's last-layer feature f_t and predicts x_{t+k+2}
 target distribution is the target's own output at position t+k+1 (self-distillation, as
 Medusa-2 does to keep the heads faithful to the target rather than to the data). A row
 counts when x_{t+k+2} is a loss-masked token. Head k's loss is weighted
-``step_decay**k`` (Medusa: 0.8^k). Logits are computed only for the rows that count,
+``step_decay**k`` (Medusa: 0.8^k); the sum over heads and rows is divided by head 0's rows
+over the whole optimizer step (``step.py``). Logits are computed only for the rows that count,
 one head at a time, so memory stays at (valid rows × V) per head.
 
 Held-out: expected acceptance Σ min(p, q) and top-1 agreement per head
@@ -18,53 +19,54 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..drafters.common import shift_left
-from . import common, losses
+from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = common.trainable(recipe)
-    run = common.start(recipe, world)
+    config = setup.trainable(recipe)
+    run = setup.start(recipe, world)
     heads = config.build_module(run.target)
     num_heads, last_layer = heads.num_heads, (run.target.num_layers - 1,)
     weights = losses.decayed_weights(num_heads, cfg.loss.step_decay)
-    engine = common.build_engine(run, heads)
-    common.restore(run, engine, resume)
+    engine = setup.build_engine(run, heads)
+    setup.restore(run, engine, resume)
 
     def per_head(batch: Batch) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """For each head k: (its logits at the rows that count [N_k, V], the target's there, the row mask)."""
-        features, target_logits = common.features_and_logits(run, batch, last_layer)
+        features, target_logits = target_side.features_and_logits(run, batch, last_layer)
         masks = [shift_left(batch.loss_mask, k + 2, fill=False) for k in range(num_heads)]
         logits = engine(lambda m: head_rows(m, features.to(run.dtype), masks))
-        targets = [common.rows_ahead(target_logits, k + 1, mask) for k, mask in enumerate(masks)]
+        targets = [target_side.rows_ahead(target_logits, k + 1, mask) for k, mask in enumerate(masks)]
         return logits, targets, masks
 
-    def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, dict[str, float]]:
+    def objective(logits: list[Tensor], targets: list[Tensor], masks: list[Tensor]) -> tuple[Tensor, heldout.Metrics]:
+        """Σ_k w_k · (head k's token loss summed over its rows); parts: each head's (sum, rows)."""
         total, parts = None, {}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
-            if k > 0 and not mask.any():
-                continue  # sequences too short for the far heads; head 0 with nothing raises EmptyBatchError
-            head_loss = losses.token_loss(cfg.loss.kind, q, p, mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta)
-            total = weights[k] * head_loss if total is None else total + weights[k] * head_loss
-            parts[f"loss/head{k}"] = head_loss.item()
+            head_sum = losses.token_loss(cfg.loss.kind, q, p, mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta,
+                                         reduction="sum")  # 0 where sequences are too short for the far heads
+            total = weights[k] * head_sum if total is None else total + weights[k] * head_sum
+            parts[f"loss/head{k}"] = (head_sum.item(), float(mask.sum()))
         return total, parts
 
-    def heldout(engine: Any, batch: Batch) -> common.Metrics:
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         logits, targets, masks = per_head(batch)
-        out: common.Metrics = {"loss": common.masked_metric(lambda: objective(logits, targets, masks)[0], masks[0])}
+        out: heldout.Metrics = {"loss": (float(objective(logits, targets, masks)[0]), float(masks[0].sum()))}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
             rows = mask[mask]
-            out[f"acceptance_step{k}"] = common.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
-            out[f"top1_step{k}"] = common.masked_metric(lambda: losses.top1_accuracy(q, p.argmax(-1), rows), rows)
+            out[f"acceptance_step{k}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
+            out[f"top1_step{k}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q, p.argmax(-1), rows), rows)
         return out
 
-    common.baseline(run, engine, heldout)
-    for batch in common.micro_batches(run):
-        if common.optimizer_step(run, engine, lambda: objective(*per_head(batch)), batch.tokens):
-            common.after_step(run, engine, heldout)
-    return common.finish(run, engine, heldout)
+    heldout.baseline(run, engine, evaluate)
+    # the micro-batches of one optimizer step, normalized by head 0's rows (x_{t+2} loss-masked)
+    for micro in step.step_batches(run, lambda batch: shift_left(batch.loss_mask, 2, fill=False)):
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*per_head(batch)))
+        step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
 
 
 def head_rows(heads: nn.Module, features: Tensor, masks: list[Tensor]) -> list[Tensor]:

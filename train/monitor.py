@@ -60,25 +60,9 @@ class Monitor:
         self.mode = wandb_mode(wandb)
         if rank == 0 and self.mode != "disabled":
             self.wandb_run = _start_wandb(run_dir, self.mode, wandb_project, config)
-        self._t = time.perf_counter()
-        self._tokens = 0
 
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
-
-    def count_tokens(self, tokens: int) -> None:
-        self._tokens += tokens
-
-    def discount(self, seconds: float) -> None:
-        """Leave ``seconds`` (evaluation, checkpointing) out of the next throughput figure."""
-        self._t += seconds
-
-    def throughput(self) -> tuple[float, int]:
-        """(seconds, local tokens) since the last call."""
-        now = time.perf_counter()
-        out = (now - self._t, self._tokens)
-        self._t, self._tokens = now, 0
-        return out
 
     def log(self, step: int, metrics: dict[str, Any], shared: dict[str, Any] | None = None) -> None:
         """``metrics`` are this rank's; ``shared`` are global (identical on all ranks), written by rank 0."""

@@ -1,20 +1,23 @@
 """``draftsmith train``: pick the recipe of the drafter's method and run it inside the process group.
 
-The method is the recipe's ``drafter.type``; each method's recipe is one file in ``train/``.
+The method is the recipe's ``drafter.type``; each method's recipe is one file in ``train/``, named
+by its family's spec (``drafters/registry.py``: ``recipe="draftsmith.train.eagle3"``) and imported here.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
+from ..drafters.registry import specs
 from ..errors import ConfigError
-from . import checkpoint, distributed, draft_lm, eagle1, eagle3, medusa
+from . import checkpoint, distributed
 
 
 def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
-    """Method (drafter type) → the recipe's ``train(recipe, world, resume)``."""
-    return {"draft_lm": draft_lm.train, "eagle1": eagle1.train, "eagle3": eagle3.train, "medusa": medusa.train}
+    """Method (drafter type) → the recipe's ``train(recipe, world, resume)``, for every trainable family spec."""
+    return {name: importlib.import_module(s.recipe).train for name, s in specs().items() if s.recipe}
 
 
 def run_training(recipe: Any, resume: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,91 @@
+"""c: the cost of one draft step of each drafter family, relative to one one-token target step.
+
+Each drafter (untrained: cost does not depend on the weights) decodes a few MT-bench first turns
+at k drafts per round in the built-in decoder; :class:`~draftsmith.eval.costs.TimedDrafter` adds
+up the seconds spent in ``propose`` + ``update``, divided by the draft tokens proposed, and by the
+median one-token target forward measured in the same process:
+
+    python benchmarks/draft_cost.py --dtype bfloat16 --k 4 --prompts 3
+
+With c and the verification cost v(k) the speedup a drafter can give is τ(k) / (v(k) + k·c)
+(``draftsmith eval`` prints that prediction beside the measured speedup).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, LayerSkipConfig, MedusaConfig
+from draftsmith.eval.costs import TimedDrafter, target_step_seconds, verify_costs
+from draftsmith.eval.prompts import load_questions
+from draftsmith.files import write_json
+from draftsmith.target import describe, load_target
+
+def eagle3(size: int):
+    """An EAGLE-3 head over the first ``size`` token ids (cost does not depend on which ids)."""
+    def build(target):
+        cfg = Eagle3Config(draft_vocab_size=size).resolve(target)
+        d2t = torch.zeros(size, dtype=torch.long)
+        t2d = torch.arange(target.vocab_size) < size
+        return cfg.runtime(cfg.build_module(target, vocab=(d2t, t2d)), target)
+    return build
+
+
+FAMILIES = {
+    "eagle3 (draft vocab 4,096)": eagle3(4096),
+    "eagle3 (draft vocab 8,192)": eagle3(8192),
+    "eagle3 (draft vocab 16,384)": eagle3(16384),
+    "eagle3 (full vocab 49,152)": lambda t: Eagle3Config(draft_vocab_size=0).build(t),
+    "eagle1": lambda t: Eagle1Config().build(t),
+    "medusa (4 heads)": lambda t: MedusaConfig(num_heads=4).build(t),
+    "draft_lm (4 target layers)": lambda t: DraftLMConfig(num_layers=4).build(t),
+    "layer_skip (28 of 30 layers, in the target's cache)": lambda t: LayerSkipConfig(num_layers=28).build(t),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--only", default="", help="comma-separated substrings of family names to run")
+    ap.add_argument("--out", default="benchmarks/out/draft_cost.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=args.dtype)
+    prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}])
+               for q in load_questions("mtbench", args.prompts + 1)]
+    step = target_step_seconds(target, prompts[0])
+    v = verify_costs(target, prompts[0], [args.k])[args.k]
+    rows = []
+    print(f"target {args.dtype}, {torch.get_num_threads()} threads: one-token step {step * 1e3:.2f} ms, "
+          f"v({args.k}) = {v:.2f}")
+    print("| drafter | c (draft step / target step) | ms per draft token | bound τ/(v+kc) at τ=k+1 |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, make in FAMILIES.items():
+        if args.only and not any(s in name for s in args.only.split(",")):
+            continue
+        drafter = TimedDrafter(make(target))
+        speculative_decode(target, drafter, prompts[0], k=args.k, max_new_tokens=8)  # warm-up
+        drafter.seconds, drafter.drafted = 0.0, 0
+        for p in prompts[1:]:
+            speculative_decode(target, drafter, p, k=args.k, max_new_tokens=args.max_new_tokens)
+        per_token = drafter.seconds / max(drafter.drafted, 1)
+        c = per_token / step
+        rows.append({"drafter": name, "c": round(c, 4), "ms_per_draft_token": round(per_token * 1e3, 3),
+                     "drafted": drafter.drafted})
+        print(f"| {name} | {c:.3f} | {per_token * 1e3:.2f} | {(args.k + 1) / (v + args.k * c):.2f}× |", flush=True)
+    write_json(args.out, {"target": describe(target), "threads": torch.get_num_threads(), "k": args.k,
+                          "target_step_ms": step * 1e3, "verify_cost": v, "rows": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

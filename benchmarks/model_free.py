@@ -1,0 +1,212 @@
+"""Model-free drafters against the target alone, against HF's prompt lookup, and the suffix trie's cost.
+
+    python benchmarks/model_free.py [--prompts 6] [--max-new-tokens 96] [--k 8]
+        [--drafter runs/demo/eagle3/drafter] [--corpus runs/demo/prepare/data/regenerated] [--out runs/bench-model-free.json]
+
+Three parts, all in one process:
+
+1. **τ and speedup vs the target alone (bf16)**, on MT-bench and the copy-heavy set: for each prompt
+   the target's own greedy ``generate`` and every drafter in the built-in decoder run back to back in
+   a rotating order (interleaved, after one warm-up prompt): prompt_lookup, suffix, and, given
+   ``--drafter`` (a trained drafter folder, e.g. the demo's EAGLE-3 head, or ``layer_skip:N`` as a
+   stand-in), that drafter and the hybrid of it with the suffix drafter. Speedup = the target's total wall time over the drafter's
+   on the same prompts; in bf16 outputs may drift from ``generate`` after tens of tokens (block vs
+   single-token kernels), counted as "identical".
+2. **draftsmith's prompt_lookup vs HF** ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)``
+   (fp32, same k and n, HF's earliest-match rule in both): tokens/s and token identity with greedy.
+3. **Suffix trie cost per token vs output length**: µs per appended token and per proposal when the
+   request already holds L tokens, for growing L (must stay flat: O(max_depth) per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from draftsmith.config import load_recipe
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.sampling import Warp
+from draftsmith.decode.stats import DecodeStats
+from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
+from draftsmith.drafters.suffix import SuffixDrafter
+from draftsmith.eval.prompts import load_questions
+from draftsmith.eval.reference import hf_generate, target_greedy
+from draftsmith.files import write_json
+from draftsmith.target import Target, load_target
+
+
+def prompts_of(target: Target, name: str, n: int) -> list[list[int]]:
+    return [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in load_questions(name, n)]
+
+
+def drafter_overrides(drafter_path: str, corpus: str) -> dict[str, list[str]]:
+    suffix = ["drafter.type=suffix"] + ([f"drafter.corpus={corpus}"] if corpus else [])
+    out = {"prompt_lookup": ["drafter.type=prompt_lookup"], "suffix": suffix}
+    if drafter_path:
+        if drafter_path.startswith("layer_skip:"):  # a stand-in model drafter when no trained head is at hand
+            model = ["type=layer_skip", "share_cache=false", f"num_layers={drafter_path.split(':', 1)[1]}"]
+        else:
+            model = ["type=saved", f"path={drafter_path}"]
+        name = "layer_skip" if drafter_path.startswith("layer_skip:") else "trained"
+        out[name] = [f"drafter.{o}" for o in model]
+        out["hybrid"] = ["drafter.type=hybrid", *[f"drafter.drafter.{o}" for o in model],
+                         "drafter.lookup.type=suffix"] + ([f"drafter.lookup.corpus={corpus}"] if corpus else [])
+    return out
+
+
+def interleaved(prompts: list[list[int]], methods: dict[str, Callable[[list[int]], list[int]]],
+                warmup: int = 1) -> dict[str, dict[str, Any]]:
+    """Run every method on every prompt, rotating the order per prompt; per method: total wall s,
+    new tokens, per-prompt outputs."""
+    names = list(methods)
+    for p in prompts[:warmup]:
+        for fn in methods.values():
+            fn(p)
+    rows: dict[str, dict[str, Any]] = {n: {"wall_s": 0.0, "new_tokens": 0, "outputs": []} for n in names}
+    for i, p in enumerate(prompts[warmup:]):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            t0 = time.perf_counter()
+            out = methods[name](p)
+            rows[name]["wall_s"] += time.perf_counter() - t0
+            rows[name]["new_tokens"] += len(out)
+            rows[name]["outputs"].append(out)
+    return rows
+
+
+def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: int, drafter_path: str,
+                    corpus: str) -> dict[str, Any]:
+    builds = {name: load_recipe(None, ov).drafter.build(target) for name, ov in drafter_overrides(drafter_path, corpus).items()}
+    out: dict[str, Any] = {}
+    for set_name in sets:
+        prompts = prompts_of(target, set_name, n + 1)
+        calls: dict[str, list[DecodeStats]] = {name: [] for name in builds}
+
+        def ours(name: str) -> Callable[[list[int]], list[int]]:
+            def run(p: list[int]) -> list[int]:
+                res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new)
+                calls[name].append(res.stats)
+                return res.tokens
+            return run
+
+        for d in builds.values():
+            if hasattr(d, "counts"):
+                d.counts.rounds.clear()
+                d.counts.drafted.clear()
+        methods = {"target": lambda p: target_greedy(target, p, max_new), **{name: ours(name) for name in builds}}
+        rows = interleaved(prompts, methods, warmup=1)
+        base = rows["target"]
+        table: dict[str, Any] = {"target": {"tokens_per_s": round(base["new_tokens"] / base["wall_s"], 2)}}
+        for name in builds:
+            r = rows[name]
+            total = DecodeStats(k=k)
+            for st in calls[name][1:]:  # the first call was the warm-up prompt
+                total = total.merge(st)
+            same = sum(a == b for a, b in zip(r["outputs"], base["outputs"]))
+            tps = r["new_tokens"] / r["wall_s"]
+            table[name] = {"tau_with_bonus": round(total.tau, 3), "acceptance_rate": round(total.acceptance_rate, 3),
+                           "tokens_per_s": round(tps, 2),
+                           "speedup_vs_target": round(tps / table["target"]["tokens_per_s"], 3),
+                           "identical_to_target": f"{same}/{len(base['outputs'])}"}
+            counts = getattr(builds[name], "counts", None)
+            if counts is not None:  # who drafted (hybrid: model / lookup; suffix: request / corpus), warm-up included
+                table[name]["rounds_by_source"] = dict(counts.rounds)
+        out[set_name] = {"prompts": n, "rows": table}
+        print(set_name, json.dumps(table), flush=True)
+    return out
+
+
+def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngram: int, max_new: int) -> dict[str, Any]:
+    drafter = PromptLookupDrafter(target.vocab_size, target.eos_token_ids, max_ngram=max_ngram, min_ngram=1,
+                                  device=target.device)
+    methods = {
+        "greedy": lambda p: target_greedy(target, p, max_new),
+        "draftsmith_prompt_lookup": lambda p: speculative_decode(target, drafter, p, k=k, max_new_tokens=max_new).tokens,
+        "hf_prompt_lookup": lambda p: hf_generate(target, p, max_new, prompt_lookup_num_tokens=k,
+                                                  max_matching_ngram_size=max_ngram),
+    }
+    out: dict[str, Any] = {}
+    for set_name in sets:
+        rows = interleaved(prompts_of(target, set_name, n + 1), methods)
+        ref = rows["greedy"]["outputs"]
+        tps = {m: r["new_tokens"] / r["wall_s"] for m, r in rows.items()}
+        out[set_name] = {
+            "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
+            "draftsmith_over_hf": round(tps["draftsmith_prompt_lookup"] / tps["hf_prompt_lookup"], 3),
+            "identical_to_greedy": {m: f"{sum(a == b for a, b in zip(r['outputs'], ref))}/{len(ref)}"
+                                    for m, r in rows.items() if m != "greedy"},
+        }
+    return out
+
+
+def suffix_cost(target: Target, lengths: list[int], window: int = 2000, proposals: int = 500) -> list[dict[str, Any]]:
+    """µs per token of update and per proposal (k = 8) when the request holds L tokens (text: the copy-heavy
+    prompts, tokenized and concatenated, repeated as needed, with every 7th token perturbed)."""
+    text = "\n".join(q.turns[0] for q in load_questions("copyheavy"))
+    base = target.tokenizer.encode(text, add_special_tokens=False)
+    need = max(lengths) + window
+    stream = [(t + 1) % target.vocab_size if i % 7 == 0 and i >= len(base) else t
+              for i, t in enumerate((base * (need // len(base) + 1))[:need])]
+    d = SuffixDrafter(target.vocab_size)
+    d.reset()
+    filled, rows = 0, []
+    greedy = Warp()
+    for L in lengths:
+        d.update(torch.tensor(stream[filled:L]))
+        filled = L
+        t0 = time.perf_counter()
+        for i in range(filled, filled + window, 8):  # 8 tokens per update, as an accepted round brings
+            d.update(torch.tensor(stream[i:i + 8]))
+        upd = (time.perf_counter() - t0) / window
+        filled += window
+        t0 = time.perf_counter()
+        for _ in range(proposals):
+            d.propose(8, greedy, None)
+        prop = (time.perf_counter() - t0) / proposals
+        rows.append({"length": L, "update_us_per_token": round(upd * 1e6, 2), "propose_us": round(prop * 1e6, 2),
+                     "trie_nodes": len(d.request)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--sets", default="mtbench,copyheavy")
+    ap.add_argument("--prompts", type=int, default=6, help="timed prompts per set (one more is the warm-up)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--max-ngram", type=int, default=3, help="prompt lookup n-gram size (HF: max_matching_ngram_size)")
+    ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head), or "
+                                                 "layer_skip:N (the target's first N layers, own cache) as a stand-in")
+    ap.add_argument("--corpus", default="", help="the suffix drafter's corpus (JSONL or a regenerate folder)")
+    ap.add_argument("--lengths", default="1000,4000,16000,64000", help="request lengths for the suffix cost")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: speed,hf,cost")
+    ap.add_argument("--out", default="runs/bench-model-free.json")
+    args = ap.parse_args(argv)
+    sets, skip = args.sets.split(","), set(filter(None, args.skip.split(",")))
+    results: dict[str, Any] = {"settings": vars(args)}
+    if "speed" not in skip:
+        bf16 = load_target(args.target, dtype="bfloat16", device="cpu")
+        results["bf16_vs_target"] = speed_vs_target(bf16, sets, args.prompts, args.k, args.max_new_tokens,
+                                                    args.drafter, args.corpus)
+        del bf16
+    if "hf" not in skip:
+        fp32 = load_target(args.target, dtype="float32", device="cpu")
+        results["fp32_prompt_lookup_vs_hf"] = vs_hf_prompt_lookup(fp32, sets, args.prompts, args.k, args.max_ngram,
+                                                                  args.max_new_tokens)
+        print(json.dumps(results["fp32_prompt_lookup_vs_hf"], indent=1))
+    if "cost" not in skip:
+        t = load_target(args.target, dtype="float32", device="cpu") if "hf" in skip else fp32
+        results["suffix_cost"] = suffix_cost(t, [int(x) for x in args.lengths.split(",")])
+        print(json.dumps(results["suffix_cost"], indent=1))
+    write_json(args.out, results)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,12 @@
+"""Export drafters to serving engines, each format proven by loading it back.
+
+``export(source, fmt, out)`` writes a drafter folder or a training checkpoint (any ZeRO stage)
+in one engine format; ``check(folder)`` proves an export. One state-dict adapter per (family,
+format) (``adapters.py``); the layer-id and vocabulary conventions written once
+(``conventions.py``). This package imports drafters/, target.py and train/checkpoint.py, and
+nothing imports it but the CLI.
+"""
+
+from .run import FORMATS, check, export
+
+__all__ = ["FORMATS", "check", "export"]

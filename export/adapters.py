@@ -1,0 +1,116 @@
+"""State-dict adapters: one name table per (drafter family, engine format), both directions.
+
+As in torchtitan's ``state_dict_adapter.py``: the model files keep their own names, and each
+table maps a native draftsmith name to the name the engine's loader reads (``to_engine``) and
+back (``from_engine``). A name no rule covers is an error in both directions — an engine that
+meets an unknown name usually drops it silently (vLLM's Medusa and SGLang's EAGLE-3 loaders
+skip names they do not know), which is exactly the "trains well, accepts nothing" failure.
+
+A rule is a pair of templates; ``{h}``/``{l}`` match one dotted component (a digit run),
+``{p}`` the rest of the name, and any other ``{X}`` is a constant taken from the adapter's
+``constants`` (Medusa's final projection index is the head's block count). Native names that
+are frozen copies of the target (``skip``) are left out of the export: the engine takes them
+from the target model it serves (EAGLE-3's embedding in SGLang/vLLM), unless the format
+needs them (speculators).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from ..errors import DraftsmithError
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    native: str
+    engine: str
+
+
+def _compile(template: str, constants: dict[str, str]) -> re.Pattern:
+    out, pos = "", 0
+    for m in _FIELD.finditer(template):
+        out += re.escape(template[pos : m.start()])
+        name = m.group(1)
+        if name in constants:
+            out += re.escape(constants[name])
+        elif name == "p":
+            out += r"(?P<p>.+)"
+        else:
+            out += rf"(?P<{name}>\d+)"
+        pos = m.end()
+    return re.compile(out + re.escape(template[pos:]) + r"\Z")
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    return _FIELD.sub(lambda m: values[m.group(1)], template)
+
+
+@dataclass
+class StateDictAdapter:
+    """Native draftsmith names ↔ one engine format's names, for one drafter family."""
+
+    family: str
+    format: str
+    rules: list[Rule]
+    skip: tuple[str, ...] = ()
+    """Native prefixes not exported (frozen target parts the engine brings itself)."""
+    constants: dict[str, int] = field(default_factory=dict)
+
+    def _map(self, name: str, forward: bool) -> str:
+        consts = {k: str(v) for k, v in self.constants.items()}
+        for rule in self.rules:
+            src, dst = (rule.native, rule.engine) if forward else (rule.engine, rule.native)
+            m = _compile(src, consts).match(name)
+            if m:
+                return _fill(dst, {**consts, **m.groupdict()})
+        side = "draftsmith" if forward else self.format
+        raise DraftsmithError(f"the {self.family} → {self.format} name table has no rule for the {side} tensor '{name}'")
+
+    def to_engine(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Native state dict → the engine's names (skipped target parts left out)."""
+        return {self._map(k, True): v for k, v in state.items() if not k.startswith(self.skip)}
+
+    def from_engine(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The engine's names → native names."""
+        return {self._map(k, False): v for k, v in state.items()}
+
+
+# vLLM: vllm/model_executor/models/llama_eagle3.py (LlamaModel.load_weights renames midlayer. →
+# layers.0., Eagle3LlamaForCausalLM.load_weights renames d2t → draft_id_to_target_id and skips t2d);
+# SGLang: python/sglang/srt/models/llama_eagle3.py (model.midlayer, model.fc, model.norm, lm_head,
+# hot_token_id = d2t + arange). Both take the embedding from the target when the file has none.
+EAGLE3 = [Rule("fc.{p}", "fc.{p}"), Rule("midlayer.{p}", "midlayer.{p}"), Rule("norm.{p}", "norm.{p}"),
+          Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+# speculators 0.9.0 Eagle3DraftModel: embed_tokens, fc, layers.0 (LlamaDecoderEagle3FirstLayer), norm,
+# lm_head, d2t, t2d; verifier_norm / verifier_lm_head are training-only and not stored.
+SPECULATORS = [Rule("embed_tokens.{p}", "embed_tokens.{p}"), Rule("fc.{p}", "fc.{p}"),
+               Rule("midlayer.{p}", "layers.0.{p}"), Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"),
+               Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+# Medusa reference (FasterDecoding/Medusa, TGI): medusa_lm_head.safetensors holds head h's residual
+# block l as {h}.{l}.linear.* and its projection as {h}.{L}.weight (L = blocks per head).
+MEDUSA = [Rule("heads.{h}.{l}.linear.{p}", "{h}.{l}.linear.{p}"), Rule("heads.{h}.{L}.weight", "{h}.{L}.weight")]
+# vLLM vllm/model_executor/models/medusa.py: blocks.{h}.layers.{l}.{weight,bias} (bias iff
+# medusa_fc_bias), lm_heads.{h}.weight; names it does not know are dropped silently.
+MEDUSA_VLLM = [Rule("heads.{h}.{l}.linear.{p}", "blocks.{h}.layers.{l}.{p}"), Rule("heads.{h}.{L}.weight", "lm_heads.{h}.weight")]
+# transformers: a draft LM is exported as the plain causal LM it is (LoRA merged first).
+HF = [Rule("{p}", "{p}")]
+
+
+def adapter(family: str, fmt: str, num_layers: int = 1) -> StateDictAdapter:
+    """The adapter of (family, format); ``num_layers``: Medusa's residual blocks per head."""
+    table = {
+        ("eagle3", "eagle3"): lambda: StateDictAdapter(family, fmt, EAGLE3, skip=("embed_tokens.",)),
+        ("eagle3", "speculators"): lambda: StateDictAdapter(family, fmt, SPECULATORS),
+        ("medusa", "medusa"): lambda: StateDictAdapter(family, fmt, MEDUSA, ("feature_norm.",), {"L": num_layers}),
+        ("medusa", "medusa-vllm"): lambda: StateDictAdapter(family, fmt, MEDUSA_VLLM, ("feature_norm.",), {"L": num_layers}),
+        ("draft_lm", "hf"): lambda: StateDictAdapter(family, fmt, HF),
+    }
+    if (family, fmt) not in table:
+        raise DraftsmithError(f"no state-dict adapter for a {family} drafter in the {fmt} format")
+    return table[(family, fmt)]()

@@ -1,0 +1,80 @@
+"""The conventions serving engines disagree on, written once.
+
+**Layer ids.** draftsmith's feature layer id ``i`` is the *output of decoder layer i*
+(0-based, before the final norm), what ``Target.forward(feature_layers=…)`` returns. The
+engines name the same tensor differently:
+
+* vLLM (``eagle_aux_hidden_state_layer_ids`` at the top level of the draft config, and the
+  ``speculators`` format) capture the *input of layer j* (``hidden_states + residual`` before
+  layer j runs, i.e. HF ``hidden_states[j]``): j = i + 1. Its default for a target of N layers
+  is (2, N//2, N-3) = our (1, N//2-1, N-4).
+* SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds 1 itself before
+  capturing at the input of that layer (``LlamaForCausalLM.set_eagle3_layers_to_capture``,
+  sglang ``python/sglang/srt/models/llama.py``: "we plus 1 here because in sglang, for the ith
+  layer, it takes the output of the (i-1)th layer"), so its ids are ours unchanged. Its default
+  without ids is the same (2, N//2, N-3) capture points.
+
+:func:`engine_layer_ids` is the one place that converts; :func:`native_layer_ids` inverts it.
+
+**Draft vocabulary.** ``d2t`` [Vd] int64 holds offsets, ``target_id = draft_id + d2t[draft_id]``;
+``t2d`` [V] bool marks the target ids in the draft vocabulary (EAGLE-3 / SGLang / vLLM /
+speculators all use this). :func:`check_draft_vocab` refuses a pair that is out of range or
+inconsistent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import DraftsmithError
+
+Engine = Literal["vllm", "speculators", "sglang"]
+ENGINE_OFFSET: dict[str, int] = {"vllm": 1, "speculators": 1, "sglang": 0}
+"""engine id = draftsmith id + offset (see the module docstring for where each engine reads it)."""
+
+
+def engine_layer_ids(ours: Sequence[int], num_layers: int, engine: Engine) -> list[int]:
+    """draftsmith feature layer ids (output of layer i, 0-based, resolved) → the ids ``engine`` reads.
+
+    SmolLM2 (30 layers): [1, 14, 26] → vLLM / speculators [2, 15, 27], SGLang [1, 14, 26].
+    """
+    if engine not in ENGINE_OFFSET:
+        raise DraftsmithError(f"unknown engine {engine!r}; known: {', '.join(ENGINE_OFFSET)}")
+    for i in ours:
+        if not 0 <= int(i) < num_layers:
+            raise DraftsmithError(f"feature layer {i} is not a layer of a {num_layers}-layer target (0 … {num_layers - 1})")
+    return [int(i) + ENGINE_OFFSET[engine] for i in ours]
+
+
+def native_layer_ids(theirs: Sequence[int], num_layers: int, engine: Engine) -> list[int]:
+    """The inverse of :func:`engine_layer_ids`: ids read by ``engine`` → draftsmith's."""
+    out = [int(j) - ENGINE_OFFSET[engine] for j in theirs]
+    for j, i in zip(theirs, out):
+        if not 0 <= i < num_layers:
+            raise DraftsmithError(
+                f"{engine} layer id {j} names no decoder output of a {num_layers}-layer target "
+                f"({engine} ids run {ENGINE_OFFSET[engine]} … {num_layers - 1 + ENGINE_OFFSET[engine]})")
+    return out
+
+
+def check_draft_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int, where: str) -> None:
+    """Refuse a (d2t, t2d) pair an engine would misread: wrong dtypes, ids out of range, duplicates,
+    or a t2d that does not mark exactly the target ids d2t maps to. ``where`` names the folder."""
+    if d2t.dtype != torch.int64 or d2t.dim() != 1:
+        raise DraftsmithError(f"{where}: d2t must be a 1-D int64 tensor of offsets, got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (target_vocab,):
+        raise DraftsmithError(f"{where}: t2d must be a bool mask over the {target_vocab} target ids, got {t2d.dtype} "
+                              f"{tuple(t2d.shape)}")
+    vd = d2t.shape[0]
+    ids = torch.arange(vd) + d2t.cpu()
+    if vd == 0 or int(ids.min()) < 0 or int(ids.max()) >= target_vocab:
+        raise DraftsmithError(f"{where}: d2t maps draft ids outside the target vocabulary 0 … {target_vocab - 1}")
+    if ids.unique().numel() != vd:
+        raise DraftsmithError(f"{where}: d2t maps two draft ids onto the same target id")
+    mask = t2d.cpu()
+    if int(mask.sum()) != vd or not bool(mask[ids].all()):
+        raise DraftsmithError(f"{where}: t2d does not mark exactly the {vd} target ids that d2t maps to")

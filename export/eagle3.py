@@ -1,0 +1,304 @@
+"""EAGLE-3 heads in two layouts: the original EAGLE-3 one (``--to eagle3``, which SGLang and vLLM
+load as ``LlamaForCausalLMEagle3``) and vLLM's native ``speculators`` format (``--to speculators``).
+
+Loaders read for the static check (versions: vLLM ``vllm/model_executor/models/llama_eagle3.py``
+at commit 00bd1493, ``vllm/transformers_utils/configs/speculators/algos.py`` at 055e47c2; SGLang
+``python/sglang/srt/models/llama_eagle3.py`` at 03d5a777 and ``models/llama.py`` at 00239548;
+speculators 0.9.0 from PyPI):
+
+* names: ``fc.weight`` [H, 3·H_target], ``midlayer.{input_layernorm, hidden_norm,
+  post_attention_layernorm}.weight`` [H], ``midlayer.self_attn.{q,k,v}_proj.weight`` [·, 2H]
+  (the 2H-input attention), ``o_proj`` [H, heads·d], ``midlayer.mlp.{gate,up,down}_proj.weight``,
+  ``norm.weight`` [H], ``lm_head.weight`` [Vd, H], ``d2t`` [Vd] int64, ``t2d`` [V] bool; the
+  embedding is the target's (both engines share it when the file has none). speculators names
+  the layer ``layers.0.*`` and needs ``embed_tokens.weight`` in the file: under transformers 5 a
+  tensor missing from the file is uninitialized memory, and speculators copies the verifier's
+  embedding only where it finds NaN. It holds ``d2t`` / ``t2d`` only for a reduced draft
+  vocabulary (a full-vocabulary head has no such buffers, so the tensors would be unexpected).
+* config: ``tie_word_embeddings: false`` (SGLang ties lm_head to the embedding otherwise), no
+  attention / fc bias (SGLang builds the 2H-input qkv without bias and drops a bias tensor
+  silently), ``draft_vocab_size``, ``target_hidden_size``, ``num_hidden_layers: 1``.
+* norm flags, all written: ``norm_before_residual: false`` (our residual is the fc output before
+  ``hidden_norm``, as in EAGLE-3 and SGLang; vLLM defaults a missing flag to false on the
+  ``LlamaForCausalLMEagle3`` path but to TRUE on the speculators path), ``norm_before_fc``,
+  ``fc_norm``, ``norm_output`` false (no norm of the fused features; the pre-norm output feeds
+  the next step).
+* layer ids: top-level ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention and
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's (``conventions.engine_layer_ids``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import DraftsmithError
+from ..target import Target, describe
+from .adapters import adapter
+from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
+from .tensors import DTYPES, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
+    write_safetensors
+
+WEIGHTS = "model.safetensors"
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SPECULATIVE_TOKENS = 3
+"""speculators_config.proposal_methods[0].speculative_tokens: vLLM's default num_speculative_tokens."""
+
+
+def layer_fields(layer_config: Any) -> dict[str, Any]:
+    """The one-layer Llama config of the head, as engine config keys."""
+    c = layer_config
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    return {
+        "model_type": "llama",
+        "hidden_size": int(c.hidden_size),
+        "intermediate_size": int(c.intermediate_size),
+        "num_hidden_layers": 1,
+        "num_attention_heads": int(c.num_attention_heads),
+        "num_key_value_heads": int(c.num_key_value_heads),
+        "head_dim": int(c.head_dim),
+        "hidden_act": str(c.hidden_act),
+        "max_position_embeddings": int(c.max_position_embeddings),
+        "rms_norm_eps": float(c.rms_norm_eps),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "rope_parameters": rope,
+        "attention_bias": bool(c.attention_bias),
+        "mlp_bias": bool(c.mlp_bias),
+        "tie_word_embeddings": False,
+        "vocab_size": int(c.vocab_size),
+    }
+
+
+def _ids(source: Any) -> tuple[list[int], list[int]]:
+    n = source.target.num_layers
+    ours = list(source.drafter.feature_layers)
+    return engine_layer_ids(ours, n, "vllm"), engine_layer_ids(ours, n, "sglang")
+
+
+def eagle3_config(source: Any) -> dict[str, Any]:
+    head = source.drafter.module
+    vllm_ids, sglang_ids = _ids(source)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer_fields(head.layer_config),
+        "draft_vocab_size": int(head.d2t.shape[0]),
+        "target_hidden_size": int(source.target.hidden_size),
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
+        **{flag: False for flag in NORM_FLAGS},
+        "torch_dtype": dtype_name(source.dtype),
+        "dtype": dtype_name(source.dtype),
+    }
+
+
+def verifier_path(target: Target) -> str:
+    """Where speculators finds the verifier: a hub id as given, else the local HF folder."""
+    from ..target import resolve_target_folder
+
+    folder = resolve_target_folder(target.name)
+    return os.path.abspath(folder) if os.path.isdir(folder) else folder
+
+
+def speculators_config(source: Any) -> dict[str, Any]:
+    head = source.drafter.module
+    vllm_ids, _ = _ids(source)
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer_fields(head.layer_config),
+        "draft_vocab_size": int(head.d2t.shape[0]),
+        "target_hidden_size": int(source.target.hidden_size),
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,
+        **{flag: False for flag in NORM_FLAGS},
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_path(source.target),
+                         "architectures": list(getattr(source.target.config, "architectures", None) or [])},
+        },
+        "torch_dtype": dtype_name(source.dtype),
+        "dtype": dtype_name(source.dtype),
+    }
+
+
+def write(source: Any, fmt: str, out: str) -> None:
+    """Write the head of ``source`` into the folder ``out`` in ``fmt`` (eagle3 | speculators)."""
+    from .tensors import cast_floats
+
+    state = {k: v for k, v in source.drafter.module.state_dict().items() if not k.startswith("rotary_emb.")}
+    if fmt == "speculators" and not _reduced(source.drafter.module.d2t.shape[0], source.target.vocab_size):
+        del state["d2t"], state["t2d"]  # speculators has no such buffers for a full vocabulary (they would be unexpected)
+    tensors = cast_floats(adapter("eagle3", fmt).to_engine(state), source.dtype)
+    write_safetensors(os.path.join(out, WEIGHTS), tensors)
+    write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
+
+
+# ---------------------------------------------------------------- reading back
+
+
+def _reduced(draft_vocab: int, vocab: int) -> bool:
+    return draft_vocab != vocab
+
+
+def _has_vocab_map(cfg: dict[str, Any], fmt: str) -> bool:
+    """eagle3 always carries d2t / t2d; speculators only for a reduced draft vocabulary."""
+    return fmt == "eagle3" or _reduced(int(cfg["draft_vocab_size"]), int(_layer_section(cfg, fmt)["vocab_size"]))
+
+
+def _layer_section(cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
+    return cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+
+
+def expected_tensors(cfg: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
+    """Every tensor the engines' loaders read for this config (module docstring), with shape and dtype."""
+    lc = _layer_section(cfg, fmt)
+    h, i = int(lc["hidden_size"]), int(lc["intermediate_size"])
+    q, kv = int(lc["num_attention_heads"]) * int(lc["head_dim"]), int(lc["num_key_value_heads"]) * int(lc["head_dim"])
+    vd, v, ht = int(cfg["draft_vocab_size"]), int(lc["vocab_size"]), int(cfg.get("target_hidden_size") or h)
+    f = DTYPES[cfg.get("torch_dtype", "float32")]
+    layer = "layers.0." if fmt == "speculators" else "midlayer."
+    out: dict[str, TensorSpec] = {
+        "fc.weight": ((h, 3 * ht), f),
+        "norm.weight": ((h,), f),
+        "lm_head.weight": ((vd, h), f),
+        **{f"{layer}{n}.weight": ((h,), f) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+        f"{layer}self_attn.q_proj.weight": ((q, 2 * h), f),
+        f"{layer}self_attn.k_proj.weight": ((kv, 2 * h), f),
+        f"{layer}self_attn.v_proj.weight": ((kv, 2 * h), f),
+        f"{layer}self_attn.o_proj.weight": ((h, q), f),
+        f"{layer}mlp.gate_proj.weight": ((i, h), f),
+        f"{layer}mlp.up_proj.weight": ((i, h), f),
+        f"{layer}mlp.down_proj.weight": ((h, i), f),
+    }
+    if fmt == "speculators":
+        out["embed_tokens.weight"] = ((v, h), f)
+    if _has_vocab_map(cfg, fmt):
+        out.update({"d2t": ((vd,), torch.int64), "t2d": ((v,), torch.bool)})
+    return out
+
+
+def static_check(folder: str, fmt: str, target: Target) -> list[str]:
+    """Config fields and every tensor against what SGLang / vLLM / speculators read; one line per check."""
+    cfg = read_json(os.path.join(folder, "config.json"))
+    tensors = read_safetensors(os.path.join(folder, WEIGHTS))
+    where = folder
+    lc = _layer_section(cfg, fmt)
+    done: list[str] = []
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise DraftsmithError(f"{where}: {what}")
+        done.append(what)
+
+    arch = ["Eagle3Speculator"] if fmt == "speculators" else ["LlamaForCausalLMEagle3"]
+    need(cfg.get("architectures") == arch, f"architectures = {arch}")
+    if fmt == "speculators":
+        need(cfg.get("speculators_model_type") == "eagle3", "speculators_model_type = eagle3")
+        spec = cfg.get("speculators_config") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        need(spec.get("algorithm") == "eagle3" and int(methods[0].get("speculative_tokens", 0)) >= 1
+             and bool((spec.get("verifier") or {}).get("name_or_path")),
+             "speculators_config: algorithm eagle3, a proposal method with speculative_tokens, a verifier name_or_path")
+    need(lc.get("model_type") == "llama" and int(lc.get("num_hidden_layers", 0)) == 1, "one Llama decoder layer")
+    need(int(lc.get("vocab_size", -1)) == target.vocab_size, f"vocab_size = the target's {target.vocab_size}")
+    need(int(cfg.get("target_hidden_size", -1)) == target.hidden_size, f"target_hidden_size = {target.hidden_size}")
+    need(lc.get("tie_word_embeddings") is False, "tie_word_embeddings = false (SGLang would tie lm_head to the embedding)")
+    need(lc.get("attention_bias") is False and not cfg.get("bias"), "no attention / fc bias (SGLang loads none)")
+    for flag in NORM_FLAGS:
+        need(cfg.get(flag) is False, f"{flag} = false, written explicitly")
+    n = target.num_layers
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or []
+    ours = native_layer_ids(ids, n, "vllm")
+    need(len(ours) == 3, f"eagle_aux_hidden_state_layer_ids {ids} (vLLM: inputs of layers) = our outputs of layers {ours}")
+    if fmt == "eagle3":
+        eagle = cfg.get("eagle_config") or {}
+        sglang = eagle.get("eagle_aux_hidden_state_layer_ids") or []
+        need(eagle.get("use_aux_hidden_state") is True and native_layer_ids(sglang, n, "sglang") == ours,
+             f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang adds 1) names the same layers")
+    done += check_tensors(tensors, expected_tensors(cfg, fmt), where)
+    if _has_vocab_map(cfg, fmt):
+        check_draft_vocab(tensors["d2t"], tensors["t2d"], target.vocab_size, where)
+        done.append(f"d2t: {tensors['d2t'].shape[0]} int64 offsets in range, one target id each, consistent with t2d")
+    return done
+
+
+def load(folder: str, fmt: str, target: Target) -> Any:
+    """The exported head as a draftsmith drafter: structure from the exported config, tensors from the
+    exported file (renamed back by the adapter), feature layers from the exported ids."""
+    from transformers import LlamaConfig
+
+    from ..drafters.common import frozen_copy, target_parts
+    from ..drafters.eagle3 import Eagle3Head
+    from ..drafters.eagle_runtime import EagleDrafter
+
+    cfg = read_json(os.path.join(folder, "config.json"))
+    lc = dict(_layer_section(cfg, fmt))
+    engine = adapter("eagle3", fmt)
+    native = engine.from_engine(read_safetensors(os.path.join(folder, WEIGHTS)))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "attention_bias", "mlp_bias")
+    layer_config = LlamaConfig(num_hidden_layers=1, tie_word_embeddings=False, **{k: lc[k] for k in keys})
+    layer_config._attn_implementation = "sdpa"
+    embed = frozen_copy(target_parts(target.model).embed)  # the engine's: the target's embedding
+    if "embed_tokens.weight" in native:  # speculators carries its own copy
+        embed.weight.data = native.pop("embed_tokens.weight").to(embed.weight.dtype)
+    head = Eagle3Head(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]))
+    head.to(device=target.device, dtype=target.dtype)
+    full = () if _has_vocab_map(cfg, fmt) else ("d2t", "t2d")  # the identity mapping the head starts with
+    _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)
+    layers = native_layer_ids(cfg["eagle_aux_hidden_state_layer_ids"], target.num_layers, "vllm")
+    return EagleDrafter(head.eval(), tuple(layers), None, describe(target))
+
+
+def _load_exact(module: torch.nn.Module, state: dict[str, Tensor], skip: tuple[str, ...], where: str) -> None:
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(skip)]
+    if missing or unexpected:
+        raise DraftsmithError(f"{where} does not load back into draftsmith: missing {missing[:5]}, unexpected "
+                              f"{list(unexpected)[:5]}")
+
+
+# ---------------------------------------------------------------- speculators' own classes
+
+
+def speculators_logits(folder: str, input_ids: Tensor, features: Tensor, steps: int) -> tuple[list[Tensor], list[str]]:
+    """Load ``folder`` with speculators' ``Eagle3DraftModel`` and run its forward (``steps`` unrolled
+    steps, eager attention, positions 0 …) on ``features`` [1, S, 3H] with ``input_ids`` [1, S] (row t
+    already holds x_{t+1}); returns the logits [1, S, Vd] of each step and the checks done.
+
+    Missing, unexpected or never-loaded tensors are errors: every tensor of the loaded model must
+    equal the file's, except speculators' training-only verifier_norm / verifier_lm_head.
+    """
+    try:
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    except ImportError as e:
+        raise DraftsmithError(f"checking a speculators export needs the speculators package ({e}): pip install "
+                              f"--no-deps speculators==0.9.0 hs-connectors && pip install openai loguru") from e
+    config = Eagle3SpeculatorConfig.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = "eager"  # its default flex attention wants S % 128 == 0
+    model = Eagle3DraftModel.from_pretrained(folder, config=config).float().eval()
+    file = read_safetensors(os.path.join(folder, WEIGHTS))
+    loaded = model.state_dict()
+    training_only = {"verifier_norm.weight", "verifier_lm_head.weight"}
+    missing = sorted(set(loaded) - set(file) - training_only)
+    unexpected = sorted(set(file) - set(loaded))
+    stale = sorted(k for k in set(loaded) & set(file) if not torch.equal(loaded[k].to(file[k].dtype), file[k]))
+    if missing or unexpected or stale:
+        raise DraftsmithError(f"{folder}: speculators' Eagle3DraftModel leaves tensors missing {missing}, finds "
+                              f"unexpected {unexpected}, or holds values other than the file's (uninitialized) {stale}")
+    captured: list[Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    try:
+        with torch.no_grad():
+            model(hidden_states=features.float(), input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
+                  position_ids=torch.arange(input_ids.shape[1])[None], ttt_steps=steps)
+    finally:
+        hook.remove()
+    return captured, [f"speculators {type(model).__name__} loads all {len(file)} tensors of the file, each equal to it "
+                      f"(no missing, unexpected or uninitialized tensor)"]

@@ -1,0 +1,228 @@
+"""``draftsmith export``: write a drafter in an engine's format, and ``--check`` prove an export.
+
+Formats (``FORMATS``): which drafter family each holds and which engine loads it. An export
+folder also holds ``draftsmith_export.json`` (the source drafter, the target's fingerprint, the
+draftsmith version, the layer ids in every convention); engines ignore the extra file. The
+folder is written atomically (``files.atomic_dir``): a failure leaves nothing behind, and an
+existing non-empty folder is refused unless ``force``.
+
+``check(folder)`` loads an export back and proves it, returning one line per thing checked:
+the static checks of the format (config fields, every tensor against what the engines'
+loaders read, d2t), then the export loaded into draftsmith's own decoder proposes exactly what
+the source drafter proposes (fp32, the same inputs, greedy and sampled q) and a whole sampled
+speculative decode with it accepts the source's drafts round for round, and per format:
+``hf`` — transformers' assisted generation with it equals the target's greedy output;
+``speculators`` — speculators' own ``Eagle3DraftModel`` loads every tensor and its logits on
+the same hidden states equal draftsmith's head's (fp32 tolerance).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import __version__
+from ..errors import DraftsmithError
+from ..files import atomic_dir
+from ..target import Target, describe, load_target
+from . import eagle1, eagle3, hf, medusa
+from .conventions import engine_layer_ids
+from .source import Source, open_source, source_family
+from .tensors import read_json, write_json_file
+
+INFO_FILE = "draftsmith_export.json"
+INFO_FORMAT = "draftsmith-export"
+PROPOSAL_TOLERANCE = 1e-5
+"""Largest |Δq| allowed between the export's and the source's draft distributions (fp32; merging LoRA
+reorders sums, everything else is bit-identical)."""
+LOGIT_TOLERANCE = 1e-4
+"""Largest |Δlogit| between speculators' forward and draftsmith's head (other attention kernels, fp32)."""
+
+
+@dataclass(frozen=True)
+class Format:
+    family: str
+    """The drafter type the format holds."""
+    engines: str
+    module: Any
+    """``write(source, fmt, dir)``, ``load(dir, fmt, target)`` and optionally ``static_check(dir, fmt, target)``."""
+
+
+FORMATS: dict[str, Format] = {
+    "hf": Format("draft_lm", "transformers (generate(assistant_model=…)), vLLM/SGLang draft-model speculation", hf),
+    "eagle3": Format("eagle3", "SGLang and vLLM (LlamaForCausalLMEagle3, the original EAGLE-3 layout)", eagle3),
+    "speculators": Format("eagle3", "vLLM (speculators format, Eagle3Speculator)", eagle3),
+    "medusa": Format("medusa", "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
+    "medusa-vllm": Format("medusa", "vLLM (MedusaModel)", medusa),
+    "eagle1": Format("eagle1", "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
+                     eagle1),
+}
+
+
+def export(source_path: str, fmt: str, out: str, target: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Export the drafter (folder or training checkpoint) at ``source_path`` to ``out`` in ``fmt``.
+
+    target: the target spec to load and check the drafter against (default: the one it records).
+    Returns what ``draftsmith_export.json`` records.
+    """
+    if fmt not in FORMATS:
+        raise DraftsmithError(f"unknown export format '{fmt}'; formats: {', '.join(FORMATS)}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DraftsmithError(f"--out '{out}' exists and is not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise DraftsmithError(f"--out '{out}' exists and is not empty; pass --force to replace it")
+    family = source_family(source_path)
+    spec = FORMATS[fmt]
+    if family != spec.family:
+        fits = [name for name, f in FORMATS.items() if f.family == family and name != "eagle1"]
+        hint = f"export it with --to {' or --to '.join(fits)}" if fits else (
+            "no format holds it (--to eagle1 says why)" if family == "eagle1" else "no format holds it")
+        raise DraftsmithError(f"the {fmt} format holds {spec.family} drafters only, and '{source_path}' is a {family} "
+                              f"drafter; {hint}")
+    if fmt == "eagle1":
+        eagle1.refuse()
+    source = open_source(source_path, target)
+    info = record(source, fmt)
+    with atomic_dir(out) as tmp:
+        spec.module.write(source, fmt, tmp)
+        write_json_file(os.path.join(tmp, INFO_FILE), info)
+    return info
+
+
+def record(source: Source, fmt: str) -> dict[str, Any]:
+    target = source.target
+    out: dict[str, Any] = {
+        "format": INFO_FORMAT, "format_version": 1, "to": fmt, "engines": FORMATS[fmt].engines,
+        "draftsmith_version": __version__, "created_unix": int(time.time()),
+        "source": source.info, "target": describe(target), "dtype": str(source.dtype).replace("torch.", ""),
+    }
+    if source.drafter.feature_layers:
+        ours = list(source.drafter.feature_layers)
+        out["feature_layers"] = {"draftsmith (output of layer i)": ours,
+                                 "vllm / speculators (input of layer i)": engine_layer_ids(ours, target.num_layers, "vllm"),
+                                 "sglang eagle_config (adds 1 itself)": engine_layer_ids(ours, target.num_layers, "sglang")}
+    return out
+
+
+# ---------------------------------------------------------------- --check
+
+
+def read_info(folder: str) -> dict[str, Any]:
+    info = read_json(os.path.join(folder, INFO_FILE))
+    if info.get("format") != INFO_FORMAT or info.get("to") not in FORMATS:
+        raise DraftsmithError(f"{folder}/{INFO_FILE} is not a draftsmith export record")
+    return info
+
+
+def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] | None = None) -> list[str]:
+    """Prove the export in ``folder``; one line per check (DraftsmithError at the first failure)."""
+    info = read_info(folder)
+    fmt = info["to"]
+    spec = FORMATS[fmt]
+    recorded = info["target"]
+    target = load_target(target_spec or recorded["name"], "float32", "cpu")
+    if target.fingerprint != recorded["fingerprint"]:
+        raise DraftsmithError(f"{folder} was exported for target fingerprint {recorded['fingerprint']}, and "
+                              f"'{target.name}' has {target.fingerprint}; pass the target it was made for with --target")
+    lines = [f"{fmt} export of a {spec.family} drafter for target '{target.name}' (fingerprint {target.fingerprint})"]
+    if hasattr(spec.module, "static_check"):
+        lines += spec.module.static_check(folder, fmt, target)
+    exported = spec.module.load(folder, fmt, target)
+    if not os.path.isdir(info["source"]["path"]):
+        raise DraftsmithError(f"the drafter {folder} was exported from, {info['source']['path']} (recorded in {INFO_FILE}), "
+                              f"is gone; the check compares the export's proposals with it")
+    source = open_source(info["source"]["path"], target.name)
+    prompts = prompts or default_prompts(target)
+    lines += compare_proposals(target, source.drafter, exported, prompts)
+    lines += compare_decodes(target, source.drafter, exported, prompts[0])
+    if fmt == "hf":
+        lines += hf.assisted_identity(folder, target, prompts, max_new_tokens=16)
+    if fmt == "speculators":
+        lines += compare_speculators(folder, target, source.drafter, prompts[0])
+    return lines
+
+
+def default_prompts(target: Target) -> list[list[int]]:
+    """Two fixed chat prompts rendered with the target's template."""
+    questions = ["What is the capital of France? Answer in one sentence.",
+                 "Write a Python function that reverses a string."]
+    return [target.render_chat([{"role": "user", "content": q}]) for q in questions]
+
+
+def _features(target: Target, ids: list[int], layers: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+    """(target logits [1, n, V], features [1, n, len(layers)·H] or None) for ``ids``."""
+    out = target.forward(torch.tensor([ids], device=target.device), feature_layers=layers)
+    return out.logits, out.features
+
+
+def compare_proposals(target: Target, source: Any, exported: Any, prompts: list[list[int]], k: int = 4) -> list[str]:
+    """After the same prefill, the export proposes the source's tokens with the source's q (greedy and sampled)."""
+    from ..decode.sampling import Warp
+
+    worst = 0.0
+    warps = {"greedy": Warp(), "sampled (T=0.8, top-p 0.95)": Warp(temperature=0.8, top_p=0.95)}
+    for ids in prompts:
+        states = []
+        for drafter in (source, exported):
+            logits, feats = _features(target, ids, tuple(drafter.feature_layers))
+            states.append((drafter, feats))
+        first = int(logits[0, -1].argmax())
+        tokens = torch.tensor(ids + [first], device=target.device)
+        for name, warp in warps.items():
+            out = []
+            for drafter, feats in states:
+                drafter.reset()
+                drafter.update(tokens, feats[0] if feats is not None else None)
+                out.append(drafter.propose(k, warp, torch.Generator(device=target.device).manual_seed(0)))
+            a, b = out
+            if not torch.equal(a.tokens, b.tokens):
+                raise DraftsmithError(f"the export proposes {b.tokens.tolist()} where the source drafter proposes "
+                                      f"{a.tokens.tolist()} ({name}, same inputs, fp32)")
+            if a.probs is not None:
+                diff = float((a.probs - b.probs).abs().max())
+                worst = max(worst, diff)
+                if diff > PROPOSAL_TOLERANCE:
+                    raise DraftsmithError(f"the export's draft distributions differ from the source's by {diff:.2e} "
+                                          f"(> {PROPOSAL_TOLERANCE:.0e}) ({name})")
+    return [f"loaded into draftsmith's decoder, the export proposes the source drafter's {k} tokens on {len(prompts)} "
+            f"prompts, greedy and sampled (max |Δq| = {worst:.1e}, fp32)"]
+
+
+def compare_decodes(target: Target, source: Any, exported: Any, prompt: list[int], new_tokens: int = 24) -> list[str]:
+    """A whole sampled speculative decode (every round's drafts, rejections and cache rollbacks) with the
+    export gives the source's tokens and acceptance, round for round (same seed)."""
+    from ..decode.chain import speculative_decode
+    from ..decode.sampling import Warp
+
+    warp = Warp(temperature=0.8, top_p=0.95)
+    a, b = (speculative_decode(target, d, prompt, k=4, max_new_tokens=new_tokens, warp=warp, seed=0)
+            for d in (source, exported))
+    same = a.tokens == b.tokens and a.stats.accept_hist == b.stats.accept_hist and a.stats.accepted_at == b.stats.accepted_at
+    if not same:
+        raise DraftsmithError(f"a sampled decode with the export accepts {b.stats.accept_hist} (histogram) where the source "
+                              f"drafter accepts {a.stats.accept_hist}: the export drafts differently")
+    return [f"a sampled speculative decode ({len(a.tokens)} tokens, {sum(a.stats.accept_hist)} rounds, k = 4) with the "
+            f"export emits the source's tokens and accepts the same drafts in every round"]
+
+
+def compare_speculators(folder: str, target: Target, source: Any, ids: list[int], steps: int = 3) -> list[str]:
+    """speculators' forward (``steps`` unrolled steps) = draftsmith's head's unroll on the same hidden states."""
+    from ..drafters.common import shift_left
+
+    x = torch.tensor([ids], device=target.device)
+    _, features = _features(target, ids, tuple(source.feature_layers))
+    theirs, lines = eagle3.speculators_logits(folder, shift_left(x, 1), features, steps)
+    with torch.no_grad():
+        ours = [logits for _, logits in source.module.unroll(x, features, steps=steps)]
+    if len(theirs) != steps:
+        raise DraftsmithError(f"speculators ran {len(theirs)} steps, expected {steps}")
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs))
+    if diff > LOGIT_TOLERANCE:
+        raise DraftsmithError(f"speculators' logits differ from draftsmith's head by {diff:.2e} (> {LOGIT_TOLERANCE:.0e})")
+    return lines + [f"speculators' forward on the same hidden states ({steps} unrolled steps, {len(ids)} positions) = "
+                    f"draftsmith's logits (max |Δ| = {diff:.1e}, fp32)"]

@@ -1,0 +1,106 @@
+"""The cost model and the ceiling: an oracle is always accepted, τ(k) follows from the acceptance
+by position, the drafter's time is counted apart from the target's, and eval measures the target alone."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.drafters.layer_skip import layer_skip_drafter
+from draftsmith.eval.config import DecodeConfig
+from draftsmith.eval.costs import (
+    OracleDrafter,
+    TimedDrafter,
+    conditional_acceptance,
+    oracle_reference,
+    predicted_speedup,
+    tau_from_acceptance,
+    verify_costs,
+)
+from draftsmith.eval.prompts import Question
+from draftsmith.eval.reference import target_greedy
+from draftsmith.eval.run import evaluate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_tau_from_conditional_acceptance_is_exact():
+    assert tau_from_acceptance([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert tau_from_acceptance([0.5, 0.5, 0.5], 1) == pytest.approx(1.5)
+    assert tau_from_acceptance([], 4) == 1.0
+    assert predicted_speedup([1.0, 1.0], 2, v=1.5, c=0.25) == pytest.approx(3 / 2.0)
+
+
+def test_conditional_acceptance_undoes_the_cumulative_share():
+    # cumulative: drafts 1..i all accepted in 60%, 30%, 15% of rounds → each given the previous: 0.6, 0.5, 0.5
+    assert conditional_acceptance([0.6, 0.3, 0.15, None]) == pytest.approx([0.6, 0.5, 0.5])
+    assert conditional_acceptance([0.0, 0.0]) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_oracle_is_always_accepted_in_fp32(tiny_target, k):
+    prompt = [1, 2, 3, 4, 5]
+    ref = oracle_reference(tiny_target, prompt, k, max_new_tokens=31)
+    res = speculative_decode(tiny_target, OracleDrafter(ref), prompt, k=k, max_new_tokens=31)
+    assert res.tokens == target_greedy(tiny_target, prompt, 31) == ref[len(prompt):]
+    # every round accepts all k drafts: τ = k + 1 exactly (the last round may be cut by max_new_tokens)
+    full = [n for n in range(k + 1) if res.stats.accept_hist[n]]
+    assert res.stats.accept_hist[k] >= res.stats.rounds - 1 and len(full) <= 2
+    assert res.stats.accepted == res.stats.drafted
+
+
+def test_a_wrong_oracle_is_rejected_and_then_drafts_nothing(tiny_target):
+    prompt = [1, 2, 3, 4, 5]
+    ref = oracle_reference(tiny_target, prompt, 2, max_new_tokens=12)
+    # new token 0 comes from the prefill; round 1 proposes new tokens 1 and 2, and 2 is wrong
+    wrong = ref[: len(prompt) + 2] + [(t + 1) % 100 for t in ref[len(prompt) + 2:]]
+    res = speculative_decode(tiny_target, OracleDrafter(wrong), prompt, k=2, max_new_tokens=12)
+    assert res.tokens == ref[len(prompt):]  # lossless anyway
+    assert (res.stats.drafted, res.stats.accepted) == (2, 1)  # off the reference after the rejection: no drafts
+
+
+def test_timed_drafter_counts_drafting_only_and_keeps_the_self_speculative_hooks(tiny_target):
+    inner = layer_skip_drafter(tiny_target.model, 1, share_cache=True)
+    timed = TimedDrafter(inner)
+    assert timed.verify == inner.verify and timed.bind == inner.bind
+    prompt = [1, 2, 3, 4, 5]
+    res = speculative_decode(tiny_target, timed, prompt, k=3, max_new_tokens=16)
+    assert res.tokens == target_greedy(tiny_target, prompt, 16)
+    assert timed.drafted == res.stats.drafted and 0 < timed.seconds < res.stats.wall_s
+
+
+def test_verify_costs_are_relative_to_a_one_token_step(tiny_target):
+    v = verify_costs(tiny_target, [1, 2, 3], [1, 4], context=32, repeats=3)
+    assert set(v) == {1, 4} and all(x > 0 for x in v.values())
+
+
+def test_eval_times_the_target_alone_and_reports_the_median_ratio(tiny_target):
+    tok = tiny_target.tokenizer
+    questions = [Question(str(i), "x", [text]) for i, text in enumerate(["hello there", "a b c d", "tell me"])]
+    drafter = layer_skip_drafter(tiny_target.model, 1, share_cache=True)
+    out = evaluate(tiny_target, drafter, questions, DecodeConfig(k=2, max_new_tokens=10), check_identity=True,
+                   progress=False, time_target=True)
+    assert tok is not None and len(out.records) == 3
+    ratios = []
+    for rec in out.records:
+        assert rec["identical_to_target"] is True
+        spec = rec["stats"]["new_tokens"] / rec["stats"]["wall_s"]
+        alone = rec["target"]["new_tokens"] / rec["target"]["wall_s"]
+        assert rec["speedup_vs_target"] == pytest.approx(spec / alone, rel=2e-3)
+        ratios.append(rec["speedup_vs_target"])
+    s = out.speed
+    assert s["speedup_vs_target"] == pytest.approx(statistics.median(ratios), rel=1e-3)
+    assert s["dtype"] == "float32" and s["threads"] == torch.get_num_threads()
+    cm = s["cost_model"]
+    assert cm["draft_cost_c"] > 0 and set(cm["verify_cost_by_k"]) == {1, 2}
+    assert cm["best_k"] in cm["predicted_speedup_by_k"]
+
+
+def test_eval_without_timing_has_no_speed(tiny_target):
+    questions = [Question("0", "x", ["hello"])]
+    drafter = layer_skip_drafter(tiny_target.model, 1, share_cache=True)
+    out = evaluate(tiny_target, drafter, questions, DecodeConfig(k=2, max_new_tokens=6), progress=False)
+    assert out.speed is None and "target" not in out.records[0]

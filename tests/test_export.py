@@ -1,0 +1,306 @@
+"""Export: every format is written, loaded back and proven (tiny random target, fp32), the
+layer-id convention, the name tables, export from a ZeRO-3 checkpoint, and bad input refused
+with one line and no folder left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from draftsmith import drafters
+from draftsmith.cli import main
+from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, MedusaConfig
+from draftsmith.drafters.eagle3 import default_feature_layers
+from draftsmith.errors import DraftsmithError
+from draftsmith.export import FORMATS, check, export
+from draftsmith.export.adapters import adapter
+from draftsmith.export.conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
+from draftsmith.target import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EAGLE3_LAYERS = [0, 1, 3]
+"""Three distinct layers of the 4-layer tiny target (its default would name layer 0 twice)."""
+
+
+def perturb(module: torch.nn.Module, seed: int = 1) -> None:
+    """Move every trainable tensor off its init (norm scales off 1, LoRA B off 0) so that a swapped or
+    dropped tensor changes the proposals."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def vocab(target):
+    """A 1,000-token draft vocabulary of scattered target ids (d2t offsets, t2d mask)."""
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:1000].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(1000), t2d
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, target, vocab):
+    """Saved drafter folders of every family, weights moved off their init."""
+    root = tmp_path_factory.mktemp("drafters")
+    configs = {"eagle3": Eagle3Config(feature_layers=EAGLE3_LAYERS), "medusa": MedusaConfig(num_heads=3, num_layers=2),
+               "draft_lm": DraftLMConfig(num_layers=2, lora_rank=4), "eagle1": Eagle1Config()}
+    out = {}
+    for family, config in configs.items():
+        module = config.build_module(target, vocab) if family == "eagle3" else config.build_module(target)
+        perturb(module)
+        out[family] = str(root / family)
+        drafters.save(config.runtime(module, target), out[family])
+    return out
+
+
+# ---------------------------------------------------------------- conventions and name tables
+
+
+def test_layer_ids_for_30_and_32_layer_targets():
+    assert engine_layer_ids([1, 14, 26], 30, "vllm") == [2, 15, 27]  # SmolLM2
+    assert engine_layer_ids([1, 14, 26], 30, "speculators") == [2, 15, 27]
+    assert engine_layer_ids([1, 14, 26], 30, "sglang") == [1, 14, 26]  # SGLang adds 1 itself
+    assert engine_layer_ids([1, 15, 28], 32, "vllm") == [2, 16, 29]  # Llama-3.1-8B
+    for n in (30, 32):  # our defaults are the engines' defaults: capture before layers 2, N//2, N-3
+        assert engine_layer_ids(default_feature_layers(n), n, "vllm") == [2, n // 2, n - 3]
+        assert native_layer_ids([2, n // 2, n - 3], n, "vllm") == list(default_feature_layers(n))
+    with pytest.raises(DraftsmithError, match="not a layer"):
+        engine_layer_ids([30], 30, "vllm")
+    with pytest.raises(DraftsmithError, match="names no decoder output"):
+        native_layer_ids([0], 30, "vllm")  # the embedding: no decoder layer's output
+
+
+def test_draft_vocab_checks_refuse_what_an_engine_would_misread(vocab, target):
+    d2t, t2d = vocab
+    check_draft_vocab(d2t, t2d, target.vocab_size, "x")
+    with pytest.raises(DraftsmithError, match="int64"):
+        check_draft_vocab(d2t.int(), t2d, target.vocab_size, "x")
+    bad = d2t.clone()
+    bad[-1] = target.vocab_size  # past the end
+    with pytest.raises(DraftsmithError, match="outside"):
+        check_draft_vocab(bad, t2d, target.vocab_size, "x")
+    other = t2d.clone()
+    other[int((~t2d).nonzero()[0])] = True
+    with pytest.raises(DraftsmithError, match="t2d does not mark"):
+        check_draft_vocab(d2t, other, target.vocab_size, "x")
+
+
+@pytest.mark.parametrize("family, fmt", [("eagle3", "eagle3"), ("eagle3", "speculators"), ("medusa", "medusa"),
+                                         ("medusa", "medusa-vllm"), ("draft_lm", "hf")])
+def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
+    config = {"eagle3": Eagle3Config(feature_layers=EAGLE3_LAYERS), "medusa": MedusaConfig(num_heads=3, num_layers=2),
+              "draft_lm": DraftLMConfig(num_layers=2)}[family]
+    module = config.build_module(target, vocab) if family == "eagle3" else config.build_module(target)
+    state = module.state_dict()
+    table = adapter(family, fmt, num_layers=2)
+    engine = table.to_engine(state)
+    back = table.from_engine(engine)
+    kept = {k for k in state if not k.startswith(table.skip)}
+    assert set(back) == kept and all(back[k] is state[k] for k in kept)
+    if fmt == "medusa-vllm":
+        assert {"blocks.2.layers.1.bias", "lm_heads.2.weight"} <= set(engine) and "heads.0.2.weight" in back
+    if fmt == "medusa":
+        assert {"0.1.linear.weight", "2.2.weight"} <= set(engine)
+    if fmt == "speculators":
+        assert "layers.0.hidden_norm.weight" in engine and "embed_tokens.weight" in engine
+    if fmt == "eagle3":
+        assert "midlayer.hidden_norm.weight" in engine and "embed_tokens.weight" not in engine
+    if fmt != "hf":  # a plain transformers model keeps its own names: that table is the identity
+        with pytest.raises(DraftsmithError, match="no rule"):
+            table.from_engine({"model.unknown.weight": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------- every format: export → check
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators", "medusa", "medusa-vllm", "hf"])
+def test_export_then_check_proves_every_format(tmp_path, sources, target, fmt, capsys):
+    out = str(tmp_path / fmt)
+    assert main(["export", sources[FORMATS[fmt].family], "--to", fmt, "--out", out]) == 0
+    info = json.load(open(os.path.join(out, "draftsmith_export.json")))
+    assert info["target"]["fingerprint"] == target.fingerprint and info["source"]["path"] == sources[FORMATS[fmt].family]
+    assert info["draftsmith_version"] and info["to"] == fmt
+    capsys.readouterr()
+    assert main(["export", "--check", out]) == 0
+    lines = [line[len("ok  "):] for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
+    assert any("proposes the source drafter's 4 tokens on 2 prompts, greedy and sampled" in line for line in lines)
+    assert any("accepts the same drafts in every round" in line for line in lines)
+    if fmt in ("eagle3", "speculators"):
+        cfg = json.load(open(os.path.join(out, "config.json")))
+        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            assert cfg[flag] is False
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM: ours + 1
+        assert cfg["draft_vocab_size"] == 1000 and cfg["target_hidden_size"] == 64
+        assert any("d2t: 1000 int64 offsets" in line for line in lines)
+    if fmt == "eagle3":
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == EAGLE3_LAYERS  # SGLang adds 1
+    if fmt == "speculators":
+        assert any("speculators' forward on the same hidden states" in line for line in lines)
+        assert any("loads all 16 tensors" in line for line in lines)
+    if fmt == "medusa-vllm":
+        cfg = json.load(open(os.path.join(out, "config.json")))
+        assert [k for k in cfg if "num" in k] == ["num_heads", "num_hidden_layers"] and cfg["medusa_fc_bias"] is True
+    if fmt == "hf":
+        assert any("assisted generation" in line for line in lines)
+
+
+def _tamper_config(folder: str, **changes) -> None:
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+
+
+def _tamper_tensors(folder: str, file: str, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, file)
+    save_file(fn(load_file(path)), path)
+
+
+def test_check_catches_what_would_make_an_engine_accept_nothing(tmp_path, sources):
+    base = str(tmp_path / "good")
+    export(sources["eagle3"], "eagle3", base)
+
+    def fresh(name: str) -> str:
+        path = str(tmp_path / name)
+        shutil.copytree(base, path)
+        return path
+
+    shifted = fresh("ids")  # the classic off-by-one, written consistently for both engines
+    _tamper_config(shifted, eagle_aux_hidden_state_layer_ids=[2, 3, 4],
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True})
+    with pytest.raises(DraftsmithError, match="proposes"):
+        check(shifted)
+    flag = fresh("flag")
+    _tamper_config(flag, norm_before_residual=None)
+    with pytest.raises(DraftsmithError, match="norm_before_residual"):
+        check(flag)
+    renamed = fresh("renamed")  # a name the engine would drop silently
+    _tamper_tensors(renamed, "model.safetensors",
+                    lambda t: {("midlayer.hiddennorm.weight" if k == "midlayer.hidden_norm.weight" else k): v for k, v in t.items()})
+    with pytest.raises(DraftsmithError, match="missing.*hidden_norm"):
+        check(renamed)
+    swapped = fresh("swapped")  # right names, wrong tensors: only loading back sees it
+    _tamper_tensors(swapped, "model.safetensors", lambda t: {**t, "midlayer.hidden_norm.weight": t["midlayer.input_layernorm.weight"],
+                                                             "midlayer.input_layernorm.weight": t["midlayer.hidden_norm.weight"]})
+    with pytest.raises(DraftsmithError, match="proposes|distributions differ"):
+        check(swapped)
+    d2t = fresh("d2t")
+    _tamper_tensors(d2t, "model.safetensors", lambda t: {**t, "d2t": t["d2t"].int()})
+    with pytest.raises(DraftsmithError, match="d2t"):
+        check(d2t)
+
+
+def test_speculators_check_refuses_a_missing_embedding(tmp_path, sources):
+    out = str(tmp_path / "spec")
+    export(sources["eagle3"], "speculators", out)
+    _tamper_tensors(out, "model.safetensors", lambda t: {k: v for k, v in t.items() if k != "embed_tokens.weight"})
+    with pytest.raises(DraftsmithError, match="embed_tokens"):
+        check(out)
+
+
+def test_eagle1_is_refused_naming_where_the_semantics_differ(tmp_path, sources, capsys):
+    out = tmp_path / "e1"
+    assert main(["export", sources["eagle1"], "--to", "eagle1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "post-norm" in err and "input_layernorm" in err and "lm_head(final_norm(h))" in err
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- bad input: one line, no folder
+
+
+def _refused(args: list[str], out, capsys, match: str) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("draftsmith: error:") and "\n" not in err and match in err, err
+    assert not os.path.exists(out) or os.listdir(out) == ["keep"]
+
+
+def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, smollm2_tokenizer):
+    from .conftest import tiny_llama
+
+    out = tmp_path / "out"
+    _refused(["export", sources["medusa"], "--to", "eagle3", "--out", str(out)], out, capsys, "medusa-vllm")
+    _refused(["export", sources["eagle3"], "--to", "hf", "--out", str(out)], out, capsys, "--to eagle3 or --to speculators")
+    _refused(["export", sources["eagle1"], "--to", "eagle3", "--out", str(out)], out, capsys, "--to eagle1 says why")
+    _refused(["export", sources["eagle3"], "--to", "onnx", "--out", str(out)], out, capsys, "unknown export format")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("hi")
+    _refused(["export", str(foreign), "--to", "eagle3", "--out", str(out)], out, capsys, "neither a drafter folder")
+    incomplete = tmp_path / "step_00000003"
+    incomplete.mkdir()
+    (incomplete / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "does not record the drafter")
+    (incomplete / "trainer_state.json").write_text(json.dumps({"step": 3, "zero_stage": 3, "identity": {
+        "drafter": {"type": "eagle3"}, "target": "x"}}))
+    _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "incomplete")
+    other = tmp_path / "other_target"
+    tiny_llama(layers=4, seed=7).save_pretrained(other)
+    smollm2_tokenizer.save_pretrained(other)
+    _refused(["export", sources["eagle3"], "--to", "eagle3", "--out", str(out), "--target", str(other)], out, capsys,
+             "was made for a target with fingerprint")
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    _refused(["export", sources["eagle3"], "--to", "eagle3", "--out", str(out)], out, capsys, "--force")
+    assert main(["export", sources["eagle3"], "--to", "eagle3", "--out", str(out), "--force"]) == 0
+    assert "keep" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+
+
+# ---------------------------------------------------------------- straight from a ZeRO-3 checkpoint
+
+
+@pytest.mark.parametrize("engine", ["zero3", "zero0", "bf16-zero2"])
+def test_export_from_a_checkpoint_equals_export_from_the_saved_drafter(tmp_path, tiny_target_dir, tiny_train_data,
+                                                                       engine):
+    """Straight from a checkpoint folder, with no engine or launcher: ZeRO-3 partitions are gathered, ZeRO-0's whole
+    module is read, and a bf16 engine's fp32 master weights round to the bf16 drafter it saved."""
+    from safetensors.torch import load_file
+
+    from draftsmith.config import load_recipe
+    from draftsmith.train.run import run_training
+
+    run = tmp_path / "run"
+    extra = [f"train.deepspeed={engine}", "target.dtype=float32"]
+    if engine == "bf16-zero2":
+        ds = tmp_path / "bf16_zero2.json"
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+        extra = [f"train.deepspeed={ds}", "target.dtype=bfloat16"]
+    recipe = load_recipe(None, [
+        f"target.name={tiny_target_dir}", "drafter.type=eagle3", f"drafter.feature_layers={EAGLE3_LAYERS}",
+        f"train.dataset={tiny_train_data}", "train.batch_size=4", "train.max_length=48", "train.eval.heldout=8",
+        "train.steps=2", "train.ttt_steps=2", "train.optimizer.lr=0.003", "train.logging.wandb=disabled",
+        "train.logging.progress=false", "train.eval.decoder_at_end=false", f"run_dir={run}", *extra])
+    summary = run_training(recipe)
+    ckpt = run / "checkpoints" / "step_00000002"
+    if engine == "zero3":
+        states = torch.load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+        assert states["module"]["drafter.fc.weight"].numel() == 0  # partitioned: the module file holds no weights
+    export(str(ckpt), "eagle3", str(tmp_path / "from_ckpt"))
+    export(summary["drafter"], "eagle3", str(tmp_path / "from_drafter"))
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("from_ckpt", "from_drafter"))
+    assert set(a) == set(b)
+    for k in a:  # fp32 checkpoints: bit-identical; bf16: the engine's bf16 weights are its fp32 masters rounded
+        assert torch.equal(a[k].to(b[k].dtype), b[k]), k
+    fresh = Eagle3Config(feature_layers=EAGLE3_LAYERS).build_module(load_target(tiny_target_dir, "float32", "cpu"))
+    assert not torch.equal(a["fc.weight"].float(), fresh.fc.weight)  # trained weights, not the init
+    if engine == "zero3":
+        cfg = [json.load(open(tmp_path / d / "config.json")) for d in ("from_ckpt", "from_drafter")]
+        assert cfg[0] == cfg[1]
+        assert any("proposes the source drafter's" in line for line in check(str(tmp_path / "from_ckpt")))

@@ -1,0 +1,222 @@
+"""Run setup for the training recipes: the run folder, seeds, the frozen target, the data, the engine.
+
+A recipe reads top to bottom (see ``eagle3.py``)::
+
+    run = setup.start(recipe, world)                  # run folder, seeds, frozen target, data   (this file)
+    engine = setup.build_engine(run, module)          # DeepSpeed around the drafter only        (this file)
+    setup.restore(run, engine, resume)                # latest checkpoint of the run folder      (this file)
+    heldout.baseline(run, engine, evaluate)           # held-out metrics of the untrained drafter (heldout.py)
+    for batch in setup.micro_batches(run):            # from the saved data position on          (this file)
+        if step.optimizer_step(run, engine, lambda: my_loss(batch), batch.tokens):  # backward, skip (step.py)
+            step.after_step(run, engine, evaluate)    # logging, evaluation, checkpoint cadence   (step.py)
+    save.finish(run, engine, evaluate)                # final checkpoint, drafter folder, summary (save.py)
+
+The target's side of a batch (one forward online, or the feature cache) is in ``target_side.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..schema import save_recipe, to_dict
+from ..target import Target, load_target
+from . import checkpoint, distributed
+from .data import Batch, BatchOrder, Split, collate, load_rows, split_heldout
+from .distributed import World
+from .monitor import Monitor
+
+
+@dataclass
+class TrainState:
+    """Everything besides tensors that a resumed run needs (saved as trainer_state.json)."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    micro_step: int = 0
+    """Micro-batches consumed: the data position."""
+    tokens: int = 0
+    """Real tokens processed, all ranks together."""
+    train_s: float = 0.0
+    """Seconds of training of the whole run, every session (process) together; setup, evaluation
+    and checkpointing are left out."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Micro-batches skipped on every rank, by reason."""
+    world_size: int = 1
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    recipe: Any
+    world: World
+    target: Target
+    rows: Sequence[dict[str, Any]]
+    split: Split
+    order: BatchOrder
+    ds_config: dict[str, Any]
+    dtype: torch.dtype
+    """The engine's compute dtype (bf16 or fp32)."""
+    state: TrainState
+    monitor: Monitor | None = None
+    pending: dict[str, list[float]] = field(default_factory=dict)
+    """This rank's loss and loss parts since the last log line: name → [sum over valid tokens, their count]."""
+    session: TrainState = field(default_factory=TrainState)
+    """The state this process started from (the checkpoint it resumed, or a fresh one)."""
+    logged: tuple[int, float] = (0, 0.0)
+    """(tokens, train_s) of the state at the last log line."""
+    clock: float = 0.0
+    """``time.perf_counter()`` when the training time counted in ``state.train_s`` last advanced."""
+    stop_signal: int = 0
+    """A stop signal (SIGTERM / SIGUSR1) some rank received: checkpoint at the next step and stop."""
+
+    @property
+    def cfg(self) -> Any:
+        return self.recipe.train
+
+    @property
+    def run_dir(self) -> str:
+        return self.recipe.run_dir
+
+    @property
+    def offline(self) -> bool:
+        return bool(self.cfg.features)
+
+
+def trainable(recipe: Any) -> Any:
+    """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
+    from ..drafters.checkpoint import trainable_families
+
+    if recipe.drafter.type not in trainable_families():
+        raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
+                          f"{', '.join(trainable_families())}")
+    return recipe.drafter
+
+
+def start(recipe: Any, world: World) -> Run:
+    """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
+    cfg = recipe.train
+    os.makedirs(recipe.run_dir, exist_ok=True)
+    if world.is_main:
+        save_recipe(recipe)
+    ds_config = distributed.load_engine_config(cfg.deepspeed, cfg.batch_size, world.device)  # fail before loading
+    checkpoint.seed_everything(cfg.seed)
+    target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
+    rows = load_rows(cfg.dataset, cfg.features, target)
+    split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed)
+    order = BatchOrder(split.train, cfg.batch_size, world.world_size, world.rank, cfg.seed)
+    order.steps_per_epoch  # noqa: B018 — fail now, not after the engine is built, if data is too small
+    state = TrainState(world_size=world.world_size, seed=cfg.seed)
+    return Run(recipe, world, target, rows, split, order, ds_config, distributed.engine_dtype(ds_config), state)
+
+
+def lr_lambda(kind: str, warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate after ``step`` optimizer steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return min_ratio + (1 - min_ratio) * (1 - progress)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Forward(torch.nn.Module):
+    """The engine's module: holds the drafter and runs ``fn(drafter)`` as its forward.
+
+    DeepSpeed prepares ZeRO's backward (gradient scaling, reduction boundaries) from the
+    outputs of ``engine(...)``, so every training forward must go through the engine — a
+    plain call, an unroll or a loss over selected rows alike::
+
+        pred, logits = engine(lambda head: head(ids, features, attention_mask=mask))
+        steps = engine(lambda head: head.unroll(ids, features, steps=7))
+    """
+
+    def __init__(self, drafter: torch.nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        return fn(self.drafter)
+
+
+def build_engine(run: Run, module: torch.nn.Module) -> Any:
+    """The DeepSpeed engine around the drafter (wrapped in :class:`Forward`); the target stays outside, frozen."""
+    cfg = run.cfg
+    sched = cfg.schedule
+    return distributed.build_engine(
+        Forward(module),
+        run.ds_config,
+        lr=cfg.optimizer.lr,
+        betas=cfg.optimizer.betas,
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+        lr_lambda=lr_lambda(sched.kind, sched.warmup_steps, cfg.steps, sched.min_lr_ratio),
+        frozen=run.target.model,
+    )
+
+
+def restore(run: Run, engine: Any, resume: str | None = None) -> None:
+    """Continue from ``resume`` (a checkpoint folder) or the run folder's latest checkpoint, if any."""
+    path = resume or checkpoint.latest_checkpoint(run.run_dir)
+    if path:
+        saved = checkpoint.load_checkpoint(engine, run.world, path, identity(run))
+        run.state = TrainState(**{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__})
+        if run.state.world_size != run.world.world_size:
+            # the data position is counted in micro-batches of world_size × batch_size records
+            run.state.micro_step = run.state.micro_step * run.state.world_size // run.world.world_size
+            run.state.world_size = run.world.world_size
+        # DeepSpeed restored the scheduler's base learning rate too: the recipe's lr wins, and the
+        # schedule continues at the saved step with the new peak
+        saved_lr = distributed.set_peak_lr(engine, run.cfg.optimizer.lr)
+    run.session, run.logged = replace(run.state, skipped=dict(run.state.skipped)), (run.state.tokens, run.state.train_s)
+    lg = run.cfg.logging
+    run.monitor = Monitor(run.run_dir, run.world.rank, run.cfg.steps, run.state.step, to_dict(run.recipe),
+                          wandb=lg.wandb, wandb_project=lg.wandb_project, progress=lg.progress)
+    if path:
+        run.monitor.note(f"resumed from {path} at step {run.state.step} (micro-batch {run.state.micro_step})")
+        if saved_lr != run.cfg.optimizer.lr:
+            run.monitor.note(f"learning rate: peak {run.cfg.optimizer.lr:g} (train.optimizer.lr) instead of the "
+                             f"checkpoint's {saved_lr:g}, from step {run.state.step} on")
+
+
+def identity(run: Run) -> dict[str, Any]:
+    """What a checkpoint's weights and data position mean; a resumed run must match it (learning
+    rate, steps, logging and evaluation may change)."""
+    cfg = run.cfg
+    out = {"drafter": to_dict(run.recipe.drafter), "target": run.target.fingerprint,
+           "train": {"dataset": cfg.dataset, "features": cfg.features, "batch_size": cfg.batch_size,
+                     "max_length": cfg.max_length, "seed": cfg.seed, "heldout": cfg.eval.heldout}}
+    return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
+
+
+def micro_batches(run: Run) -> Iterator[Batch]:
+    """This rank's micro-batches from the saved data position on, on its device, until ``train.steps``
+    optimizer steps are done; advances the data position."""
+    pad = pad_id(run.target)
+    for step, ids in run.order.from_step(run.state.micro_step):
+        if run.state.step >= run.cfg.steps:
+            return
+        batch = collate([run.rows[i] for i in ids], pad, run.cfg.max_length)
+        run.state.micro_step = step + 1
+        yield batch.to(run.world.device)
+
+
+def pad_id(target: Target) -> int:
+    tok = target.tokenizer
+    pad = getattr(tok, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tok, "eos_token_id", None)
+    return int(pad or 0)
