@@ -147,11 +147,16 @@ class Target:
         feature_layers: tuple[int, ...] = (),
         logits_to_keep: int = 0,
         attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> TargetOutput:
         """One forward: logits and, if asked, the hidden states of ``feature_layers``.
 
         input_ids: [B, S] token ids; cache: a cache from :meth:`new_cache` (extended in place)
-        or None; logits_to_keep: 0 = all positions, n = the last n.
+        or None; logits_to_keep: 0 = all positions, n = the last n. attention_mask: [B, past+S]
+        padding (1 = token) or a ready 4-D additive mask [B|1, 1, S, past+S] (0 = attend, the
+        dtype's minimum = not), which transformers hands to SDPA / eager attention unchanged
+        (``masking_utils._preprocess_mask_arguments`` returns a 4-D mask as it is): a tree
+        verification's mask; position_ids: [B, S] (default past … past+S−1).
         """
         captured: dict[int, Tensor] = {}
         hooks = []
@@ -170,6 +175,7 @@ class Target:
                 cache=cache,
                 use_cache=cache is not None,
                 logits_to_keep=logits_to_keep,
+                **({"position_ids": position_ids} if position_ids is not None else {}),
             )
         finally:
             for h in hooks:
@@ -238,6 +244,26 @@ def crop_cache(cache: Any, length: int) -> None:
     n = cache.get_seq_length()
     if n > length:
         cache.crop(length - n)  # transformers 5: a negative count of positions to remove
+
+
+def keep_cache_rows(cache: Any, start: int, rows: Tensor) -> None:
+    """Keep positions 0 … start−1 and start + ``rows`` of every layer of a HF DynamicCache, in that order.
+
+    rows: [n] long, increasing offsets past ``start`` (a tree verification's accepted path). The
+    kept tail rows are copied into place and the rest cut off, so only n rows move, not the cache.
+    """
+    n = int(rows.shape[0])
+    for layer in cache.layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise DraftsmithError(f"cannot compact a cache layer of type {type(layer).__name__}: tree decoding needs "
+                                  f"full-attention layers (a sliding window drops rows by position)")
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = rows.to(layer.keys.device) + start
+        layer.keys[..., start : start + n, :] = layer.keys[..., index, :]
+        layer.values[..., start : start + n, :] = layer.values[..., index, :]
+        layer.keys = layer.keys[..., : start + n, :]
+        layer.values = layer.values[..., : start + n, :]
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:

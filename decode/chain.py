@@ -59,12 +59,8 @@ def speculative_decode(
     if bind is not None:
         bind(cache)
     verify = getattr(drafter, "verify", None)  # optional: their verification forward reuses drafting work
-    prompt = torch.tensor([prompt_ids], device=device)  # [1, S]
-    out = target.forward(prompt, cache, drafter.feature_layers, logits_to_keep=1)
-    stats.target_forwards += 1
-    token, _ = warp.choose(out.logits[0, -1], gen)
+    token = prefill(target, drafter, prompt_ids, cache, warp, gen, stats)
     tokens = [token]
-    drafter.update(torch.tensor(prompt_ids + [token], device=device), _first(out.features))
     no_draft = torch.empty(0, dtype=torch.long, device=device)
 
     while token not in eos and len(tokens) < max_new_tokens:
@@ -90,12 +86,27 @@ def speculative_decode(
         tokens.extend(emitted)
         if any(t in eos for t in emitted[:-1]):
             break  # an accepted draft was EOS: the sequence is over (the tokens after it are cut below)
-        drafter.update(torch.tensor(emitted, device=device), _first(out.features, n + 1))
+        drafter.update(torch.tensor(emitted, device=device), first_features(out.features, n + 1))
 
-    tokens, reason = _finish(tokens, eos, max_new_tokens)
+    tokens, reason = finish(tokens, eos, max_new_tokens)
     stats.new_tokens = len(tokens)
     stats.wall_s = time.perf_counter() - start
     return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
+
+
+def prefill(
+    target: Target, drafter: Drafter, prompt_ids: list[int], cache: object, warp: Warp,
+    generator: torch.Generator | None, stats: DecodeStats,
+) -> int:
+    """The prompt's forward into ``cache``; returns the first new token (chosen with ``warp``) after
+    handing the drafter the prompt, that token and the prompt's features."""
+    device = target.device
+    prompt = torch.tensor([prompt_ids], device=device)  # [1, S]
+    out = target.forward(prompt, cache, drafter.feature_layers, logits_to_keep=1)
+    stats.target_forwards += 1
+    token, _ = warp.choose(out.logits[0, -1], generator)
+    drafter.update(torch.tensor(prompt_ids + [token], device=device), first_features(out.features))
+    return token
 
 
 def _draft_probs(proposal, draft: Tensor, vocab: int) -> Tensor:
@@ -123,14 +134,14 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int) -> 
         )
 
 
-def _first(features: Tensor | None, n: int | None = None) -> Tensor | None:
+def first_features(features: Tensor | None, n: int | None = None) -> Tensor | None:
     """Features of the first n positions of batch row 0 ([n, F]), or None."""
     if features is None:
         return None
     return features[0] if n is None else features[0, :n]
 
 
-def _finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], Literal["eos", "length"]]:
+def finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], Literal["eos", "length"]]:
     """Cut after the first EOS (drafts may run past it) and at max_new tokens."""
     for i, t in enumerate(tokens[:max_new]):
         if t in eos:

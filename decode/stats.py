@@ -4,6 +4,10 @@
 **counting the bonus/resampled token** (so τ ≥ 1, and τ = k+1 means every draft was
 accepted). The prefill forward, which emits the first token without drafting, is
 counted in ``target_forwards`` but not in τ.
+
+Trees use the same fields: k is the tree's depth, a round "proposes position i" when its tree
+reaches depth i, the accepted length is the accepted path's, and ``drafted`` counts tree nodes
+(``tree_size_histogram``: rounds that verified a tree of n nodes; a chain's tree is its k' drafts).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class DecodeStats:
     """[k] rounds in which draft position i was accepted."""
     accept_hist: list[int] = field(default_factory=list)
     """[k+1] rounds that accepted exactly n drafts."""
+    tree_sizes: dict[int, int] = field(default_factory=dict)
+    """Drafted tokens (tree nodes) verified per round → rounds."""
     wall_s: float = 0.0
     sequences: int = 0
 
@@ -37,10 +43,14 @@ class DecodeStats:
         self.accepted_at = self.accepted_at or [0] * self.k
         self.accept_hist = self.accept_hist or [0] * (self.k + 1)
 
-    def record_round(self, proposed: int, accepted: int) -> None:
+    def record_round(self, proposed: int, accepted: int, nodes: int | None = None) -> None:
+        """proposed: drafts on the longest path (a tree's depth); accepted: on the accepted path;
+        nodes: drafted tokens verified (a tree's size; default = proposed, a chain)."""
+        nodes = proposed if nodes is None else nodes
         self.rounds += 1
         self.target_forwards += 1
-        self.drafted += proposed
+        self.drafted += nodes
+        self.tree_sizes[nodes] = self.tree_sizes.get(nodes, 0) + 1
         self.accepted += accepted
         for i in range(proposed):
             self.proposed_at[i] += 1
@@ -56,6 +66,8 @@ class DecodeStats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("proposed_at", "accepted_at", "accept_hist"):
             setattr(out, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        out.tree_sizes = {n: self.tree_sizes.get(n, 0) + other.tree_sizes.get(n, 0)
+                          for n in sorted(set(self.tree_sizes) | set(other.tree_sizes))}
         return out
 
     @property
@@ -78,9 +90,11 @@ class DecodeStats:
             "tau_note": "mean tokens emitted per target verification forward, counting the bonus/resampled token",
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_at_position": [round(a / p, 4) if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
-            "acceptance_at_position_note": "position i: share of the rounds that proposed draft i in which drafts "
-                                           "1..i were all accepted",
+            "acceptance_at_position_note": "position (tree depth) i: share of the rounds that proposed draft i in "
+                                           "which drafts 1..i were all accepted",
             "accepted_length_histogram": self.accept_hist,
+            "tree_size_histogram": {str(n): r for n, r in sorted(self.tree_sizes.items())},
+            "drafted_per_round": round(self.drafted / self.rounds, 3) if self.rounds else 0.0,
             "k": self.k,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,

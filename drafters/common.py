@@ -93,11 +93,17 @@ def step_inputs(
 ) -> tuple[Tensor, Tensor]:
     """Position ids [B, S] and the additive mask [B|1, 1, S, past+S] of a head's step over ``seq`` rows.
 
-    like: a [B, S, H] tensor giving batch, device and dtype; cache: the head's cache or None.
+    like: a [B, S, H] tensor giving batch, device and dtype; cache: the head's cache or None;
+    attention_mask: [B, past+S] padding, or a ready 4-D additive mask (a draft tree's), used as is.
     """
     past = cache.get_seq_length() if cache is not None else 0
     if position_ids is None:
         position_ids = default_positions(like.shape[0], seq, past, like.device)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if tuple(attention_mask.shape[-2:]) != (seq, past + seq):
+            raise DraftsmithError(f"a 4-D attention mask of shape {tuple(attention_mask.shape)} does not cover "
+                                  f"{seq} queries over {past + seq} keys")
+        return position_ids, attention_mask.to(like.dtype)
     return position_ids, causal_mask(seq, past, like.dtype, like.device, attention_mask)
 
 

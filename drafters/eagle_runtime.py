@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..decode.protocol import Proposal, draft_chain
 from ..decode.sampling import Warp
+from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import DraftsmithError
 from ..target import crop_cache
 from .common import check_features
@@ -75,6 +76,59 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+        hidden, logits = self._catch_up()
+        position = self.rows
+
+        def step(token: int) -> Tensor:
+            nonlocal hidden, position
+            ids = torch.tensor([[token]], device=self.device)
+            hidden, out = self._step(ids, hidden, position)  # predicted feature in, next one out
+            position += 1
+            return self.module.target_logits(out[0, -1])
+
+        return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
+
+    @torch.inference_mode()
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+        """A draft tree (static, or EAGLE-2's dynamic one), one head forward per level of new nodes.
+
+        A node at depth d reads its parent's predicted feature (the root's: the last true row's) at
+        position rows + d − 1, as the d-th draft of a chain would, and attends to the true rows and
+        the drafted rows of its own ancestors only (a 4-D mask over the head's cache).
+        """
+        hidden0, logits0 = self._catch_up()
+        base = self.rows
+        predicted: dict[int, Tensor] = {}  # node → its output feature [1, 1, H]
+        cache_row: dict[int, int] = {}  # node → its row in the head's cache
+        depth: dict[int, int] = {}
+
+        def expand(new: list[int], tokens: list[int], parents: list[int]) -> Tensor:
+            past = self.cache.get_seq_length()
+            allowed = torch.zeros(len(new), past + len(new), dtype=torch.bool, device=self.device)
+            allowed[:, :base] = True  # rows from true features
+            for j, node in enumerate(new):
+                parent = parents[node]
+                depth[node] = 1 if parent < 0 else depth[parent] + 1
+                while parent >= 0:
+                    allowed[j, cache_row[parent]] = True
+                    parent = parents[parent]
+                allowed[j, past + j] = True
+                cache_row[node] = past + j
+            ids = torch.tensor([[tokens[n] for n in new]], device=self.device)  # [1, S]
+            hidden = torch.cat([predicted[parents[n]] if parents[n] >= 0 else hidden0 for n in new], dim=1)  # [1, S, H]
+            positions = torch.tensor([[base + depth[n] - 1 for n in new]], device=self.device)  # [1, S]
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[None, None]  # [1, 1, S, past+S]
+            out, logits = self.module(ids, hidden, position_ids=positions, attention_mask=mask, cache=self.cache)
+            for j, node in enumerate(new):
+                predicted[node] = out[:, j : j + 1]
+            return self.module.target_logits(logits[0])  # [S, V]
+
+        return build_tree(shape, self.module.target_logits(logits0), expand, warp, generator)
+
+    def _catch_up(self) -> tuple[Tensor, Tensor]:
+        """Drop last round's drafted rows, run the rows of features that arrived since; return the
+        last true row's (predicted feature [1, 1, H], logits [V'])."""
         crop_cache(self.cache, self.rows)
         if self._pending:
             feats = torch.cat(self._pending).to(device=self.device, dtype=self.dtype)  # [m, F]
@@ -87,17 +141,7 @@ class EagleDrafter:
             self._last = (hidden[:, -1:], logits[0, -1])
         if self._last is None:
             raise DraftsmithError("EAGLE drafter asked to propose before any target features arrived")
-        hidden, logits = self._last
-        position = self.rows
-
-        def step(token: int) -> Tensor:
-            nonlocal hidden, position
-            ids = torch.tensor([[token]], device=self.device)
-            hidden, out = self._step(ids, hidden, position)  # predicted feature in, next one out
-            position += 1
-            return self.module.target_logits(out[0, -1])
-
-        return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
+        return self._last
 
     def _step(self, ids: Tensor, hidden: Tensor, start: int) -> tuple[Tensor, Tensor]:
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]  # [1, S]

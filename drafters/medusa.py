@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ..decode.protocol import Proposal, draft_chain
 from ..decode.sampling import Warp
+from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import ConfigError, DraftsmithError
 from ..target import Target, describe
 from .common import check_features, frozen_copy, place, seeded, target_parts, text_config
@@ -131,6 +132,28 @@ class MedusaDrafter:
         # head i drafts token i from the same feature: the drafted tokens are not fed back
         return draft_chain(lambda _token: self.module.head_logits(next(heads), normed),
                            self.module.head_logits(0, normed), min(k, self.module.num_heads), warp, generator)
+
+    @torch.inference_mode()
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+        """A draft tree at most K deep: the children of every node at depth d come from head d (Medusa's
+        heads read the last target feature only, so all nodes of a depth share one distribution)."""
+        if self.last is None:
+            raise DraftsmithError("Medusa drafter asked to propose before any target features arrived")
+        normed = self.module.normalize(self.last)  # [H]
+        heads: dict[int, Tensor] = {}
+
+        def head(d: int) -> Tensor:
+            if d not in heads:
+                heads[d] = self.module.head_logits(d, normed)  # [V]
+            return heads[d]
+
+        def expand(new: list[int], tokens: list[int], parents: list[int]) -> Tensor:
+            depth = [0] * len(parents)
+            for i, p in enumerate(parents):
+                depth[i] = 1 if p < 0 else depth[p] + 1
+            return torch.stack([head(depth[n]) for n in new])  # [S, V]
+
+        return build_tree(shape, head(0), expand, warp, generator, max_depth=self.module.num_heads)
 
 
 def build_medusa(arch: Any, feature_norm: nn.Module, num_heads: int, num_layers: int, seed: int = 0) -> MedusaHeads:

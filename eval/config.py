@@ -7,9 +7,11 @@ a seed); these sections are where a recipe names them, validated with the key th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..decode.sampling import Warp
-from ..errors import ConfigError
+from ..decode.tree import DynamicTree, StaticTree, TreeShape
+from ..errors import ConfigError, DraftsmithError
 
 
 @dataclass
@@ -25,6 +27,19 @@ class DecodeConfig:
     """1.0 disables."""
     seed: int = 0
     """Seeds the sampler: same seed, same output."""
+    tree: Literal["none", "static", "dynamic"] = "none"
+    """none: chains of k drafts; static: the fixed tree tree_paths (Medusa-style); dynamic: EAGLE-2's
+    tree (tree_depth levels, tree_top_k expanded per level, tree_budget nodes). Drafters without a tree
+    runtime draft chains of the tree's depth (the degenerate tree)."""
+    tree_paths: str | list[list[int]] = "default"
+    """static: a named tree (default: 16 nodes, depth 4; chain4) or a list of child-rank paths, e.g.
+    [[0], [1], [0, 0]] (every prefix a path; a rank c > 0 needs its elder sibling c − 1)."""
+    tree_depth: int = 4
+    """dynamic: levels below the last committed token (the most drafts accepted per round)."""
+    tree_top_k: int = 4
+    """dynamic: child slots expanded per level (and per node)."""
+    tree_budget: int = 16
+    """dynamic: drafted tokens verified per round. GPU (EAGLE's reference decoder): depth 5, top-k 8, 63."""
 
     def validate(self) -> None:
         if self.k < 1:
@@ -37,6 +52,27 @@ class DecodeConfig:
             raise ConfigError(f"decode.top_k = {self.top_k} must be ≥ 0 (0 disables)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"decode.top_p = {self.top_p} must be in (0, 1]")
+        for name in ("tree_depth", "tree_top_k", "tree_budget"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"decode.{name} = {getattr(self, name)} must be at least 1")
+        self.tree_shape()  # a bad tree_paths fails at load
+
+    def tree_shape(self) -> TreeShape | None:
+        """The plain tree shape the decoder takes, or None for chains."""
+        try:
+            if self.tree == "static":
+                return StaticTree.named_or_given(self.tree_paths)
+            if self.tree == "dynamic":
+                return DynamicTree(self.tree_depth, self.tree_top_k, self.tree_budget)
+        except DraftsmithError as e:
+            raise ConfigError(f"decode.tree_paths: {e}") from e
+        return None
+
+    @property
+    def depth(self) -> int:
+        """The most drafts a round can accept: k, or the tree's depth."""
+        shape = self.tree_shape()
+        return self.k if shape is None else shape.depth
 
     @property
     def warp(self) -> Warp:

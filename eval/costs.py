@@ -147,6 +147,8 @@ class TimedDrafter:
         for name in ("bind", "verify"):
             if hasattr(drafter, name):
                 setattr(self, name, getattr(drafter, name))
+        if hasattr(drafter, "propose_tree"):  # a tree runtime: timed too, ``drafted`` counts tree nodes
+            self.propose_tree = self._propose_tree
 
     def reset(self) -> None:
         self.inner.reset()
@@ -162,6 +164,15 @@ class TimedDrafter:
         _sync(out.tokens)
         self.seconds += time.perf_counter() - t0
         self.drafted += int(out.tokens.shape[0])
+        return out
+
+
+    def _propose_tree(self, shape: Any, warp: Warp, generator: torch.Generator | None) -> Any:
+        t0 = time.perf_counter()
+        out = self.inner.propose_tree(shape, warp, generator)
+        _sync(out.tokens)
+        self.seconds += time.perf_counter() - t0
+        self.drafted += out.size
         return out
 
 

@@ -23,9 +23,10 @@ import torch
 
 from tqdm import tqdm
 
-from ..decode.chain import check_prompt, speculative_decode
+from ..decode.chain import DecodeResult, check_prompt, speculative_decode
 from ..decode.protocol import Drafter, common_prefix
 from ..decode.stats import DecodeStats
+from ..decode.tree import tree_decode
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..schema import save_recipe, to_dict
@@ -80,8 +81,7 @@ def evaluate(
     timed = TimedDrafter(drafter)
 
     def spec(prompt: list[int]) -> Any:
-        return speculative_decode(target, timed, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
-                                  warp=decode.warp, seed=decode.seed)
+        return decode_prompt(target, timed, prompt, decode)
 
     def alone(prompt: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def evaluate(
             spec(prompt)
             alone(prompt)
         timed.seconds, timed.drafted = 0.0, 0
-    total = DecodeStats(k=decode.k)
+    total = DecodeStats(k=decode.depth)
     records = []
     for i, (q, prompt) in enumerate(tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress)):
         ref = None
@@ -129,20 +129,35 @@ def evaluate(
                     f"{str(target.dtype).replace('torch.', '')})"
                 )
         records.append(rec)
-    speed = speed_summary(target, timed, total, records, prompts[0], decode.k) if time_target else None
+    speed = None
+    if time_target:
+        speed = speed_summary(target, timed, total, records, prompts[0], decode.k, tree=decode.tree_shape() is not None)
     return Evaluation(total, records, speed)
 
 
+def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: DecodeConfig) -> DecodeResult:
+    """One prompt through the decoder the recipe's decode section names: chains of k, or trees."""
+    shape = decode.tree_shape()
+    if shape is None:
+        return speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
+                                  warp=decode.warp, seed=decode.seed)
+    return tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=decode.max_new_tokens, warp=decode.warp,
+                       seed=decode.seed)
+
+
 def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, records: list[dict[str, Any]],
-                  prompt: list[int], k: int) -> dict[str, Any]:
-    """speedup_vs_target and the cost model that predicts it (see :mod:`draftsmith.eval.costs`)."""
+                  prompt: list[int], k: int, tree: bool = False) -> dict[str, Any]:
+    """speedup_vs_target and the cost model that predicts it (see :mod:`draftsmith.eval.costs`).
+
+    tree: the decode drafted trees; the chain model τ(k) / (v(k) + k c) does not describe them, so
+    no prediction is made (c is then the drafter's seconds per drafted tree node)."""
     spec_s = sum(r["stats"]["wall_s"] for r in records)
     target_s = sum(r["target"]["wall_s"] for r in records)
     step = target_step_seconds(target, prompt)
-    v = verify_costs(target, prompt, range(1, k + 1))
+    v = {} if tree else verify_costs(target, prompt, range(1, k + 1))
     c = (timed.seconds / timed.drafted) / step if timed.drafted else 0.0
     alpha = conditional_acceptance(stats.summary()["acceptance_at_position"])
-    by_k = {kk: round(predicted_speedup(alpha, kk, v[kk], c), 3) for kk in range(1, len(alpha) + 1)}
+    by_k = {} if tree else {kk: round(predicted_speedup(alpha, kk, v[kk], c), 3) for kk in range(1, len(alpha) + 1)}
     return {
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
@@ -163,7 +178,8 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
             "best_k": max(by_k, key=by_k.get) if by_k else None,
             "note": "predicted = tau(k) / (v(k) + k c): tau from the measured acceptance by position (greedy: exact for "
                     "every k up to the one decoded), v(k) the verification forward over k+1 tokens / a one-token "
-                    "forward; the decoder's own per-round overhead is not in the model",
+                    "forward; the decoder's own per-round overhead is not in the model" if not tree else
+                    "tree decoding: the chain cost model does not apply (no prediction); speedup_vs_target is measured",
         },
     }
 
@@ -242,9 +258,10 @@ def print_eval(m: dict[str, Any]) -> None:
         cm = speed["cost_model"]
         print(f"speed ({speed['dtype']}, {speed['device']}, {speed['threads']} threads): "
               f"{speed['tokens_per_s']:.1f} tok/s vs the target alone {speed['target_tokens_per_s']:.1f} tok/s -> "
-              f"speedup_vs_target {speed['speedup_vs_target']:.3f}x (predicted {cm['predicted_speedup']}x from "
-              f"c={cm['draft_cost_c']:.3f}, v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
-              f"best k by the cost model: {cm['best_k']})")
+              f"speedup_vs_target {speed['speedup_vs_target']:.3f}x" + (
+                  f" (predicted {cm['predicted_speedup']}x from c={cm['draft_cost_c']:.3f}, "
+                  f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
+                  f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else ""))
     print(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
           f"acceptance rate {m['acceptance_rate']:.3f}; per position {m['acceptance_at_position']}")
     ident = m.get("identity")

@@ -93,6 +93,24 @@ def mtbench_first_turns() -> list[str]:
     return [q.turns[0] for q in load_questions("mtbench")]
 
 
+MTBENCH_GREEDY_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def mtbench_prompts(smollm2, mtbench_first_turns) -> list[list[int]]:
+    """The first 10 MT-bench first turns, chat template applied, as the real target's token ids."""
+    return [smollm2.render_chat([{"role": "user", "content": t}]) for t in mtbench_first_turns[:10]]
+
+
+@pytest.fixture(scope="session")
+def mtbench_greedy(smollm2, mtbench_prompts) -> list[list[int]]:
+    """The target's own greedy decoding of each, MTBENCH_GREEDY_TOKENS new tokens (greedy is
+    deterministic: its first n tokens are the greedy decoding of n tokens)."""
+    from draftsmith.eval.reference import target_greedy
+
+    return [target_greedy(smollm2, p, MTBENCH_GREEDY_TOKENS) for p in mtbench_prompts]
+
+
 # ---------------------------------------------------------------- training (tests/test_train_*.py)
 
 

@@ -48,7 +48,8 @@ class MarkovLM(torch.nn.Module):
 
     forward(input_ids [1, S], cache=…, logits_to_keep=…) -> .logits [1, S', V], like a HF
     causal LM. The cache stores each fed token id (as a float key) so that the first new
-    position reads its predecessor from the cache.
+    position reads its predecessor from the cache; with a 4-D tree mask each row reads the last
+    row it attends before itself (its parent), so a wrongly compacted cache changes the law.
     """
 
     def __init__(self, table: torch.Tensor):
@@ -67,13 +68,20 @@ class MarkovLM(torch.nn.Module):
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=False, logits_to_keep=0, **_):
         ids = input_ids[0]  # [S]
         prev = BOS
+        past = torch.zeros(0)
         if cache is not None:
             if cache.get_seq_length() > 0:
-                prev = int(cache.layers[0].keys[0, 0, -1, 0])
+                past = cache.layers[0].keys[0, 0, :, 0]
+                prev = int(past[-1])
             kv = ids.float().view(1, 1, -1, 1)
             cache.update(kv, kv, 0)
         self.fed += ids.shape[0]
         prevs = torch.cat([torch.tensor([prev]), ids[:-1]])
+        if attention_mask is not None and attention_mask.dim() == 4:  # a tree: x_{t-1} = the last row attended before t
+            seen = torch.cat([past, ids.float()]).long()
+            allowed = attention_mask[0, 0] == 0  # [S, past+S]
+            rows = [allowed[i, : len(past) + i].nonzero() for i in range(ids.shape[0])]
+            prevs = torch.tensor([int(seen[r[-1, 0]]) if len(r) else BOS for r in rows])
         logits = self.table[prevs, ids]  # [S, V]
         if logits_to_keep:
             logits = logits[-logits_to_keep:]

@@ -16,21 +16,22 @@ from draftsmith.decode.sampling import Warp
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.hf_lm import HFDrafterConfig
 from draftsmith.drafters.layer_skip import SelfSpeculativeDrafter, truncated_model
-from draftsmith.eval.reference import target_greedy
+
+from .conftest import MTBENCH_GREEDY_TOKENS
 
 pytestmark = pytest.mark.e2e
 
-MAX_NEW = 24
+MAX_NEW = MTBENCH_GREEDY_TOKENS
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2, mtbench_first_turns):
-    return [smollm2.render_chat([{"role": "user", "content": t}]) for t in mtbench_first_turns[:10]]
+def prompts(mtbench_prompts):
+    return mtbench_prompts
 
 
 @pytest.fixture(scope="module")
-def references(smollm2, prompts):
-    return [target_greedy(smollm2, p, MAX_NEW) for p in prompts]
+def references(mtbench_greedy):
+    return mtbench_greedy
 
 
 def test_greedy_identical_to_target_on_10_mtbench_prompts(smollm2, prompts, references):
