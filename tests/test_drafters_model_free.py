@@ -251,15 +251,18 @@ def test_hybrid_sampled_keeps_the_exact_sequence_law(markov_target):
 
 
 def test_suffix_with_a_wrong_q_fails_the_same_check(markov_target):
-    """Power: reporting point masses for drafts that were sampled from the empirical distribution biases the law."""
-    class PointMassLiar(SuffixDrafter):
+    """Power: reporting a uniform q for drafts that were sampled from the empirical distribution biases the law.
+
+    (A point-mass claim would not do: accepting x with probability p(x) and otherwise sampling p without x is
+    exact for any q — the test must lie in a way that changes the acceptance of the drafted tokens.)"""
+    class UniformLiar(SuffixDrafter):
         def propose(self, k, warp, generator):
             prop = super().propose(k, warp, generator)
             if prop.probs is not None and prop.probs.shape[0]:
-                prop.probs = torch.nn.functional.one_hot(prop.tokens, V).float()
+                prop.probs = torch.full_like(prop.probs, 1.0 / V)
             return prop
 
-    liar = PointMassLiar(V, max_depth=8, max_spec_factor=2.0, min_prob=0.05, corpus=markov_corpus(markov_target))
+    liar = UniformLiar(V, max_depth=8, max_spec_factor=2.0, min_prob=0.05, corpus=markov_corpus(markov_target))
     pvalue, _ = law_check(markov_target, liar, Warp(temperature=1.0), k=3)
     assert pvalue < 1e-6
 
