@@ -17,7 +17,8 @@ min(1, p(x)/q(x)) (then continue at x with x's own p and q); after a rejection
 * for children drawn *without* replacement (distinct tokens; what :func:`build_tree` drafts):
   q ← q with x removed, renormalized — recursive rejection sampling without replacement
   (Jeon et al. 2024, "Recursive Speculative Decoding: Accelerating LLM Inference via Sampling
-  Without Replacement", RSD); for children drawn i.i.d. *with* replacement (duplicates possible)
+  Without Replacement", RSD; the verification of Sequoia, Chen et al. 2024, is the same rule);
+  for children drawn i.i.d. *with* replacement (duplicates possible)
   q stays as it is (SpecInfer, Miao et al. 2024; Yang et al. 2024 "Multi-candidate speculative
   decoding");
 
