@@ -40,8 +40,9 @@ def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
 
     assert summary["train"]["steps"] == 2
     assert os.path.isfile(os.path.join(run_dir, "eagle3", "drafter", "model.safetensors"))
-    alone, head = summary["drafters"]
+    alone, head, *baselines = summary["drafters"]
     assert alone["drafter"].startswith("target alone") and alone["speedup_vs_target"] == 1.0
+    assert [b["drafter"] for b in baselines] == ["prompt_lookup (model-free baseline)"]  # the free floor
     assert head["drafter"].startswith("EAGLE-3 head") and head["k"] == 2
     assert head["identical_to_target"] == "2/2"  # fp32 audit; a mismatch raises
     assert summary["speed_dtype"] == "bfloat16" and summary["identity_dtype"] == "float32"
