@@ -35,12 +35,18 @@ class DecodeResult:
 @torch.inference_mode()
 def speculative_decode(
     target: Target, drafter: Drafter, prompt_ids: list[int], *, k: int, max_new_tokens: int,
-    warp: Warp = Warp(), seed: int = 0,
+    warp: Warp = Warp(), seed: int = 0, min_confidence: float = 0.0,
 ) -> DecodeResult:
     """Decode one prompt speculatively, k drafts per round, at most max_new_tokens new tokens.
 
     warp: temperature / top-k / top-p applied to target and drafter alike (greedy by default:
     then the output is the target's own greedy output); seed seeds the sampler.
+    min_confidence: the confidence gate — keep the drafts d_1..d_j whose running product of the
+    drafter's own confidences (``Proposal.confidence``) is ≥ min_confidence, drop the rest (a round
+    may verify no draft at all: a plain target step). The rule reads only the drafter's state, before
+    the target sees the drafts, so the output law is unchanged (lossless; greedy: token-identical).
+    It pays where verification is not free: a draft is worth verifying when its chance of acceptance
+    exceeds the extra verification cost, v(1) − 1 ≈ 0.35 of a step in bf16 on a 2-core CPU.
     """
     if k < 1:
         raise DraftsmithError(f"k = {k}: the number of draft tokens per round must be at least 1")
@@ -68,6 +74,8 @@ def speculative_decode(
         k_round = min(k, max_new_tokens - len(tokens) - 1)
         proposal = drafter.propose(k_round, warp, gen) if k_round > 0 else None
         draft = proposal.tokens[:k_round] if proposal is not None else no_draft  # [k'] — a drafter may propose fewer
+        if min_confidence > 0 and proposal is not None and proposal.confidence is not None:
+            draft = draft[: gate(proposal.confidence[: draft.shape[0]], min_confidence)]
         committed = len(prompt_ids) + len(tokens) - 1  # in the cache: every committed token but the last
         verify_ids = torch.cat([torch.tensor([token], device=device), draft])[None]  # [1, k'+1]
         if verify is not None:
@@ -92,6 +100,11 @@ def speculative_decode(
     stats.new_tokens = len(tokens)
     stats.wall_s = time.perf_counter() - start
     return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
+
+
+def gate(confidence: Tensor, threshold: float) -> int:
+    """How many leading drafts keep their running confidence product ≥ threshold ([k'] → int)."""
+    return int((torch.cumprod(confidence.float(), 0) >= threshold).cumprod(0).sum())
 
 
 def prefill(
