@@ -92,7 +92,7 @@ def test_recipe_improves_heldout_metrics(tmp_path, tiny_target_dir, tiny_train_d
     assert loss[1] < loss[0], loss
     assert summary["method"] == method and summary["steps"] == 10
     if method in ("eagle3", "medusa"):  # per unrolled step / per head, and the chain summary
-        assert {"heldout/acceptance_step0", "heldout/acceptance_step1", "heldout/top1_step1"} <= set(log[-1])
+        assert {"heldout/expected_accept_step0", "heldout/expected_accept_step1", "heldout/top1_step1", "sim_tau"} <= set(log[-1])
         assert summary["heldout"]["heldout/expected_tokens"] > 0
 
 
