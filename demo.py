@@ -169,7 +169,7 @@ def _print_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: s
     table = Table(title=f"draftsmith demo: SmolLM2-135M-Instruct in the built-in decoder, MT-bench first turns, greedy — "
                         f"speed in {speed['dtype']} on {speed['device']} ({speed['threads']} threads), identity in "
                         f"{ident['dtype']}")
-    for col in ("drafter", "k", "τ (bonus counted)", "accept @ pos 1..k", "tok/s", "speedup vs target",
+    for col in ("drafter", "k", "τ (bonus counted)", "accept @ pos 1..k (cumulative)", "tok/s", "speedup vs target",
                 "predicted", "identical (fp32)"):
         table.add_column(col)
     for r in rows:

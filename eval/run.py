@@ -264,7 +264,8 @@ def print_eval(m: dict[str, Any]) -> None:
                   f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
                   f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else ""))
     print(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
-          f"acceptance rate {m['acceptance_rate']:.3f}; per position {m['acceptance_at_position']}")
+          f"acceptance rate {m['acceptance_rate']:.3f}; by position: cumulative {m['acceptance_at_position']}, "
+          f"conditional {m['conditional_acceptance_at_position']}")
     ident = m.get("identity")
     if ident:
         print(f"identity ({ident['dtype']}): greedy output token-identical to the target's own greedy decoding on "
