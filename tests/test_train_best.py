@@ -58,7 +58,7 @@ def test_drafter_best_is_the_evaluation_with_the_best_sim_tau_and_loads(tmp_path
         assert r["sim_tau"] == pytest.approx(1 + a0 + a0 * a1 + a0 * a1 * a1)
     curve = [{"step": r["step"], "sim_tau": r["sim_tau"]} for r in log]
     assert summary["sim_tau_curve"] == curve
-    best = max(curve, key=lambda p: p["sim_tau"])  # the first of equals, as the run keeps it
+    best = max(reversed(curve), key=lambda p: p["sim_tau"])  # the last of equals (the most trained), as the run keeps it
     assert (summary["best"]["step"], summary["best"]["sim_tau"]) == (best["step"], best["sim_tau"])
     assert (summary["best"]["k"], summary["best"]["greedy"]) == (3, False)
     assert len({p["sim_tau"] for p in curve}) > 1  # the curve moved: the pick is not vacuous

@@ -6,8 +6,8 @@ held-out per-position acceptance predicts at the recipe's ``decode.k``); the dra
 far is written to ``<run_dir>/drafter-best`` — the format of ``drafter/`` plus a ``selection`` entry in
 its config.json (step, sim_tau, k, basis), written atomically with the weights. That entry is the
 best value so far: a resumed run reads it (a drafter-best written after the checkpoint it resumes
-from still counts) and replaces drafter-best only with a strictly better one; a run started afresh
-replaces whatever drafter-best an earlier run left.
+from still counts) and never replaces drafter-best with a worse one; ties go to the later, more
+trained drafter. A run started afresh replaces whatever drafter-best an earlier run left.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def best_selection(run_dir: str) -> dict[str, Any] | None:
 
 
 def keep_best(run: Run, engine: Any, sim_tau: float) -> bool:
-    """Record (step, sim_tau) on the curve; write ``drafter-best`` when sim_tau beats the best so far
+    """Record (step, sim_tau) on the curve; write ``drafter-best`` when sim_tau is at least the best so far
     (see the module docstring). All ranks call this together; rank 0's view of drafter-best decides."""
     step = run.state.step
     first_of_fresh_run = run.session.step == 0 and not run.state.sim_tau_curve
@@ -97,7 +97,7 @@ def keep_best(run: Run, engine: Any, sim_tau: float) -> bool:
     if run.world.is_main:
         best = None if first_of_fresh_run else best_selection(run.run_dir)
         comparable = best is not None and all(best.get(k) == v for k, v in basis.items())
-        better = float(not comparable or sim_tau > float(best["sim_tau"]))
+        better = float(not comparable or sim_tau >= float(best["sim_tau"]))  # a tie: the later, more trained one
     if not distributed.all_sum([better])[0]:
         return False
     save_drafter(run, engine, BEST, extra={"selection": {"step": step, "sim_tau": sim_tau, **basis,
