@@ -142,7 +142,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     summary = {"size": size.__dict__, "speed_dtype": speed["dtype"], "identity_dtype": ident["dtype"],
                "device": speed["device"], "threads": speed["threads"],
                "stage_seconds": {k: round(v, 1) for k, v in times.items()},
-               "train": {k: train_summary.get(k) for k in ("steps", "heldout", "drafter")},
+               "train": {k: train_summary.get(k)
+                         for k in ("steps", "heldout", "drafter", "best", "best_drafter", "sim_tau_curve")},
                "drafters": rows, "speedup_vs_target": speed["speedup_vs_target"], "passed": passed,
                "note": "tau counts the bonus token; speed in bf16 against the target alone in the same process, "
                        "identity checked token for token against the target's greedy decoding in fp32"}
