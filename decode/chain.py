@@ -21,7 +21,7 @@ from ..errors import DraftsmithError
 from ..target import Target, crop_cache
 from .protocol import Drafter
 from .sampling import Warp, greedy_accept, speculative_accept
-from .stats import DecodeStats
+from .stats import DecodeStats, first_eos
 
 
 @dataclass
@@ -89,11 +89,15 @@ def speculative_decode(
             q = _draft_probs(proposal, draft, logits.shape[-1])
             n, token = speculative_accept(warp.probs(logits), q, draft, gen)
         crop_cache(cache, committed + 1 + n)  # keep t, d_1..d_n; the new token is fed next round
-        emitted = draft[:n].tolist() + [token]
+        kept = draft[:n].tolist()
+        cut = first_eos(kept, eos)
+        if cut is not None:  # an accepted draft was EOS: the sequence ends there, and only what is emitted counts
+            stats.record_round(cut + 1, cut + 1, nodes=draft.shape[0], bonus=False)
+            tokens.extend(kept[: cut + 1])
+            break
+        emitted = kept + [token]
         stats.record_round(draft.shape[0], n)
         tokens.extend(emitted)
-        if any(t in eos for t in emitted[:-1]):
-            break  # an accepted draft was EOS: the sequence is over (the tokens after it are cut below)
         drafter.update(torch.tensor(emitted, device=device), first_features(out.features, n + 1))
 
     tokens, reason = finish(tokens, eos, max_new_tokens)
@@ -155,7 +159,7 @@ def first_features(features: Tensor | None, n: int | None = None) -> Tensor | No
 
 
 def finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], Literal["eos", "length"]]:
-    """Cut after the first EOS (drafts may run past it) and at max_new tokens."""
+    """Cut after the first EOS and at max_new tokens (a safeguard: the loops stop at both)."""
     for i, t in enumerate(tokens[:max_new]):
         if t in eos:
             return tokens[: i + 1], "eos"

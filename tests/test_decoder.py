@@ -403,6 +403,9 @@ def test_metrics_arithmetic_with_known_acceptance(tiny, smollm2_tokenizer):
     s = st.summary()
     assert s["acceptance_rate"] == pytest.approx(st.accepted / st.drafted, abs=1e-4)
     assert s["acceptance_at_position"] == [round(a / p, 4) for a, p in zip(st.accepted_at, st.proposed_at)]
+    assert st.reached_at == [sum(p > i and n >= i for p, n in rounds) for i in range(k)]
+    assert s["conditional_acceptance_at_position"] == [round(a / r, 4) for a, r in zip(st.accepted_at, st.reached_at)]
+    assert st.eos_rounds == 0
     for key in ("new_tokens", "target_forwards", "tau_with_bonus", "tau_note", "acceptance_rate",
                 "acceptance_at_position", "accepted_length_histogram", "tokens_per_s", "wall_s"):
         assert key in s
@@ -453,6 +456,36 @@ def test_stops_on_eos_even_inside_an_accepted_block(smollm2_tokenizer, tiny, ins
     assert res.stats.rounds == used
     if inside_block:
         assert any(n == 4 and start <= j < start + n for start, n in _round_spans(rounds)), "EOS was not inside a block"
+
+
+def test_an_eos_inside_an_accepted_block_ends_the_counts_where_the_output_ends(smollm2_tokenizer, tiny):
+    """Rounds accept 4, 1, 4, … drafts (k = 4); EOS is ref[10], draft 3 of round 2, and the target
+    accepts draft 4 after it too. Only what is emitted counts: round 2 proposed and accepted drafts
+    1..3 (8, 9, EOS) and has no bonus token, so τ · rounds = new tokens − the prefill token."""
+    _, ref = tiny
+    target = make_target(smollm2_tokenizer, eos=ref[10])
+    assert ref[10] not in ref[:10]
+    res = speculative_decode(target, ScriptedDrafter(ref, [4, 1], target.vocab_size), PROMPT_IDS, k=4,
+                             max_new_tokens=30)
+    assert res.tokens == ref[:11] and res.finish_reason == "eos"
+    st = res.stats
+    # round 0: 4/4 + bonus (tokens 1-5); round 1: 1/4 + bonus (6, 7); round 2: drafts 8, 9, EOS of 4 verified
+    assert (st.rounds, st.accepted, st.drafted, st.eos_rounds, st.new_tokens) == (3, 8, 12, 1, 11)
+    assert st.tau == pytest.approx(10 / 3) and st.tau * st.rounds == pytest.approx(st.new_tokens - 1)
+    assert st.proposed_at == [3, 3, 3, 2] and st.accepted_at == [3, 2, 2, 1] and st.reached_at == [3, 3, 2, 1]
+    assert st.accept_hist == [0, 1, 0, 1, 1]
+    s = st.summary()
+    assert s["tau_with_bonus"] == pytest.approx(3.3333, abs=1e-4) and s["acceptance_rate"] == pytest.approx(0.6667)
+    assert s["acceptance_at_position"] == [1.0, 0.6667, 0.6667, 0.5]  # cumulative
+    assert s["conditional_acceptance_at_position"] == [1.0, 0.6667, 1.0, 1.0]
+    assert s["eos_rounds"] == 1
+
+
+def test_bad_round_counts_are_refused():
+    from draftsmith.decode.stats import DecodeStats
+
+    with pytest.raises(ValueError, match="accepted 3 of 2 drafts"):
+        DecodeStats(k=4).record_round(2, 3)
 
 
 def _round_spans(rounds):
