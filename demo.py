@@ -35,9 +35,16 @@ from .files import write_json
 @dataclass
 class DemoSize:
     conversations: int = 240
-    """ShareGPT conversations whose first answer the target regenerates."""
+    """ShareGPT conversations read (first answers regenerated, or every turn's own answer)."""
+    regenerate: bool = False
+    """True: train on the target's own greedy answers (``data.regenerate``); False: on ShareGPT's own
+    answers, with the target's soft labels from the feature cache. On a 2-core CPU a regenerated
+    answer token costs about 7× a cached feature token (batched generation vs one teacher-forced
+    forward, benchmarks/RESULTS.md), so the 20-minute size trains on ShareGPT's answers."""
     answer_tokens: int = 160
-    """Longest regenerated answer (new tokens)."""
+    """Longest regenerated answer (new tokens), when regenerating."""
+    max_length: int = 512
+    """Tokens per training sequence (prompt + answer); longer records are cut."""
     steps: int = 300
     """EAGLE-3 optimizer steps."""
     batch_size: int = 4
@@ -50,6 +57,9 @@ class DemoSize:
     max_new_tokens: int = 96
     k: int = 3
     """Draft tokens per round in the evaluation."""
+    min_confidence: float = 0.0
+    """The decoder's confidence gate (``decode.min_confidence``): drafts verified only while the head's
+    running top-1 confidence stays above it; lossless."""
 
 
 SIZES: dict[str, DemoSize] = {
@@ -64,7 +74,9 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
     data = os.path.join(run_dir, "prepare", "data")
     return {
         "prepare": [f"run_dir={run_dir}/prepare", f"data.max_conversations={size.conversations}",
-                    f"data.regenerate.max_new_tokens={size.answer_tokens}"],
+                    f"data.render.max_length={size.max_length}"]
+                   + ([f"data.regenerate.max_new_tokens={size.answer_tokens}"] if size.regenerate
+                      else ["data.stages=[tokenize,features,vocab]"]),
         "train": [
             f"run_dir={run_dir}/eagle3",
             f"train.dataset={data}/tokenized",
@@ -72,7 +84,7 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
             f"drafter.draft_vocab={data}/draft_vocab.safetensors",
             f"train.steps={size.steps}",
             f"train.batch_size={size.batch_size}",
-            "train.max_length=512",
+            f"train.max_length={size.max_length}",
             f"train.ttt_steps={size.ttt_steps}",
             f"train.optimizer.lr={size.lr}",
             f"train.schedule.warmup_steps={max(5, size.steps // 50)}",
@@ -84,7 +96,8 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
         "eval": [f"run_dir={run_dir}/eval-eagle3", "drafter.type=saved", f"drafter.path={run_dir}/eagle3/drafter",
                  "target.dtype=bfloat16",  # speed in bf16; the identity audit reloads the target in fp32
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
-                 f"decode.k={size.k}", f"decode.max_new_tokens={size.max_new_tokens}"],
+                 f"decode.k={size.k}", f"decode.min_confidence={size.min_confidence}",
+                 f"decode.max_new_tokens={size.max_new_tokens}"],
     }
 
 
