@@ -166,7 +166,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .config import load_recipe
     from .report.run import run_report
 
-    run_report(load_recipe(args.config, args.overrides), args.compare)
+    # `--compare A B key=value`: argparse gives the trailing overrides to --compare; a folder never holds '='
+    # here unless it exists
+    compare = [c for c in args.compare if "=" not in c or os.path.isdir(c)]
+    overrides = args.overrides + [c for c in args.compare if c not in compare]
+    run_report(load_recipe(args.config, overrides), compare)
     return 0
 
 

@@ -50,8 +50,8 @@ def report(setup, tiny_target_dir):
     root, prompts = setup
     code = main(["report", "-c", "smollm2-135m-eagle3", f"target.name={tiny_target_dir}", "drafter.type=prompt_lookup",
                  f"eval.prompts={prompts}", "eval.num_prompts=2", f"decode.k={K}", "decode.max_new_tokens=10",
-                 "report.seeds=[0]", f"run_dir={root / 'run'}",
-                 "--compare", str(root / "draftlm"), str(root / "eagle3")])
+                 f"run_dir={root / 'run'}",
+                 "--compare", str(root / "draftlm"), str(root / "eagle3"), "report.seeds=[0]"])  # overrides may follow
     assert code == 0
     out = root / "run" / "report"
     return json.loads((out / "report.json").read_text()), out
@@ -75,6 +75,7 @@ def test_writes_json_markdown_and_readable_plots(report):
 
 def test_histograms_rounds_and_categories_add_up(report):
     data, _ = report
+    assert data["decode"]["seeds"] == [0]
     for name, res in data["drafters"].items():
         for mode in ("greedy", "greedy_fp32", "sampled"):
             d = res["decoding"][mode]
@@ -196,3 +197,25 @@ def test_bad_input_is_one_line(capsys, setup, tiny_target_dir, tmp_path):
     assert "decode.tree=none" in _error(capsys, base + ["decode.tree=dynamic"])
     assert "report.temperature" in _error(capsys, base + ["report.temperature=0"])
     assert "report.turns" in _error(capsys, base + ["report.turns=3"])
+
+
+def test_rollout_p_equals_a_fresh_forward_over_the_drafted_prefix(tiny_target):
+    """The masked forward over the answer's cache gives the target's p after prompt + y_<m + d_<j."""
+    import torch
+
+    from draftsmith.report.alignment import rollout_p
+
+    seq = list(range(100, 120))  # prompt (8) + answer (12)
+    P, m = 8, 5
+    start = P + m
+    truth = seq[start : start + 4]
+    drafts = [truth[0], 777, 778, 779]  # on the answer for one draft, then off it
+    cache = tiny_target.new_cache()
+    full = tiny_target.forward(torch.tensor([seq]), cache)
+    p_t = torch.softmax(full.logits[0, P - 1 : len(seq) - 1].float() / 0.7, -1)  # p of the answer tokens
+    got = rollout_p(tiny_target, cache, seq, start, drafts, truth, p_t, m, 0.7)
+    assert cache.get_seq_length() == len(seq)  # cropped back
+    for j in range(len(drafts)):
+        ids = seq[:start] + drafts[:j]
+        want = torch.softmax(tiny_target.forward(torch.tensor([ids])).logits[0, -1].float() / 0.7, -1)
+        assert torch.allclose(got[j], want, atol=1e-5), j
