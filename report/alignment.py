@@ -12,8 +12,8 @@ no draft past the answer's end) twice, by two instances fed the same updates:
   target's p at that position;
 * **rollout**: the drafter drafts its own argmax chain d_1 … d_{k_m}; p_j is the target's
   distribution after prompt + y_<m + d_<j — the reference p while d_<j = y (on the answer), else
-  one forward over the chain's off-answer drafts on the answer's cache with a mask that hides
-  the answer after position m + j.
+  one forward over the chains' off-answer drafts on the answer's cache with a mask that hides
+  the answer after each chain's start and the other chains.
 
 Per draft: α_j = Σ_x min(p_T(x), q_T(x)) (the chance a sampled draft is accepted; T =
 ``report.temperature``, p and q both tempered), KL(p_T ‖ q_T) (q floored at 1e-10), top-1
@@ -147,11 +147,12 @@ class AnswerAlignment:
 @torch.inference_mode()
 def align_answer(target: Target, teacher: Drafter, rollout: Drafter, prompt: list[int], answer: list[int], k: int,
                  max_new_tokens: int, temperature: float, draft_ids: Tensor | None = None,
-                 meta: tuple[str, str, int] = ("", "", 1)) -> AnswerAlignment:
+                 meta: tuple[str, str, int] = ("", "", 1), chunk: int = 64) -> AnswerAlignment:
     """One answer: every start's teacher-forced and rollout chains (see the module docstring).
 
     teacher, rollout: two instances of the same drafter (each sees one ``propose`` per ``update``,
-    as in the decoder). draft_ids: [Vd] the drafter's vocabulary, when reduced.
+    as in the decoder). draft_ids: [Vd] the drafter's vocabulary, when reduced. The rollouts' off-answer
+    drafts of ``chunk`` starts go through the target in one forward.
     """
     device = target.device
     seq = list(prompt) + list(answer)
@@ -169,6 +170,7 @@ def align_answer(target: Target, teacher: Drafter, rollout: Drafter, prompt: lis
     tf_a, tf_g, tf_kl, tf_c, ro_a, ro_g = (np.full(shape, np.nan) for _ in range(6))
     k_m = np.zeros(starts, dtype=int)
     first: list[dict[str, Any]] = []
+    pending: list[tuple[int, int, Drafts, list[int]]] = []  # rollouts whose off-answer p is still to compute
     for m in range(1, N):
         km = min(k, max_new_tokens - m - 1, N - m)
         row = m - 1
@@ -189,11 +191,15 @@ def align_answer(target: Target, teacher: Drafter, rollout: Drafter, prompt: lis
             ro = steered_drafts(rollout, km, None, temperature, gen, target.vocab_size)
             ro_a[row, :km], ro_g[row, :km] = 0.0, 0.0
             if ro.tokens:
-                p_ro = rollout_p(target, cache, seq, P + m, ro.tokens, truth, p_t, m, temperature)
+                pending.append((row, m, ro, truth))
+        if len(pending) >= chunk or (m == N - 1 and pending):
+            for (row, m_, ro, truth), p_ro in zip(pending, rollout_ps(
+                    target, cache, seq, [(P + m_, ro.tokens, truth, m_) for _, m_, ro, truth in pending], p_t, temperature)):
                 a, _ = overlap_and_kl(p_ro, ro.q_t)
                 nr = len(ro.tokens)
                 ro_a[row, :nr] = a.cpu().numpy()
                 ro_g[row, :nr] = (np.array(ro.tokens) == p_ro_argmax(p_ro, ro.tokens, truth)).astype(float)
+            pending = []
         token = torch.tensor([seq[P + m]], device=device)
         for d in (teacher, rollout):
             d.update(token, None if feats is None else feats[P + m - 1 : P + m])
@@ -217,31 +223,42 @@ def p_ro_argmax(p_ro: Tensor, drafts: list[int], truth: list[int]) -> np.ndarray
     return out
 
 
-def rollout_p(target: Target, cache: Any, seq: list[int], start: int, drafts: list[int], truth: list[int],
-              p_t: Tensor, m: int, temperature: float) -> Tensor:
-    """[n, V] the target's p_T at each rollout draft d_j, after seq[:start] + d_<j.
+def rollout_ps(target: Target, cache: Any, seq: list[int], chains: list[tuple[int, list[int], list[int], int]],
+               p_t: Tensor, temperature: float) -> list[Tensor]:
+    """For each chain (start, drafts, truth, m): [n, V] the target's p_T at each draft d_j after
+    seq[:start] + d_<j, all chains in one forward.
 
-    While d_<j equals the answer the p is the answer's own (row m + j of p_t); after the first
-    deviation i the drafts d_i … d_{n−2} are run over the answer's cache (which holds all of seq),
-    each seeing seq[:start + i] and the deviating drafts before it (a 4-D additive mask)."""
-    n = len(drafts)
-    dev = next((i for i in range(n) if drafts[i] != truth[i]), n)
-    rows = [p_t[m + j] for j in range(min(dev + 1, n))]
-    extra = drafts[dev : n - 1]
-    if extra:
-        past = len(seq)
-        s = len(extra)
-        allowed = torch.zeros(s, past + s, dtype=torch.bool, device=target.device)
-        allowed[:, : start + dev] = True
-        allowed[:, past:] = torch.ones(s, s, dtype=torch.bool, device=target.device).tril()
-        mask = torch.zeros(allowed.shape, dtype=target.dtype, device=target.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(target.dtype).min)[None, None]  # [1, 1, s, past+s]
-        positions = torch.arange(start + dev, start + dev + s, device=target.device)[None]  # [1, s]
-        out = target.forward(torch.tensor([extra], device=target.device), cache, attention_mask=mask,
-                             position_ids=positions)
+    While d_<j equals the answer the p is the answer's own (row m + j of p_t, p_t [N, V] the answer's);
+    after a chain's first deviation i its drafts d_i … d_{n−2} run over the answer's cache (which holds
+    all of seq, and is cropped back after), each seeing seq[:start + i] and its own chain's deviating
+    drafts before it (a 4-D additive mask [1, 1, B, len(seq) + B])."""
+    device, past = target.device, len(seq)
+    rows: list[list[Tensor]] = []
+    extra_ids, positions, spans = [], [], []
+    for start, drafts, truth, m in chains:
+        n = len(drafts)
+        dev = next((i for i in range(n) if drafts[i] != truth[i]), n)
+        rows.append([p_t[m + j] for j in range(min(dev + 1, n))])
+        extra = drafts[dev : n - 1]
+        spans.append((len(extra_ids), len(extra), start + dev))
+        extra_ids += extra
+        positions += list(range(start + dev, start + dev + len(extra)))
+    if extra_ids:
+        b = len(extra_ids)
+        allowed = torch.zeros(b, past + b, dtype=torch.bool, device=device)
+        for at, size, visible in spans:
+            allowed[at : at + size, :visible] = True
+            allowed[at : at + size, past + at : past + at + size] = torch.ones(size, size, dtype=torch.bool,
+                                                                              device=device).tril()
+        mask = torch.zeros(allowed.shape, dtype=target.dtype, device=device)
+        mask = mask.masked_fill(~allowed, torch.finfo(target.dtype).min)[None, None]  # [1, 1, B, past+B]
+        out = target.forward(torch.tensor([extra_ids], device=device), cache, attention_mask=mask,
+                             position_ids=torch.tensor([positions], device=device))
         crop_cache(cache, past)
-        rows += list(torch.softmax(out.logits[0].float() / temperature, -1))
-    return torch.stack(rows)
+        p_extra = torch.softmax(out.logits[0].float() / temperature, -1)  # [B, V]
+        for r, (at, size, _) in zip(rows, spans):
+            r += list(p_extra[at : at + size])
+    return [torch.stack(r) for r in rows]
 
 
 def expected_rounds(survival: np.ndarray, k_m: np.ndarray, n_answer: int, k: int) -> tuple[float, float, np.ndarray]:

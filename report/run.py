@@ -161,21 +161,27 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     target = load_target(replace(recipe.target, dtype="float32"))
     print(f"report: target {target.name} in float32 loaded in {time.perf_counter() - t0:.1f}s; drafters: "
-          + ", ".join(name for name, _ in entries))
+          + ", ".join(name for name, _ in entries), flush=True)
     asked, turns, answers = reference_answers(target, questions, greedy.max_new_tokens, cfg.turns)
     turn_of = {q.id: t for q, t in zip(asked, turns)}
     print(f"report: {len(asked)} prompts ({sum(t == 2 for t in turns)} second turns), the target's fp32 greedy "
-          f"answers: {sum(map(len, answers))} tokens")
+          f"answers: {sum(map(len, answers))} tokens", flush=True)
     results: dict[str, dict[str, Any]] = {name: {"drafter": to_dict(d)} for name, d in entries}
     for name, d in entries:
         res = results[name]
-        print(f"report [{name}]: offline alignment")
-        res["alignment"] = alignment_pass(target, d, asked, turns, answers, recipe)
-        print(f"report [{name}]: fp32 audit decode")
+        print(f"report [{name}]: offline alignment", flush=True)
+        res["alignment"] = al = alignment_pass(target, d, asked, turns, answers, recipe)
+        if "skipped" not in al:
+            print(f"report [{name}]: alpha by position {al['teacher_forced']['alpha']} (teacher-forced), top-1 "
+                  f"{al['teacher_forced']['top1']}; predicted tau greedy {al['prediction']['greedy']['tau']}, sampled "
+                  f"{al['prediction']['sampled']['tau']} ({al['wall_s']}s)", flush=True)
+        print(f"report [{name}]: fp32 audit decode", flush=True)
         timed = speed_dtype == torch.float32
         ev = evaluate(target, d.build(target), asked, greedy, progress=False,
                       time_target=timed and recipe.eval.time_target)
         res["audit"] = audit(ev.records, answers, target)
+        print(f"report [{name}]: fp32 greedy tau {ev.stats.tau:.3f}; identical to the target's greedy output on "
+              f"{res['audit']['identical']}/{res['audit']['prompts']} prompts", flush=True)
         res["_fp32_greedy"] = decoding_summary(ev, turn_of)
         if timed:
             res["_greedy"] = res["_fp32_greedy"]
@@ -188,12 +194,12 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
         res = results[name]
         drafter = d.build(target)
         if "_greedy" not in res:
-            print(f"report [{name}]: greedy decode ({described.get('dtype', speed_dtype)}), timed against the target alone")
+            print(f"report [{name}]: greedy decode ({described.get('dtype', speed_dtype)}), timed against the target alone", flush=True)
             res["_greedy"] = decoding_summary(evaluate(target, drafter, asked, greedy, progress=False,
                                                       time_target=recipe.eval.time_target), turn_of)
         sampled = []
         for seed in cfg.seeds:
-            print(f"report [{name}]: sampled decode, temperature {cfg.temperature}, seed {seed}")
+            print(f"report [{name}]: sampled decode, temperature {cfg.temperature}, seed {seed}", flush=True)
             warm = replace(recipe.decode, temperature=cfg.temperature, top_k=0, top_p=1.0, seed=seed)
             sampled.append(evaluate(target, drafter, asked, warm, progress=False))
         res["decoding"] = {"greedy": res.pop("_greedy"), "greedy_fp32": res.pop("_fp32_greedy"),

@@ -200,22 +200,26 @@ def test_bad_input_is_one_line(capsys, setup, tiny_target_dir, tmp_path):
 
 
 def test_rollout_p_equals_a_fresh_forward_over_the_drafted_prefix(tiny_target):
-    """The masked forward over the answer's cache gives the target's p after prompt + y_<m + d_<j."""
+    """The batched masked forward over the answer's cache gives the target's p after prompt + y_<m + d_<j."""
     import torch
 
-    from draftsmith.report.alignment import rollout_p
+    from draftsmith.report.alignment import rollout_ps
 
     seq = list(range(100, 120))  # prompt (8) + answer (12)
-    P, m = 8, 5
-    start = P + m
-    truth = seq[start : start + 4]
-    drafts = [truth[0], 777, 778, 779]  # on the answer for one draft, then off it
+    P = 8
     cache = tiny_target.new_cache()
     full = tiny_target.forward(torch.tensor([seq]), cache)
     p_t = torch.softmax(full.logits[0, P - 1 : len(seq) - 1].float() / 0.7, -1)  # p of the answer tokens
-    got = rollout_p(tiny_target, cache, seq, start, drafts, truth, p_t, m, 0.7)
+    chains = []
+    for m, drafts in ((5, lambda t: [t[0], 777, 778, 779]), (2, lambda t: [555, 556, 557]), (7, lambda t: t[:3]),
+                      (9, lambda t: [t[0], t[1], 900])):
+        truth = seq[P + m : P + m + 4]
+        chains.append((P + m, drafts(truth), truth, m))
+    got = rollout_ps(tiny_target, cache, seq, chains, p_t, 0.7)
     assert cache.get_seq_length() == len(seq)  # cropped back
-    for j in range(len(drafts)):
-        ids = seq[:start] + drafts[:j]
-        want = torch.softmax(tiny_target.forward(torch.tensor([ids])).logits[0, -1].float() / 0.7, -1)
-        assert torch.allclose(got[j], want, atol=1e-5), j
+    for (start, drafts, _, _), p in zip(chains, got):
+        assert p.shape[0] == len(drafts)
+        for j in range(len(drafts)):
+            ids = seq[:start] + drafts[:j]
+            want = torch.softmax(tiny_target.forward(torch.tensor([ids])).logits[0, -1].float() / 0.7, -1)
+            assert torch.allclose(p[j], want, atol=1e-5), (start, j)
