@@ -142,7 +142,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     summary = {"size": size.__dict__, "speed_dtype": speed["dtype"], "identity_dtype": ident["dtype"],
                "device": speed["device"], "threads": speed["threads"],
                "stage_seconds": {k: round(v, 1) for k, v in times.items()},
-               "train": {k: train_summary.get(k) for k in ("steps", "heldout", "drafter")},
+               "train": {k: train_summary.get(k)
+                         for k in ("steps", "heldout", "drafter", "best", "best_drafter", "sim_tau_curve")},
                "drafters": rows, "speedup_vs_target": speed["speedup_vs_target"], "passed": passed,
                "note": "tau counts the bonus token; speed in bf16 against the target alone in the same process, "
                        "identity checked token for token against the target's greedy decoding in fp32"}
@@ -169,7 +170,7 @@ def _print_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: s
     table = Table(title=f"draftsmith demo: SmolLM2-135M-Instruct in the built-in decoder, MT-bench first turns, greedy — "
                         f"speed in {speed['dtype']} on {speed['device']} ({speed['threads']} threads), identity in "
                         f"{ident['dtype']}")
-    for col in ("drafter", "k", "τ (bonus counted)", "accept @ pos 1..k", "tok/s", "speedup vs target",
+    for col in ("drafter", "k", "τ (bonus counted)", "accept @ pos 1..k (cumulative)", "tok/s", "speedup vs target",
                 "predicted", "identical (fp32)"):
         table.add_column(col)
     for r in rows:

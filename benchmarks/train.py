@@ -148,6 +148,7 @@ def short_run(args: argparse.Namespace, data: dict[str, str]) -> dict:
     from draftsmith.eval.prompts import load_questions
     from draftsmith.eval.run import evaluate
     from draftsmith.target import load_target
+    from draftsmith.train.heldout import step_rates
     from draftsmith.train.run import run_training
 
     steps = args.steps or 150
@@ -175,15 +176,19 @@ def short_run(args: argparse.Namespace, data: dict[str, str]) -> dict:
         "train_tokens": summary["tokens"],
         "heldout_before": {k: round(v, 4) for k, v in before.items() if k.startswith("heldout/")},
         "heldout_after": {k: round(v, 4) for k, v in after.items() if k.startswith("heldout/")},
+        "sim_tau_before": round(before["sim_tau"], 4),
+        "sim_tau_after": round(after["sim_tau"], 4),
+        "best": summary["best"],
         "decoder_untrained": untrained.summary(),
         "decoder_trained": trained,
     }
     print(f"\nEAGLE-3 head on SmolLM2-135M: {steps} steps, {summary['tokens']} target tokens, {wall / 60:.1f} min "
           f"({'offline' if not args.online else 'online'} target)")
     print(f"{'':28s}{'untrained':>12s}{'trained':>12s}")
+    rates = [step_rates(r, prefix="heldout/") for r in (before, after)]  # also reads the old key name
     for j in range(args.ttt_steps):
-        key = f"heldout/acceptance_step{j}"
-        print(f"  held-out Σmin(p,q) step {j}  {before[key]:12.4f}{after[key]:12.4f}")
+        print(f"  held-out Σmin(p,q) step {j}  {rates[0][j]:12.4f}{rates[1][j]:12.4f}  (conditional, given earlier right)")
+    print(f"  sim_tau at k={args.k}            {before['sim_tau']:12.4f}{after['sim_tau']:12.4f}")
     print(f"  held-out drafts/round (impl.) {before['heldout/expected_tokens']:10.4f}{after['heldout/expected_tokens']:12.4f}")
     print(f"  decoder τ (bonus counted)   {untrained.tau:12.3f}{trained['tau_with_bonus']:12.3f}")
     print(f"  decoder acceptance rate     {untrained.acceptance_rate:12.3f}{trained['acceptance_rate']:12.3f}")

@@ -53,6 +53,14 @@ class Proposal:
     """[k'] long, k' ≤ k drafted tokens (k' may be 0)."""
     probs: Tensor | None
     """[k', V] float32 warped draft distributions, or None in greedy mode."""
+    confidence: Tensor | None = None
+    """[k'] float32: the drafter's top-1 probability at each draft position, given the drafts before
+    it (max of its softmax, or of the warped q when sampling), or None. It must be known *before* the
+    draft at that position is drawn — never q(d_i) of the token drawn: a gate that looks at the drawn
+    token changes the law of the drafts it keeps, and sampling is no longer lossless (the Markov
+    test in tests/test_decoder.py fails that way). The decoder's confidence gate
+    (``speculative_decode(min_confidence=)``) keeps the drafts whose running product stays above a
+    threshold; a drafter without it is never gated."""
 
 
 @runtime_checkable
@@ -79,17 +87,22 @@ def draft_chain(
     """
     drafts: list[int] = []
     probs: list[Tensor] = []
+    confidence: list[Tensor] = []
     logits = first_logits
     for i in range(k):
         token, q = warp.choose(logits, generator)
         drafts.append(token)
         if q is not None:
             probs.append(q)
+            confidence.append(q.max())  # not q[token]: see Proposal.confidence
+        else:  # greedy: p(argmax) = exp(max − logsumexp), no [V] softmax kept
+            confidence.append((logits[token].float() - torch.logsumexp(logits.float(), -1)).exp())
         if i + 1 < k:
             logits = step(token)
     return Proposal(
         tokens=torch.tensor(drafts, device=first_logits.device, dtype=torch.long),
         probs=torch.stack(probs) if probs else None,
+        confidence=torch.stack(confidence) if confidence else None,
     )
 
 

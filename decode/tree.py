@@ -59,7 +59,7 @@ from ..target import Target, keep_cache_rows
 from .chain import DecodeResult, check_prompt, finish, prefill
 from .protocol import Drafter, Proposal
 from .sampling import Warp
-from .stats import DecodeStats
+from .stats import DecodeStats, first_eos
 
 # ------------------------------------------------------------------ tree shapes
 
@@ -501,11 +501,15 @@ def tree_decode(
             path, token = verify_sampling(draft, warp.probs(logits), gen)
         rows = torch.tensor([0] + [i + 1 for i in path], device=device)  # [n+1] rows of t and the accepted path
         keep_cache_rows(cache, committed, rows)  # t and the accepted path; the next token is fed next round
-        emitted = draft.tokens[path].tolist() + [token]
+        kept = draft.tokens[path].tolist()
+        cut = first_eos(kept, eos)
+        if cut is not None:  # an accepted node was EOS: the sequence ends there, and only what is emitted counts
+            stats.record_round(cut + 1, cut + 1, nodes=draft.size, bonus=False)
+            tokens.extend(kept[: cut + 1])
+            break
+        emitted = kept + [token]
         stats.record_round(max(draft.depths(), default=0), len(path), nodes=draft.size)
         tokens.extend(emitted)
-        if any(t in eos for t in emitted[:-1]):
-            break
         features = None if out.features is None else out.features[0, rows]  # [n+1, F]
         drafter.update(torch.tensor(emitted, device=device), features)
 

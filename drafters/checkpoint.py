@@ -65,11 +65,14 @@ def trainable_families() -> dict[str, type]:
     return {name: s.config for name, s in specs().items() if s.trainable}
 
 
-def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = None,
+         extra: dict[str, Any] | None = None) -> None:
     """Write ``drafter`` (a runtime drafter built by a trainable family) to the folder ``path``.
 
     state_dict: the full state dict to store instead of ``drafter.module.state_dict()`` —
-    for ZeRO-3, where rank 0 gathers it (same names as the module's).
+    for ZeRO-3, where rank 0 gathers it (same names as the module's). extra: more JSON-able
+    entries for ``config.json`` (e.g. training's ``selection`` of ``drafter-best``), read back by
+    :func:`read_meta` and ignored by :func:`load`.
     """
     config = getattr(drafter, "config", None)
     module = getattr(drafter, "module", None)
@@ -92,6 +95,7 @@ def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = N
         "target_parts": list(config.target_parts),
         "tied": tied,
         **config.checkpoint_meta(module),
+        **(extra or {}),
     }
     from safetensors.torch import save_file
 

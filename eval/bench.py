@@ -282,14 +282,14 @@ def format_summary(s: dict[str, Any], ds: dict[str, Any]) -> str:
                  ("hf_assisted", "greedy")):
         lines.append(f"| {a} / {b} | {s[f'ratio_{a}_over_{b}']:.3f}× | {s[f'cpu_ratio_{a}_over_{b}']:.3f}× |")
     lines.append(f"draftsmith: tau (bonus token counted) = {ds['tau_with_bonus']:.3f}, acceptance "
-                 f"{ds['acceptance_rate']:.3f}, per position {ds['acceptance_at_position']}")
+                 f"{ds['acceptance_rate']:.3f}, per position (cumulative) {ds['acceptance_at_position']}")
     return "\n".join(lines)
 
 
 def format_sweep(rows: list[dict[str, Any]]) -> str:
     ks = list(rows[0]["tau_with_bonus_by_k"])
     kt = rows[0]["k_timed"]
-    lines = ["| layers | acceptance at position 1..k | " + " | ".join(f"τ k={kk}" for kk in ks)
+    lines = ["| layers | acceptance at position 1..k (cumulative) | " + " | ".join(f"τ k={kk}" for kk in ks)
              + f" | speed / greedy at k={kt} (CPU) | (wall) |",
              "| --- | --- | " + " | ".join("---" for _ in ks) + " | --- | --- |"]
     for r in rows:

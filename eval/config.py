@@ -27,6 +27,11 @@ class DecodeConfig:
     """1.0 disables."""
     seed: int = 0
     """Seeds the sampler: same seed, same output."""
+    min_confidence: float = 0.0
+    """Chains: the confidence gate — verify only the leading drafts whose running product of the
+    drafter's own probabilities is ≥ this (0 = off; lossless either way, see ``decode/chain.py``).
+    On a CPU where verifying one more token costs v(1) − 1 ≈ 0.35 of a step (bf16, 2 cores), a draft
+    less likely than that to be accepted costs more than it gives."""
     tree: Literal["none", "static", "dynamic"] = "none"
     """none: chains of k drafts; static: the fixed tree tree_paths (Medusa-style); dynamic: EAGLE-2's
     tree (tree_depth levels, tree_top_k expanded per level, tree_budget nodes). Drafters without a tree
@@ -50,6 +55,8 @@ class DecodeConfig:
             raise ConfigError(f"decode.temperature = {self.temperature} must be ≥ 0 (0 = greedy)")
         if self.top_k < 0:
             raise ConfigError(f"decode.top_k = {self.top_k} must be ≥ 0 (0 disables)")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ConfigError(f"decode.min_confidence = {self.min_confidence} must be in [0, 1) (0 = no gate)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"decode.top_p = {self.top_p} must be in (0, 1]")
         for name in ("tree_depth", "tree_top_k", "tree_budget"):

@@ -32,6 +32,7 @@ from torch import Tensor
 from ..decode.chain import speculative_decode
 from ..decode.protocol import Proposal
 from ..decode.sampling import Warp
+from ..decode.stats import conditional_acceptance, tau_from_acceptance  # noqa: F401 — conditional_acceptance re-exported
 from ..target import Target, crop_cache
 
 
@@ -104,27 +105,6 @@ def verify_costs(target: Target, prompt: list[int], ks: Sequence[int], context: 
                 times[s].append(dt)
     one = statistics.median(times[1])
     return {k: statistics.median(times[k + 1]) / one for k in ks}
-
-
-def tau_from_acceptance(conditional: Sequence[float], k: int) -> float:
-    """τ(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j, bonus counted, from conditional acceptances α_1..α_k."""
-    tau, run = 1.0, 1.0
-    for a in list(conditional)[:k]:
-        run *= a
-        tau += run
-    return tau
-
-
-def conditional_acceptance(cumulative: Sequence[float | None]) -> list[float]:
-    """α_i = P(draft i accepted | drafts 1..i−1 accepted) from the decoder's cumulative
-    ``acceptance_at_position`` (share of rounds proposing draft i where drafts 1..i were all accepted)."""
-    out, prev = [], 1.0
-    for c in cumulative:
-        if c is None:
-            break
-        out.append(c / prev if prev > 0 else 0.0)
-        prev = c
-    return out
 
 
 def predicted_speedup(conditional: Sequence[float], k: int, v: float, c: float) -> float:

@@ -12,6 +12,7 @@ of ``eval.baselines`` on the same prompts, see ``baselines.py``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
 from .baselines import baseline_lines, run_baselines
 from .config import DecodeConfig
-from .costs import TimedDrafter, conditional_acceptance, predicted_speedup, target_step_seconds, verify_costs
+from .costs import TimedDrafter, predicted_speedup, target_step_seconds, verify_costs
 from .prompts import Question, load_questions
 from .reference import target_greedy
 
@@ -140,7 +141,7 @@ def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: D
     shape = decode.tree_shape()
     if shape is None:
         return speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
-                                  warp=decode.warp, seed=decode.seed)
+                                  warp=decode.warp, seed=decode.seed, min_confidence=decode.min_confidence)
     return tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=decode.max_new_tokens, warp=decode.warp,
                        seed=decode.seed)
 
@@ -156,7 +157,7 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
     step = target_step_seconds(target, prompt)
     v = {} if tree else verify_costs(target, prompt, range(1, k + 1))
     c = (timed.seconds / timed.drafted) / step if timed.drafted else 0.0
-    alpha = conditional_acceptance(stats.summary()["acceptance_at_position"])
+    alpha = list(itertools.takewhile(lambda a: a is not None, stats.conditional_acceptance_at_position))
     by_k = {} if tree else {kk: round(predicted_speedup(alpha, kk, v[kk], c), 3) for kk in range(1, len(alpha) + 1)}
     return {
         "dtype": str(target.dtype).replace("torch.", ""),
@@ -263,7 +264,8 @@ def print_eval(m: dict[str, Any]) -> None:
                   f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
                   f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else ""))
     print(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
-          f"acceptance rate {m['acceptance_rate']:.3f}; per position {m['acceptance_at_position']}")
+          f"acceptance rate {m['acceptance_rate']:.3f}; by position: cumulative {m['acceptance_at_position']}, "
+          f"conditional {m['conditional_acceptance_at_position']}")
     ident = m.get("identity")
     if ident:
         print(f"identity ({ident['dtype']}): greedy output token-identical to the target's own greedy decoding on "

@@ -125,6 +125,13 @@ def test_eval_writes_config_outputs_and_metrics(capsys, tmp_path, smollm2_folder
         assert key in metrics, key
     assert metrics["target"]["fingerprint"] and metrics["sequences"] == 2
     assert sum(metrics["accepted_length_histogram"]) == metrics["verify_rounds"]
+    # the two acceptances by position, named apart: cumulative (drafts 1..i) and conditional (draft i given 1..i-1)
+    assert "CUMULATIVE" in metrics["acceptance_at_position_note"]
+    assert "CONDITIONAL" in metrics["conditional_acceptance_at_position_note"]
+    cumulative, conditional = metrics["acceptance_at_position"], metrics["conditional_acceptance_at_position"]
+    assert len(conditional) == len(cumulative) == metrics["k"] and conditional[0] == cumulative[0]
+    # only what is emitted counts: τ · rounds = the new tokens after each prompt's prefill token
+    assert metrics["tau_with_bonus"] * metrics["verify_rounds"] == pytest.approx(metrics["new_tokens"] - 2, abs=1e-3)
     assert metrics["target_forwards"] == metrics["verify_rounds"] + 2  # one prefill per prompt
     assert list(metrics["baselines"]) == ["prompt_lookup"] and "baseline prompt_lookup: tau" in out  # eval.baselines default
     assert metrics["baselines"]["prompt_lookup"]["new_tokens"] == metrics["new_tokens"]

@@ -375,6 +375,25 @@ def test_tree_stats_count_depth_size_and_path(tiny):
     assert s["acceptance_at_position"] == [1.0, 0.5, 0.0]
 
 
+def test_an_eos_on_the_accepted_path_ends_the_counts_where_the_output_ends(smollm2_tokenizer, tiny):
+    """Round 0 accepts a path of 3, round 1 of 1, round 2 would accept 3 but its second node is EOS
+    (ref[8]): that round counts 2 proposed and accepted, its 9 nodes verified, no bonus token."""
+    _, ref = tiny
+    target = make_target(smollm2_tokenizer, eos=ref[8])
+    assert ref[8] not in ref[:8]
+    drafter = ScriptedTreeDrafter(ref, [[0, 1, 2], [1]], target.vocab_size)
+    res = tree_decode(target, drafter, PROMPT_IDS, tree=SCRIPT_SHAPE, max_new_tokens=30)
+    assert res.tokens == ref[:9] and res.finish_reason == "eos"
+    st = res.stats
+    assert (st.rounds, st.accepted, st.drafted, st.eos_rounds, st.new_tokens) == (3, 6, 24, 1, 9)
+    assert st.tau == pytest.approx(8 / 3) and st.tau * st.rounds == pytest.approx(st.new_tokens - 1)
+    assert st.proposed_at == [3, 3, 1] and st.accepted_at == [3, 2, 1] and st.reached_at == [3, 3, 1]
+    assert st.tree_sizes == {9: 2, 6: 1} and st.accept_hist == [0, 1, 1, 1]
+    s = st.summary()
+    assert s["acceptance_at_position"] == [1.0, 0.6667, 1.0]
+    assert s["conditional_acceptance_at_position"] == [1.0, 0.6667, 1.0]
+
+
 def test_tree_sampling_with_one_hot_truth_keeps_the_output(tiny):
     """Sampling path on the tiny Llama: temperature tiny, the truth among i.i.d. uniform children."""
     target, ref = tiny

@@ -193,6 +193,53 @@ def test_markov_sequence_frequencies_match_exact_law(markov, warp, k):
     assert pooled_chi2(counts, law) > 1e-3
 
 
+def test_markov_confidence_gate_keeps_the_exact_law(markov):
+    """The confidence gate reads only the drafter's q: the output law stays p, while drafts are dropped."""
+    target, drafter = markov
+    warp, counts, proposed_at = Warp(temperature=1.0), {}, [0, 0, 0]
+    for seed in range(DRAWS):
+        res = speculative_decode(target, drafter, PROMPT, k=3, max_new_tokens=3, warp=warp, seed=seed, min_confidence=0.15)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        proposed_at = [a + b for a, b in zip(proposed_at, res.stats.proposed_at)]
+    rounds = DRAWS  # every decode has at least one round with room for a draft
+    assert proposed_at[0] < rounds and proposed_at[1] < proposed_at[0]  # the gate dropped drafts
+    assert pooled_chi2(counts, sequence_law(target.model.table.exp(), PROMPT, 3, warp)) > 1e-3
+
+
+def test_markov_gate_on_the_drawn_token_is_biased_and_the_check_sees_it(markov):
+    """Gating on q(d) of the token drawn (instead of q's top-1, known before the draw) keeps a biased
+    subset of drafts: the same check rejects it — the reason Proposal.confidence is the top-1 mass."""
+    target, drafter = markov
+
+    class DrawnTokenConfidence:
+        feature_layers = ()
+
+        def reset(self):
+            drafter.reset()
+
+        def update(self, tokens, features):
+            drafter.update(tokens, features)
+
+        def propose(self, k, warp, generator):
+            prop = drafter.propose(k, warp, generator)
+            return Proposal(prop.tokens, prop.probs, prop.probs.gather(1, prop.tokens[:, None])[:, 0])
+
+    warp, counts = Warp(temperature=1.0), {}
+    for seed in range(DRAWS):
+        res = speculative_decode(target, DrawnTokenConfidence(), PROMPT, k=3, max_new_tokens=3, warp=warp, seed=seed,
+                                 min_confidence=0.15)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+    assert pooled_chi2(counts, sequence_law(target.model.table.exp(), PROMPT, 3, warp)) < 1e-6
+
+
+def test_confidence_gate_counts_the_leading_drafts_above_the_threshold():
+    from draftsmith.decode.chain import gate
+
+    c = torch.tensor([0.9, 0.5, 0.9, 0.1])  # running products 0.9, 0.45, 0.405, 0.0405
+    assert [gate(c, t) for t in (0.0, 0.5, 0.45, 0.4, 0.05, 0.95)] == [4, 1, 2, 3, 3, 0]
+    assert gate(torch.tensor([0.2, 1.0]), 0.3) == 0  # a later confident draft cannot revive the chain
+
+
 def test_markov_check_has_power_against_a_wrong_q(markov):
     """A drafter that reports a q other than the one it sampled from biases the output; the same check sees it."""
     target, drafter = markov
@@ -330,6 +377,9 @@ def test_greedy_identity_with_layer_skip_and_standalone_drafters(tiny):
         for k in (1, 4):
             res = speculative_decode(target, drafter, PROMPT_IDS, k=k, max_new_tokens=30)
             assert res.tokens == expected
+    for threshold in (0.01, 0.5, 0.99):  # the confidence gate: fewer drafts verified, the same output
+        res = speculative_decode(target, drafters[-1], PROMPT_IDS, k=4, max_new_tokens=30, min_confidence=threshold)
+        assert res.tokens == expected
 
 
 def test_metrics_arithmetic_with_known_acceptance(tiny, smollm2_tokenizer):
@@ -353,6 +403,9 @@ def test_metrics_arithmetic_with_known_acceptance(tiny, smollm2_tokenizer):
     s = st.summary()
     assert s["acceptance_rate"] == pytest.approx(st.accepted / st.drafted, abs=1e-4)
     assert s["acceptance_at_position"] == [round(a / p, 4) for a, p in zip(st.accepted_at, st.proposed_at)]
+    assert st.reached_at == [sum(p > i and n >= i for p, n in rounds) for i in range(k)]
+    assert s["conditional_acceptance_at_position"] == [round(a / r, 4) for a, r in zip(st.accepted_at, st.reached_at)]
+    assert st.eos_rounds == 0
     for key in ("new_tokens", "target_forwards", "tau_with_bonus", "tau_note", "acceptance_rate",
                 "acceptance_at_position", "accepted_length_histogram", "tokens_per_s", "wall_s"):
         assert key in s
@@ -403,6 +456,36 @@ def test_stops_on_eos_even_inside_an_accepted_block(smollm2_tokenizer, tiny, ins
     assert res.stats.rounds == used
     if inside_block:
         assert any(n == 4 and start <= j < start + n for start, n in _round_spans(rounds)), "EOS was not inside a block"
+
+
+def test_an_eos_inside_an_accepted_block_ends_the_counts_where_the_output_ends(smollm2_tokenizer, tiny):
+    """Rounds accept 4, 1, 4, … drafts (k = 4); EOS is ref[10], draft 3 of round 2, and the target
+    accepts draft 4 after it too. Only what is emitted counts: round 2 proposed and accepted drafts
+    1..3 (8, 9, EOS) and has no bonus token, so τ · rounds = new tokens − the prefill token."""
+    _, ref = tiny
+    target = make_target(smollm2_tokenizer, eos=ref[10])
+    assert ref[10] not in ref[:10]
+    res = speculative_decode(target, ScriptedDrafter(ref, [4, 1], target.vocab_size), PROMPT_IDS, k=4,
+                             max_new_tokens=30)
+    assert res.tokens == ref[:11] and res.finish_reason == "eos"
+    st = res.stats
+    # round 0: 4/4 + bonus (tokens 1-5); round 1: 1/4 + bonus (6, 7); round 2: drafts 8, 9, EOS of 4 verified
+    assert (st.rounds, st.accepted, st.drafted, st.eos_rounds, st.new_tokens) == (3, 8, 12, 1, 11)
+    assert st.tau == pytest.approx(10 / 3) and st.tau * st.rounds == pytest.approx(st.new_tokens - 1)
+    assert st.proposed_at == [3, 3, 3, 2] and st.accepted_at == [3, 2, 2, 1] and st.reached_at == [3, 3, 2, 1]
+    assert st.accept_hist == [0, 1, 0, 1, 1]
+    s = st.summary()
+    assert s["tau_with_bonus"] == pytest.approx(3.3333, abs=1e-4) and s["acceptance_rate"] == pytest.approx(0.6667)
+    assert s["acceptance_at_position"] == [1.0, 0.6667, 0.6667, 0.5]  # cumulative
+    assert s["conditional_acceptance_at_position"] == [1.0, 0.6667, 1.0, 1.0]
+    assert s["eos_rounds"] == 1
+
+
+def test_bad_round_counts_are_refused():
+    from draftsmith.decode.stats import DecodeStats
+
+    with pytest.raises(ValueError, match="accepted 3 of 2 drafts"):
+        DecodeStats(k=4).record_round(2, 3)
 
 
 def _round_spans(rounds):

@@ -98,6 +98,8 @@ def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny
     for name, tensor in init.items():
         assert trained[name].shape == tensor.shape, name
     assert not torch.equal(trained["fc.weight"], init["fc.weight"])  # and it holds the trained weights
+    best = load(summary["best_drafter"], target).module.state_dict()  # drafter-best: gathered the same way
+    assert summary["best"]["step"] == 4 and all(torch.equal(best[n], trained[n]) for n in trained)  # the end only
     prompt = target.render_chat([{"role": "user", "content": "Hi!"}])
     out = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=10)
     assert out.tokens == target_greedy(target, prompt, 10)[: len(out.tokens)]

@@ -92,7 +92,7 @@ def test_recipe_improves_heldout_metrics(tmp_path, tiny_target_dir, tiny_train_d
     assert loss[1] < loss[0], loss
     assert summary["method"] == method and summary["steps"] == 10
     if method in ("eagle3", "medusa"):  # per unrolled step / per head, and the chain summary
-        assert {"heldout/acceptance_step0", "heldout/acceptance_step1", "heldout/top1_step1"} <= set(log[-1])
+        assert {"heldout/expected_accept_step0", "heldout/expected_accept_step1", "heldout/top1_step1", "sim_tau"} <= set(log[-1])
         assert summary["heldout"]["heldout/expected_tokens"] > 0
 
 
@@ -229,14 +229,28 @@ def test_offline_cache_without_the_layers_a_drafter_needs(tmp_path, tiny_target_
 
 
 def test_wandb_offline_and_decoder_evaluation_during_training(tmp_path, tiny_target_dir, tiny_train_data):
-    summary = run_training(tiny_recipe(
+    from draftsmith.drafters import load
+    from draftsmith.eval.prompts import load_questions
+    from draftsmith.eval.run import evaluate
+
+    recipe = tiny_recipe(
         tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=2", "train.logging.wandb=offline",
         "train.eval.decoder_every=1", "train.eval.decoder_at_end=true", "train.eval.decoder_prompts=1",
-        "decode.max_new_tokens=6", "decode.k=2"))
+        "decode.max_new_tokens=6", "decode.k=2")
+    summary = run_training(recipe)
     log = read_log(tmp_path)
     taus = [r["decoder/tau_with_bonus"] for r in log if "decoder/tau_with_bonus" in r]
-    assert len(taus) == 2 and all(1.0 <= t <= 3.0 for t in taus)  # step 1 and the end; τ counts the bonus token
-    assert summary["decoder"]["tau_with_bonus"] == taus[-1]
+    assert len(taus) == 2  # step 1 and the end
+    end = summary["decoder"]
+    assert end["tau_with_bonus"] == taus[-1]
+    # τ counts the bonus token of every round that emitted one: what the decoder emitted after each prefill
+    assert end["verify_rounds"] * end["tau_with_bonus"] == pytest.approx(end["new_tokens"] - end["sequences"], abs=1e-3)
+    # and it is the decoder's τ of the saved drafter: the same greedy decoding again gives the same figures
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    again = evaluate(target, load(summary["drafter"], target), load_questions(recipe.eval.prompts, 1), recipe.decode,
+                     progress=False).stats.summary()
+    assert {k: again[k] for k in ("tau_with_bonus", "new_tokens", "accepted", "verify_rounds")} == \
+        {k: end[k] for k in ("tau_with_bonus", "new_tokens", "accepted", "verify_rounds")}
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     run_id = (tmp_path / "wandb_id").read_text().strip()
     assert len(runs) == 1 and runs[0].endswith(run_id)

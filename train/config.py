@@ -104,7 +104,8 @@ class TrainEvalConfig:
     """Records held out of training (chosen by seed) for the held-out metrics."""
     every: int = 0
     """Optimizer steps between held-out evaluations (expected acceptance Σ min(p, q), accuracy
-    per unrolled step, loss); 0 = only at the end."""
+    per unrolled step, loss, and ``sim_tau``, the acceptance length they predict at ``decode.k``, by
+    which ``drafter-best/`` is kept); 0 = only at the end."""
     decoder_every: int = 0
     """Optimizer steps between evaluations in the real speculative decoder (τ, greedy, the recipe's
     ``decode``/``eval`` sections); 0 = never during training."""

@@ -64,7 +64,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
             "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p.argmax(-1), mask), mask),
         }
 
-    heldout.baseline(run, engine, evaluate)
+    save.baseline(run, engine, evaluate)
     # the micro-batches of one optimizer step (sampled first when on-policy), their valid rows counted
     for micro in step.step_batches(run, lambda batch: shift_left(batch.loss_mask, 1, fill=False), on_policy):
         step.optimizer_step(run, engine, micro, lambda batch: objective(*scored(batch)))

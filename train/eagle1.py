@@ -58,7 +58,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
             "top1": heldout.masked_metric(lambda: losses.top1_accuracy(logits, p_logits.argmax(-1), mask), mask),
         }
 
-    heldout.baseline(run, engine, evaluate)
+    save.baseline(run, engine, evaluate)
     for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid rows counted
         step.optimizer_step(run, engine, micro, loss_fn)
         step.after_step(run, engine, evaluate)

@@ -71,11 +71,11 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
             q_logits = head.target_logits(logits.float())  # q = 0 outside the draft vocabulary
             p_logits = shift_left(target_logits, j + 1)
             mask = shift_left(batch.loss_mask, j + 2, fill=False)
-            out[f"acceptance_step{j}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)
+            out[f"expected_accept_step{j}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)
             out[f"top1_step{j}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), mask), mask)
         return out
 
-    heldout.baseline(run, engine, evaluate)
+    save.baseline(run, engine, evaluate)
     for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid rows counted
         step.optimizer_step(run, engine, micro, lambda batch: objective(*unroll(batch, cfg.feature_noise), batch))
         step.after_step(run, engine, evaluate)

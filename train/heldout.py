@@ -2,6 +2,11 @@
 
 A recipe's metric function maps (engine, batch) to :data:`Metrics` — sums and counts, so that
 the figures of all batches and ranks combine exactly into means over valid positions.
+
+Every held-out evaluation also logs ``sim_tau``, the acceptance length the held-out figures predict
+at the recipe's ``decode.k`` (:func:`sim_tau`); the run keeps its best drafter by it (``save.keep_best``).
+Per-step figures are CONDITIONAL (given correct earlier tokens): ``expected_accept_step{j}`` is
+E[Σ min(p, q)] at unrolled step / head j — not the decoder's cumulative ``acceptance_at_position``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..decode.stats import tau_from_acceptance
 from . import distributed
 from .data import Batch, collate, heldout_batches
 from .losses import EmptyBatchError
@@ -20,12 +26,6 @@ from .setup import Run, pad_id
 
 Metrics = dict[str, tuple[float, float]]
 """Held-out metric name → (sum over valid positions, number of valid positions)."""
-
-
-def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> None:
-    """Held-out metrics of the untrained drafter (step 0), when periodic evaluation is on."""
-    if run.state.step == 0 and run.cfg.eval.every > 0:
-        log_heldout(run, engine, heldout_fn)
 
 
 @torch.no_grad()
@@ -46,21 +46,66 @@ def heldout_metrics(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) 
     return with_chain_summary(out)
 
 
+STEP_KEY = "expected_accept_step"
+"""Per-step held-out expected acceptance E[Σ min(p, q)] at unrolled step / head j: ``expected_accept_step{j}``.
+CONDITIONAL on the earlier tokens being right — not the decoder's cumulative ``acceptance_at_position``."""
+OLD_STEP_KEY = "acceptance_step"
+"""The same figure's name before it was renamed (logs and summaries of older runs)."""
+
+
+def step_rates(metrics: dict[str, float], name: str = STEP_KEY, prefix: str = "") -> list[float]:
+    """The per-step figures ``{prefix}{name}{j}`` for j = 0, 1, … (for the expected acceptance, the old
+    name ``acceptance_step{j}`` is read too)."""
+    names = (name, OLD_STEP_KEY) if name == STEP_KEY else (name,)
+    for n in names:
+        rates: list[float] = []
+        while f"{prefix}{n}{len(rates)}" in metrics:
+            rates.append(metrics[f"{prefix}{n}{len(rates)}"])
+        if rates:
+            return rates
+    return []
+
+
 def with_chain_summary(metrics: dict[str, float]) -> dict[str, float]:
-    """For per-step rates ``acceptance_step{j}`` (EAGLE-3 unroll steps, Medusa heads): add
+    """For per-step rates ``expected_accept_step{j}`` (EAGLE-3 unroll steps, Medusa heads): add
     ``acceptance`` = step 0's and ``expected_tokens`` = Σ_k Π_{j≤k} α_j, the drafts accepted per
     round that the rates imply for a chain as long as the unroll (each α_j is measured given
     correct earlier tokens, as in a chain whose earlier drafts were accepted)."""
-    rates = []
-    while f"acceptance_step{len(rates)}" in metrics:
-        rates.append(metrics[f"acceptance_step{len(rates)}"])
+    rates = step_rates(metrics)
     if not rates:
         return metrics
-    expected, survive = 0.0, 1.0
-    for a in rates:
-        survive *= a
-        expected += survive
-    return {**metrics, "acceptance": rates[0], "expected_tokens": expected}
+    return {**metrics, "acceptance": rates[0], "expected_tokens": tau_from_acceptance(rates, len(rates)) - 1.0}
+
+
+def simulated_alpha(metrics: dict[str, float], greedy: bool) -> tuple[list[float], str]:
+    """The per-position conditional acceptances α_1, α_2, … that held-out ``metrics`` give, and which figure.
+
+    greedy: a greedy draft is accepted iff it is the target's argmax, so α is the top-1 agreement
+    (``top1_step{j}`` / ``top1``); sampling: E[Σ min(p, q)] (``expected_accept_step{j}`` / ``acceptance``,
+    exact at temperature 1). Per-step figures come from EAGLE-3's unrolled training-time-test steps (along
+    the head's own rollouts: step j reads its own earlier states) and Medusa's heads; EAGLE-1 and the
+    draft LM have one teacher-forced figure, which stands for every position.
+    """
+    name, single = ("top1_step", "top1") if greedy else (STEP_KEY, "acceptance")
+    rates = step_rates(metrics, name)
+    if rates:
+        return rates, f"{name}{{j}}"
+    if single in metrics:
+        return [metrics[single]], single
+    return [], "none"
+
+
+def sim_tau(metrics: dict[str, float], k: int, greedy: bool, max_drafts: int | None = None) -> float:
+    """Simulated acceptance length at k drafts per round: τ = 1 + Σ_{i≤k} Π_{j≤i} α_j, bonus counted,
+    with α from :func:`simulated_alpha`. Past the measured positions the last α is repeated (an
+    EAGLE-3 head drafts on beyond its unroll; one teacher-forced figure stands for all); a drafter that
+    proposes at most ``max_drafts`` per round (Medusa: its heads) is simulated at min(k, max_drafts)."""
+    alpha, _ = simulated_alpha(metrics, greedy)
+    if not alpha:
+        return 1.0
+    k = min(k, max_drafts) if max_drafts is not None else k
+    alpha = (alpha + [alpha[-1]] * k)[:k]
+    return tau_from_acceptance(alpha, k)
 
 
 def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, float]:
@@ -75,9 +120,13 @@ def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, flo
 
 
 def log_heldout(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
-    metrics = {f"heldout/{k}": v for k, v in heldout_metrics(run, engine, fn).items()}
+    """Held-out metrics (``heldout/…``) and ``sim_tau`` (:func:`sim_tau` at the recipe's decode depth), logged."""
+    values = heldout_metrics(run, engine, fn)
+    decode = run.recipe.decode
+    tau = sim_tau(values, decode.depth, decode.warp.greedy, run.max_drafts)
+    metrics = {**{f"heldout/{k}": v for k, v in values.items()}, "sim_tau": tau}
     run.monitor.log(run.state.step, {}, metrics)
-    run.monitor.note(f"step {run.state.step} held-out: " + ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in metrics.items()))
+    run.monitor.note(f"step {run.state.step} held-out: " + ", ".join(f"{k.split('/', 1)[-1]} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
 

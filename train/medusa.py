@@ -9,7 +9,7 @@ over the whole optimizer step (``step.py``). Logits are computed only for the ro
 one head at a time, so memory stays at (valid rows × V) per head.
 
 Held-out: expected acceptance Σ min(p, q) and top-1 agreement per head
-(``acceptance_step{k}``, ``top1_step{k}``).
+(``expected_accept_step{k}``, ``top1_step{k}``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
     num_heads, last_layer = heads.num_heads, (run.target.num_layers - 1,)
     weights = losses.decayed_weights(num_heads, cfg.loss.step_decay)
     engine = setup.build_engine(run, heads)
+    run.max_drafts = num_heads  # the heads are all the drafts a round gets (the simulated τ's cap)
     setup.restore(run, engine, resume)
 
     def per_head(batch: Batch) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
@@ -57,11 +58,11 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         out: heldout.Metrics = {"loss": (float(objective(logits, targets, masks)[0]), float(masks[0].sum()))}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
             rows = mask[mask]
-            out[f"acceptance_step{k}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
+            out[f"expected_accept_step{k}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q, p, rows), rows)
             out[f"top1_step{k}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q, p.argmax(-1), rows), rows)
         return out
 
-    heldout.baseline(run, engine, evaluate)
+    save.baseline(run, engine, evaluate)
     # the micro-batches of one optimizer step, normalized by head 0's rows (x_{t+2} loss-masked)
     for micro in step.step_batches(run, lambda batch: shift_left(batch.loss_mask, 2, fill=False)):
         step.optimizer_step(run, engine, micro, lambda batch: objective(*per_head(batch)))

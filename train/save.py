@@ -1,4 +1,14 @@
-"""Saving: resumable checkpoints, the drafter folder, and the run's summary (train_summary.json)."""
+"""Saving: resumable checkpoints, the drafter folders, and the run's summary (train_summary.json).
+
+**drafter-best.** Every held-out evaluation (``train.eval.every`` steps, the untrained drafter at
+step 0 when that is on, and the end) logs ``sim_tau`` (``heldout.sim_tau``: the acceptance length the
+held-out per-position acceptance predicts at the recipe's ``decode.k``); the drafter of the best one so
+far is written to ``<run_dir>/drafter-best`` — the format of ``drafter/`` plus a ``selection`` entry in
+its config.json (step, sim_tau, k, basis), written atomically with the weights. That entry is the
+best value so far: a resumed run reads it (a drafter-best written after the checkpoint it resumes
+from still counts) and never replaces drafter-best with a worse one; ties go to the later, more
+trained drafter. A run started afresh replaces whatever drafter-best an earlier run left.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +30,15 @@ def save_checkpoint(run: Run, engine: Any) -> str:
     return checkpoint.save_checkpoint(engine, run.world, run.run_dir, state, run.cfg.checkpoint.keep)
 
 
-def save_drafter(run: Run, engine: Any) -> str:
-    """Write the drafter in the drafters format to ``<run_dir>/drafter`` (ZeRO-3 weights gathered)."""
+BEST = "drafter-best"
+
+
+def save_drafter(run: Run, engine: Any, name: str = "drafter", extra: dict[str, Any] | None = None) -> str:
+    """Write the drafter in the drafters format to ``<run_dir>/<name>`` (ZeRO-3 weights gathered;
+    ``extra``: more config.json entries). All ranks call this together."""
     from ..drafters import save as save_folder
 
-    path = os.path.join(run.run_dir, "drafter")
+    path = os.path.join(run.run_dir, name)
     with distributed.full_weights(engine) as module:
         drafter = module.drafter
         state = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()} if run.world.is_main else None
@@ -32,14 +46,70 @@ def save_drafter(run: Run, engine: Any) -> str:
         config = run.recipe.drafter
         fresh = config.build_module(run.target)
         fresh.load_state_dict(state)
-        save_folder(config.runtime(fresh, run.target), path)
+        save_folder(config.runtime(fresh, run.target), path, extra=extra)
     distributed.barrier()
     return path
 
 
+def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> None:
+    """Held-out metrics of the untrained drafter (step 0), when periodic evaluation is on."""
+    if run.state.step == 0 and run.cfg.eval.every > 0:
+        evaluate(run, engine, heldout_fn)
+
+
+def evaluate(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
+    """Held-out metrics and sim_tau, logged; ``drafter-best`` kept (:func:`keep_best`)."""
+    metrics = log_heldout(run, engine, heldout_fn)
+    keep_best(run, engine, metrics["sim_tau"])
+    return metrics
+
+
+def selection_basis(run: Run) -> dict[str, Any]:
+    """What a sim_tau value is comparable under: the decode depth and whether it simulates greedy decoding."""
+    decode = run.recipe.decode
+    return {"k": decode.depth, "greedy": decode.warp.greedy, "max_drafts": run.max_drafts}
+
+
+def best_selection(run_dir: str) -> dict[str, Any] | None:
+    """The ``selection`` entry of ``<run_dir>/drafter-best`` (step, sim_tau, k, greedy, …), or None."""
+    from ..drafters.checkpoint import read_meta
+    from ..errors import DraftsmithError
+
+    path = os.path.join(run_dir, BEST)
+    if not os.path.isdir(path):
+        return None
+    try:
+        selection = read_meta(path).get("selection")
+    except DraftsmithError:
+        return None  # damaged: replaced by the next evaluation
+    return selection if isinstance(selection, dict) else None
+
+
+def keep_best(run: Run, engine: Any, sim_tau: float) -> bool:
+    """Record (step, sim_tau) on the curve; write ``drafter-best`` when sim_tau is at least the best so far
+    (see the module docstring). All ranks call this together; rank 0's view of drafter-best decides."""
+    step = run.state.step
+    first_of_fresh_run = run.session.step == 0 and not run.state.sim_tau_curve
+    # a resumed run replays the steps after its checkpoint: their old points are replaced
+    run.state.sim_tau_curve = [p for p in run.state.sim_tau_curve if p["step"] < step] + [{"step": step, "sim_tau": sim_tau}]
+    basis = selection_basis(run)
+    better = 0.0
+    if run.world.is_main:
+        best = None if first_of_fresh_run else best_selection(run.run_dir)
+        comparable = best is not None and all(best.get(k) == v for k, v in basis.items())
+        better = float(not comparable or sim_tau >= float(best["sim_tau"]))  # a tie: the later, more trained one
+    if not distributed.all_sum([better])[0]:
+        return False
+    save_drafter(run, engine, BEST, extra={"selection": {"step": step, "sim_tau": sim_tau, **basis,
+                                                        "note": "the held-out evaluation with the best sim_tau so far"}})
+    run.monitor.note(f"step {step}: sim_tau {sim_tau:.4f} is the best so far; saved {os.path.join(run.run_dir, BEST)}")
+    return True
+
+
 def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> dict[str, Any]:
-    """Final held-out metrics, checkpoint, drafter folder, optional decoder eval; write train_summary.json."""
-    heldout = log_heldout(run, engine, heldout_fn)
+    """Final held-out metrics (and drafter-best), checkpoint, drafter folder, optional decoder eval; write
+    train_summary.json."""
+    heldout = evaluate(run, engine, heldout_fn)
     save_checkpoint(run, engine)
     drafter_path = save_drafter(run, engine)
     decoder = decoder_eval(run, drafter_path) if run.cfg.eval.decoder_at_end else None
@@ -63,6 +133,13 @@ def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -
         "heldout": heldout,
         "decoder": decoder,
         "drafter": drafter_path,
+        "best": best_selection(run.run_dir) if run.world.is_main else None,
+        "best_drafter": os.path.join(run.run_dir, BEST),
+        "sim_tau_curve": run.state.sim_tau_curve,
+        "sim_tau_note": "1 + sum_i prod_{j<=i} alpha_j at the recipe's decode.k, alpha the held-out per-position "
+                        "conditional acceptance (greedy: top-1 agreement; sampling: E[sum min(p,q)]) along the "
+                        "drafter's own unrolled steps (EAGLE-3) / per head (Medusa, at most its heads) / teacher-forced "
+                        "at every position (EAGLE-1, draft LM)",
         "target_fingerprint": run.target.fingerprint,
     }
     if run.world.is_main:

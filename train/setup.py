@@ -5,11 +5,11 @@ A recipe reads top to bottom (see ``eagle3.py``)::
     run = setup.start(recipe, world)                  # run folder, seeds, frozen target, data   (this file)
     engine = setup.build_engine(run, module)          # DeepSpeed around the drafter only        (this file)
     setup.restore(run, engine, resume)                # latest checkpoint of the run folder      (this file)
-    heldout.baseline(run, engine, evaluate)           # held-out metrics of the untrained drafter (heldout.py)
+    save.baseline(run, engine, evaluate)              # held-out metrics of the untrained drafter (save.py)
     for batch in setup.micro_batches(run):            # from the saved data position on          (this file)
         if step.optimizer_step(run, engine, lambda: my_loss(batch), batch.tokens):  # backward, skip (step.py)
             step.after_step(run, engine, evaluate)    # logging, evaluation, checkpoint cadence   (step.py)
-    save.finish(run, engine, evaluate)                # final checkpoint, drafter folder, summary (save.py)
+    save.finish(run, engine, evaluate)                # final checkpoint, drafter folders, summary (save.py)
 
 The target's side of a batch (one forward online, or the feature cache) is in ``target_side.py``.
 """
@@ -51,6 +51,8 @@ class TrainState:
     """Micro-batches skipped on every rank, by reason."""
     world_size: int = 1
     seed: int = 0
+    sim_tau_curve: list[dict[str, float]] = field(default_factory=list)
+    """``{step, sim_tau}`` of every held-out evaluation so far (see ``heldout.sim_tau``)."""
 
 
 @dataclass
@@ -76,6 +78,8 @@ class Run:
     """``time.perf_counter()`` when the training time counted in ``state.train_s`` last advanced."""
     stop_signal: int = 0
     """A stop signal (SIGTERM / SIGUSR1) some rank received: checkpoint at the next step and stop."""
+    max_drafts: int | None = None
+    """The most drafts the trained drafter proposes per round (Medusa: its heads); None = any number."""
 
     @property
     def cfg(self) -> Any:

@@ -39,8 +39,8 @@ from torch import Tensor
 from ..errors import DraftsmithError
 from . import checkpoint, distributed
 from .data import Batch
-from .heldout import Metrics, decoder_eval, log_heldout
-from .save import save_checkpoint, save_drafter
+from .heldout import Metrics, decoder_eval
+from .save import evaluate, save_checkpoint, save_drafter
 from .setup import Run, micro_batches
 
 
@@ -175,7 +175,7 @@ def after_step(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics
     if _due(step, cfg.logging.every) or done:
         log_train(run, engine)
     if _due(step, cfg.eval.every) and not done:
-        log_heldout(run, engine, heldout_fn)
+        evaluate(run, engine, heldout_fn)  # held-out metrics, sim_tau, drafter-best
     if _due(step, cfg.eval.decoder_every) and not done:
         decoder_eval(run, save_drafter(run, engine))
     saved = save_checkpoint(run, engine) if _due(step, cfg.checkpoint.every) and not done else None
