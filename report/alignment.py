@@ -142,6 +142,7 @@ class AnswerAlignment:
     """Mean over answer positions of the target's p_T mass inside the draft vocabulary (None: full vocabulary)."""
     in_vocab: int | None = None
     """Answer tokens inside the draft vocabulary (None: full vocabulary)."""
+    ends_with_eos: bool = False
 
 
 @torch.inference_mode()
@@ -209,7 +210,7 @@ def align_answer(target: Target, teacher: Drafter, rollout: Drafter, prompt: lis
         mass = float(p_t[:, ids].sum(-1).mean()) if N else 0.0
         in_vocab = int(torch.isin(torch.tensor(answer, device=ids.device), ids).sum())
     return AnswerAlignment(meta[0], meta[1], meta[2], k_m, tf_a, tf_g, tf_kl, tf_c, ro_a, ro_g, first,
-                           list(answer), seq, mass, in_vocab)
+                           list(answer), seq, mass, in_vocab, bool(answer) and answer[-1] in target.eos_token_ids)
 
 
 def p_ro_argmax(p_ro: Tensor, drafts: list[int], truth: list[int]) -> np.ndarray:
@@ -261,14 +262,17 @@ def rollout_ps(target: Target, cache: Any, seq: list[int], chains: list[tuple[in
     return [torch.stack(r) for r in rows]
 
 
-def expected_rounds(survival: np.ndarray, k_m: np.ndarray, n_answer: int, k: int) -> tuple[float, float, np.ndarray]:
+def expected_rounds(survival: np.ndarray, k_m: np.ndarray, n_answer: int, k: int,
+                    ends_with_eos: bool = False) -> tuple[float, float, np.ndarray]:
     """The decoder's rounds over one answer, in expectation, from the acceptance at every start.
 
     survival: [starts, k] P(drafts 1..j all accepted) in a round starting at m (row m − 1; NaN past k_m);
     the decoder emits y_0 at prefill, then per round the accepted drafts and one more token, until the
     answer's end (its EOS or max_new_tokens; a round at the very end may propose no draft and still
-    counts, as in the decoder). Returns (expected rounds, expected tokens emitted by rounds, expected
-    accepted-length histogram [k+1]). With 0/1 survivals (greedy) it is the decoder's exact replay.
+    counts, as in the decoder). A round that accepts the answer's final EOS emits no bonus token (only
+    what is emitted counts, ``decode/stats.py``). Returns (expected rounds, expected tokens emitted by
+    rounds, expected accepted-length histogram [k+1]). With 0/1 survivals (greedy) it is the decoder's
+    exact replay.
     """
     rounds = np.zeros(n_answer + 2)
     tokens = np.zeros(n_answer + 2)
@@ -282,7 +286,8 @@ def expected_rounds(survival: np.ndarray, k_m: np.ndarray, n_answer: int, k: int
                 continue
             nxt = min(m + n + 1, n_answer)
             rounds[m] += p * (1 + rounds[nxt])
-            tokens[m] += p * (n + 1 + tokens[nxt])
+            bonus = 0 if ends_with_eos and m + n == n_answer else 1
+            tokens[m] += p * (n + bonus + tokens[nxt])
             hist[m] += p * hist[nxt]
             hist[m, n] += p
     return float(rounds[1]), float(tokens[1]), hist[1]

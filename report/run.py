@@ -151,6 +151,9 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
     if recipe.decode.tree != "none":
         raise ConfigError("draftsmith report measures chains (the cost model and the α-by-position prediction are "
                           "chain quantities): set decode.tree=none")
+    if recipe.decode.min_confidence > 0:
+        raise ConfigError("draftsmith report predicts ungated chains from the drafters' acceptance: set "
+                          "decode.min_confidence=0 (the confidence gate is measured by draftsmith eval)")
     entries = drafter_entries(recipe.drafter, list(compare or []))
     questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
     out_dir = cfg.out_dir or os.path.join(recipe.run_dir, "report")
@@ -248,10 +251,11 @@ def sampled_summary(evs: list[Evaluation], cfg: Any, turn_of: dict[str, int]) ->
     for ev in evs:
         for r in ev.records:
             p = pooled.setdefault(r["id"], {"id": r["id"], "category": r["category"], "stats": {
-                "verify_rounds": 0, "accepted": 0, "accepted_length_histogram": [0] * len(r["stats"]["accepted_length_histogram"]),
+                "verify_rounds": 0, "eos_rounds": 0, "accepted": 0, "accepted_length_histogram": [0] * len(r["stats"]["accepted_length_histogram"]),
                 "new_tokens": 0, "wall_s": 0.0}})
             s = p["stats"]
             s["verify_rounds"] += r["stats"]["verify_rounds"]
+            s["eos_rounds"] += r["stats"].get("eos_rounds", 0)
             s["accepted"] += r["stats"]["accepted"]
             s["new_tokens"] += r["stats"]["new_tokens"]
             s["wall_s"] += r["stats"]["wall_s"]
@@ -259,7 +263,8 @@ def sampled_summary(evs: list[Evaluation], cfg: Any, turn_of: dict[str, int]) ->
                                                                     r["stats"]["accepted_length_histogram"])]
     for p in pooled.values():
         s = p["stats"]
-        s["tau_with_bonus"] = (s["accepted"] + s["verify_rounds"]) / s["verify_rounds"] if s["verify_rounds"] else 0.0
+        s["tau_with_bonus"] = ((s["accepted"] + s["verify_rounds"] - s["eos_rounds"]) / s["verify_rounds"]
+                               if s["verify_rounds"] else 0.0)
         s["tokens_per_s"] = s["new_tokens"] / s["wall_s"] if s["wall_s"] else 0.0
     records = list(pooled.values())
     out = {"temperature": cfg.temperature, "seeds": list(cfg.seeds), **merged.summary(), **S.group_records(records),

@@ -72,7 +72,7 @@ def predict_tau(aligned: list[AnswerAlignment], values: str) -> dict[str, Any]:
     rounds = tokens = 0.0
     hist = np.zeros(k + 1)
     for a in aligned:
-        r, t, h = expected_rounds(_cumulative(getattr(a, values)), a.k_m, len(a.answer), k)
+        r, t, h = expected_rounds(_cumulative(getattr(a, values)), a.k_m, len(a.answer), k, a.ends_with_eos)
         rounds, tokens, hist = rounds + r, tokens + t, hist + h
     return {"tau": round(tokens / rounds, 4) if rounds else 0.0, "rounds": round(rounds, 3),
             "accepted_length_histogram": [round(float(x), 3) for x in hist]}
@@ -209,7 +209,7 @@ def group_records(records: list[dict[str, Any]], key: str = "") -> dict[str, Any
     """τ (bonus counted), its SE over prompts, accepted-length histogram and the per-prompt spread
     of τ and speedup for one group of decoder records (``eval.run.evaluate``'s)."""
     rounds = [r["stats"]["verify_rounds"] for r in records]
-    emitted = [r["stats"]["accepted"] + r["stats"]["verify_rounds"] for r in records]
+    emitted = [r["stats"]["accepted"] + r["stats"]["verify_rounds"] - r["stats"].get("eos_rounds", 0) for r in records]
     hist = [sum(col) for col in zip(*(r["stats"]["accepted_length_histogram"] for r in records))]
     total = sum(rounds)
     out: dict[str, Any] = {

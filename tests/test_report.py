@@ -84,7 +84,8 @@ def test_histograms_rounds_and_categories_add_up(report):
             assert sum(c["verify_rounds"] for c in d["by_category"].values()) == d["verify_rounds"]
             assert sum(c["prompts"] for c in d["by_turn"].values()) == 3
             assert set(d["by_category"]) == {"writing", "math"} and set(d["by_turn"]) == {"turn 1", "turn 2"}
-            tau = (d["verify_rounds"] + sum(n * c for n, c in enumerate(d["accepted_length_histogram"]))) / d["verify_rounds"]
+            emitted = d["verify_rounds"] - d["eos_rounds"] + sum(n * c for n, c in enumerate(d["accepted_length_histogram"]))
+            tau = emitted / d["verify_rounds"]
             assert d["tau_with_bonus"] == pytest.approx(tau, abs=1e-4)
         assert res["decoding"]["greedy"]["speed"]["speedup_vs_target"] > 0
 
@@ -153,6 +154,10 @@ def test_expected_rounds_by_hand():
     rounds, tokens, hist = expected_rounds(np.array([[0.5], [0.5]]), np.array([1, 1]), 3, 1)
     assert (rounds, tokens) == pytest.approx((1.5, 2.25))
     assert hist.tolist() == pytest.approx([0.75, 0.75])
+    # the round that accepts the final EOS emits no bonus token: reached at m = 2 with probability 1/2 (m = 1
+    # rejected), then accepted with 1/2
+    assert expected_rounds(np.array([[0.5], [0.5]]), np.array([1, 1]), 3, 1, ends_with_eos=True)[1] == pytest.approx(
+        2.25 - 0.5 * 0.5)
     # greedy survivals are a replay: all accepted (k = 2, 10 tokens capped by max_new = 10: k_m = min(2, 9 - m))
     k_m = np.array([min(2, 10 - m - 1, 10 - m) for m in range(1, 10)])
     surv = np.array([[1.0, 1.0 if k > 1 else np.nan] for k in k_m])
@@ -197,6 +202,7 @@ def test_bad_input_is_one_line(capsys, setup, tiny_target_dir, tmp_path):
     assert "decode.tree=none" in _error(capsys, base + ["decode.tree=dynamic"])
     assert "report.temperature" in _error(capsys, base + ["report.temperature=0"])
     assert "report.turns" in _error(capsys, base + ["report.turns=3"])
+    assert "decode.min_confidence=0" in _error(capsys, base + ["decode.min_confidence=0.5"])
 
 
 def test_rollout_p_equals_a_fresh_forward_over_the_drafted_prefix(tiny_target):
