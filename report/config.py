@@ -21,6 +21,9 @@ class ReportConfig:
     """One sampled decode of the whole prompt set per seed; [] = greedy only."""
     turns: Literal[1, 2] = 2
     """2: questions with a second turn are also asked it, after the target's own (fp32 greedy) first answer."""
+    per_category: int = 0
+    """> 0: the first this many questions of each category of eval.prompts (MT-bench lists its 8 categories one
+    after another, so eval.num_prompts alone takes the first ones only); 0 = the first eval.num_prompts."""
     calibration_bins: int = 10
     """Equal-width confidence bins of the reliability curve."""
     worst: int = 12
@@ -35,6 +38,8 @@ class ReportConfig:
             raise ConfigError(f"report.temperature = {self.temperature} must be > 0 (greedy is always decoded too)")
         if len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"report.seeds = {self.seeds} names a seed twice")
+        if self.per_category < 0:
+            raise ConfigError(f"report.per_category = {self.per_category} must be ≥ 0 (0 = eval.num_prompts from the start)")
         if self.calibration_bins < 1:
             raise ConfigError(f"report.calibration_bins = {self.calibration_bins} must be at least 1")
         if self.worst < 0:

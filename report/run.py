@@ -62,6 +62,19 @@ def drafter_entries(drafter: Any, compare: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
+def select_questions(source: str, num_prompts: int, per_category: int) -> list[Question]:
+    """The first ``num_prompts`` questions, or with ``per_category`` > 0 the first that many of each category."""
+    if per_category <= 0:
+        return load_questions(source, num_prompts)
+    seen: dict[str, int] = {}
+    out = []
+    for q in load_questions(source):
+        if seen.get(q.category, 0) < per_category:
+            seen[q.category] = seen.get(q.category, 0) + 1
+            out.append(q)
+    return out
+
+
 def reference_answers(target: Target, questions: list[Question], max_new_tokens: int,
                       turns: int) -> tuple[list[Question], list[int], list[list[int]]]:
     """The prompts the report decodes, their turn numbers and the target's greedy answers to them.
@@ -155,7 +168,7 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
         raise ConfigError("draftsmith report predicts ungated chains from the drafters' acceptance: set "
                           "decode.min_confidence=0 (the confidence gate is measured by draftsmith eval)")
     entries = drafter_entries(recipe.drafter, list(compare or []))
-    questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
+    questions = select_questions(recipe.eval.prompts, recipe.eval.num_prompts, cfg.per_category)
     out_dir = cfg.out_dir or os.path.join(recipe.run_dir, "report")
     save_recipe(recipe)
     greedy = replace(recipe.decode, temperature=0.0, top_k=0, top_p=1.0)

@@ -130,6 +130,15 @@ def test_fp32_greedy_is_predicted_exactly_and_lossless(report):
     assert taus["draftlm"] > taus["eagle3"]  # 3 of the target's 4 layers agree more than a random head
 
 
+def test_per_category_takes_the_first_questions_of_each_category():
+    from draftsmith.report.run import select_questions
+
+    qs = select_questions("mtbench", 10, 2)
+    cats = [q.category for q in qs]
+    assert len(qs) == 16 and len(set(cats)) == 8 and all(cats.count(c) == 2 for c in cats)
+    assert [q.id for q in select_questions("mtbench", 3, 0)] == ["81", "82", "83"]
+
+
 def test_second_turn_follows_the_targets_own_first_answer(tiny_target):
     asked, turns, answers = reference_answers(tiny_target, [Question("7", "x", ["first", "second"])], 6, 2)
     assert [q.id for q in asked] == ["7", "7.2"] and turns == [1, 2]
