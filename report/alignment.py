@@ -18,8 +18,10 @@ no draft past the answer's end) twice, by two instances fed the same updates:
 Per draft: α_j = Σ_x min(p_T(x), q_T(x)) (the chance a sampled draft is accepted; T =
 ``report.temperature``, p and q both tempered), KL(p_T ‖ q_T) (q floored at 1e-10), top-1
 agreement (the greedy acceptance), and the drafter's top-1 confidence (max of its q at
-temperature 1). A drafter that proposes fewer than k_m drafts gets α = top-1 = 0 for the missing
-ones (nothing to accept) and no confidence (not a draft).
+temperature 1). Positions a drafter did not propose (a model-free drafter may propose fewer than k_m
+drafts, or none) stay NaN: the figures by position are over the starts that proposed draft j, as the
+decoder's ``acceptance_at_position`` is over the rounds that did; the expected rounds count them as
+not accepted.
 
 How the drafter is steered: every chain drafter picks its drafts in ``decode.protocol.draft_chain``
 by calling ``warp.choose(logits)``; :class:`Steer` is handed to ``propose`` as the warp, records the
@@ -119,7 +121,8 @@ def overlap_and_kl(p_t: Tensor, q_t: Tensor) -> tuple[Tensor, Tensor]:
 
 @dataclass
 class AnswerAlignment:
-    """Per start m (rows, m = 1 … N−1) and draft position j (columns, k of them); NaN where j > k_m."""
+    """Per start m (rows, m = 1 … N−1) and draft position j (columns, k of them); NaN where draft j was not
+    proposed (j > k_m, or the drafter proposed fewer)."""
 
     id: str
     category: str
@@ -130,7 +133,6 @@ class AnswerAlignment:
     tf_top1: np.ndarray
     tf_kl: np.ndarray
     tf_conf: np.ndarray
-    """NaN also where the drafter proposed no draft j."""
     ro_alpha: np.ndarray
     ro_top1: np.ndarray
     first: list[dict[str, Any]] = field(default_factory=list)
@@ -180,7 +182,6 @@ def align_answer(target: Target, teacher: Drafter, rollout: Drafter, prompt: lis
             truth = answer[m : m + km]
             tf = steered_drafts(teacher, km, truth, temperature, gen, target.vocab_size)
             n = len(tf.tokens)
-            tf_a[row, :km], tf_g[row, :km] = 0.0, 0.0
             if n:
                 a, kl = overlap_and_kl(p_t[m : m + n], tf.q_t)
                 tf_a[row, :n], tf_kl[row, :n], tf_c[row, :n] = a.cpu().numpy(), kl.cpu().numpy(), tf.conf.numpy()
@@ -190,7 +191,6 @@ def align_answer(target: Target, teacher: Drafter, rollout: Drafter, prompt: lis
                 first.append({"m": m, "target": y, "drafted": int(tf.top[0]), "alpha": float(a[0]),
                               "p_target": float(p_t[m, y]), "q_target": float(q0[y]), "q_drafted": float(q0[tf.top[0]])})
             ro = steered_drafts(rollout, km, None, temperature, gen, target.vocab_size)
-            ro_a[row, :km], ro_g[row, :km] = 0.0, 0.0
             if ro.tokens:
                 pending.append((row, m, ro, truth))
         if len(pending) >= chunk or (m == N - 1 and pending):

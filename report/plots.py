@@ -140,8 +140,16 @@ def per_category(report: dict[str, Any], path: str) -> None:
             axes[0].plot(x + off, ts, "kx", label="sampled" if i == 0 else None)
         sp = [g["by_category"].get(c, {}).get("speedup_vs_target", np.nan) for c in cats] + [g.get("speedup_vs_target", np.nan)]
         axes[1].bar(x + off, sp, width, color=color, label=name)
+    top = max([1.0] + [v for _, res, _ in items for mode in ("greedy", "sampled") if res["decoding"][mode]
+                       for v in [res["decoding"][mode]["tau_with_bonus"], *[c["tau_with_bonus"] for c in
+                                                                              res["decoding"][mode]["by_category"].values()]]])
+    axes[0].set_ylim(0, 1.35 * top)  # room for the legend above the bars
     axes[0].set_ylabel("τ (tokens per target forward, bonus counted)")
     axes[0].set_title("τ by category (bars greedy, × sampled)")
+    speeds = [v for _, res, _ in items for v in [res["decoding"]["greedy"].get("speedup_vs_target", 1.0),
+                                                  *[c.get("speedup_vs_target", 1.0) for c in
+                                                    res["decoding"]["greedy"]["by_category"].values()]]]
+    axes[1].set_ylim(0, 1.35 * max([1.0] + speeds))
     axes[1].axhline(1.0, color="gray", lw=1, ls="--")
     axes[1].set_ylabel("speedup vs the target alone (×, median over prompts)")
     axes[1].set_title(f"greedy speedup by category ({report['decode']['speed_dtype']})")
@@ -150,7 +158,7 @@ def per_category(report: dict[str, Any], path: str) -> None:
         ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
         ax.set_xlabel("MT-bench category (prompt set category)")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
     _save(fig, path)
 
 

@@ -107,7 +107,7 @@ def summarize_alignment(aligned: list[AnswerAlignment], k: int, max_new_tokens: 
     """The offline part of the report for one drafter, over all answers (see ``alignment.py``)."""
     stack = {name: _stack([getattr(a, name) for a in aligned], k)
              for name in ("tf_alpha", "tf_top1", "tf_kl", "tf_conf", "ro_alpha", "ro_top1")}
-    available = (~np.isnan(stack["tf_alpha"])).sum(axis=0).tolist()
+    proposed = (~np.isnan(stack["tf_alpha"])).sum(axis=0).tolist()
     cum = {name: _mean_cols(_cumulative(stack[name])) for name in ("tf_alpha", "tf_top1", "ro_alpha", "ro_top1")}
     drafted = ~np.isnan(stack["tf_conf"])
     cal = calibration(stack["tf_conf"][drafted], stack["tf_top1"][drafted], bins)
@@ -117,7 +117,7 @@ def summarize_alignment(aligned: list[AnswerAlignment], k: int, max_new_tokens: 
         "answers": len(aligned),
         "answer_tokens": sum(len(a.answer) for a in aligned),
         "starts": int(stack["tf_alpha"].shape[0]),
-        "starts_at_position": available,
+        "proposed_at_position": proposed,
         "teacher_forced": {
             "alpha": _mean_cols(stack["tf_alpha"]), "top1": _mean_cols(stack["tf_top1"]),
             "forward_kl": _mean_cols(stack["tf_kl"]),
@@ -127,8 +127,8 @@ def summarize_alignment(aligned: list[AnswerAlignment], k: int, max_new_tokens: 
             "alpha": _mean_cols(stack["ro_alpha"]), "top1": _mean_cols(stack["ro_top1"]),
             "cumulative_alpha": cum["ro_alpha"], "cumulative_top1": cum["ro_top1"],
         },
-        "alpha_note": f"alpha_j = E[sum_x min(p_T, q_T)] at draft position j (T = {temperature}), over every start of "
-                      "the target's fp32 greedy answers; top1 = share of drafts equal to the target's greedy token "
+        "alpha_note": f"alpha_j = E[sum_x min(p_T, q_T)] at draft position j (T = {temperature}), over the starts of "
+                      "the target's fp32 greedy answers at which the drafter proposed draft j (proposed_at_position); top1 = share of drafts equal to the target's greedy token "
                       "(greedy acceptance); cumulative_* = E[product over positions 1..j] (all of drafts 1..j "
                       "accepted), the quantity the decoder's acceptance_at_position measures; forward_kl = KL(p_T || "
                       "q_T), q floored at 1e-10",

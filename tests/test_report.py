@@ -111,9 +111,11 @@ def test_alignment_figures_are_consistent(report):
         ece = sum(b["count"] / cal["drafts"] * abs(b["accuracy"] - b["confidence"]) for b in cal["bins"] if b["count"])
         assert cal["ece"] == pytest.approx(ece, abs=1e-3)
         assert sum(pred["greedy"]["accepted_length_histogram"]) == pytest.approx(pred["greedy"]["rounds"], abs=1e-6)
-    for name in ("draftlm", "eagle3"):  # model drafters always propose the whole chain: every position is a draft
+    for name in ("draftlm", "eagle3"):  # model drafters always propose the whole chain k_m = min(k, 10 - m - 1, N - m)
+        assert data["drafters"][name]["alignment"]["answer_tokens"] == 30
+        assert data["drafters"][name]["alignment"]["proposed_at_position"] == [24, 21, 18]  # 3 answers of 10 tokens
         al = data["drafters"][name]["alignment"]
-        assert al["calibration"]["drafts"] == sum(al["starts_at_position"])
+        assert al["calibration"]["drafts"] == sum(al["proposed_at_position"])
     assert data["drafters"]["eagle3"]["alignment"]["teacher_forced"]["forward_kl"][0] > 0
 
 
