@@ -113,13 +113,17 @@ def markdown(report: dict[str, Any]) -> str:
               report["tolerance_note"], ""]
 
     lines += ["## Acceptance by draft position", "",
-              "Cumulative: the share of rounds (decoder) or starts (offline) in which drafts 1..j were all accepted. "
-              "Offline α_j = E[Σ min(p, q)] per position, teacher-forced (the drafter reads the target's tokens) and "
-              "along the drafter's own argmax rollout.", ""]
+              "Cumulative: the share of rounds (decoder) or starts (offline) proposing draft j in which drafts 1..j "
+              "were all accepted. Conditional α_j: the share of those that accepted 1..j−1 in which j was accepted "
+              "too (do not compare it with a cumulative row). Offline α_j = E[Σ min(p, q)] per position over the "
+              "starts proposing j, teacher-forced (the drafter reads the target's tokens: for greedy, the context of "
+              "a draft whose predecessors were accepted, i.e. the conditional quantity) and along the drafter's own "
+              "argmax rollout.", ""]
     header = ["drafter", "quantity", *[f"j={j}" for j in range(1, d["k"] + 1)]]
     rows = []
     for n in names:
         for label, path in (("decoder greedy (cumulative)", ("decoding", "greedy", "acceptance_at_position")),
+                            ("decoder greedy (conditional α_j)", ("decoding", "greedy", "conditional_acceptance_at_position")),
                             ("offline top-1 (cumulative)", ("alignment", "teacher_forced", "cumulative_top1")),
                             ("decoder sampled (cumulative)", ("decoding", "sampled", "acceptance_at_position")),
                             ("offline α rollout (cumulative)", ("alignment", "rollout", "cumulative_alpha")),
@@ -130,6 +134,7 @@ def markdown(report: dict[str, Any]) -> str:
             v = get(n, *path)
             if v is not None:
                 rows.append([n, label, *[_f(x) for x in v]])
+    rows.sort(key=lambda r: names.index(r[0]))
     lines += _table(header, rows)
     lines += ["![acceptance by position](acceptance_by_position.png)", "",
               "![accepted length histogram](accepted_length_histogram.png)", ""]
