@@ -196,6 +196,31 @@ def predicted_vs_measured(report: dict[str, Any], path: str) -> None:
     _save(fig, path)
 
 
+def training_sim_tau(report: dict[str, Any], path: str) -> None:
+    """Training's simulated τ over steps (train_summary.json), the decoder's τ as a line; only drafters with a run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, res, color in _drafters(report):
+        tr = res.get("training")
+        if not tr:
+            continue
+        pts = tr["sim_tau_curve"]
+        ax.plot([p["step"] for p in pts], [p["sim_tau"] for p in pts], "-o", color=color, label=f"{name}: sim_tau")
+        best = tr.get("best") or {}
+        if "step" in best:
+            ax.plot([best["step"]], [best["sim_tau"]], "*", color=color, markersize=14, label=f"{name}: drafter-best")
+        mode = "greedy" if (best.get("greedy", True)) else "sampled"
+        dec = res["decoding"].get(mode)
+        if dec:
+            ax.axhline(dec["tau_with_bonus"], color=color, ls="--", lw=1, label=f"{name}: decoder τ ({mode}, this report)")
+    ax.set_xlabel("training step (optimizer steps)")
+    ax.set_ylabel("τ (tokens per target forward, bonus counted)")
+    ax.set_title("simulated τ over training (held-out α) vs the decoder")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
 PLOTS = {
     "acceptance_by_position.png": acceptance_by_position,
     "accepted_length_histogram.png": accepted_length_histogram,

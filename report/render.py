@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..files import write_json, write_text
-from .plots import PLOTS
+from .plots import PLOTS, training_sim_tau
 
 
 def write_report(report: dict[str, Any], out_dir: str) -> None:
@@ -14,6 +14,8 @@ def write_report(report: dict[str, Any], out_dir: str) -> None:
     write_json(os.path.join(out_dir, "report.json"), report)
     for name, plot in PLOTS.items():
         plot(report, os.path.join(out_dir, name))
+    if any(res.get("training") for res in report["drafters"].values()):
+        training_sim_tau(report, os.path.join(out_dir, "training_sim_tau.png"))
     write_text(os.path.join(out_dir, "report.md"), markdown(report))
 
 
@@ -185,6 +187,20 @@ def markdown(report: dict[str, Any]) -> str:
                         [[f"{r['id']} @{r['answer_position']}", repr(r["context"]), repr(r["target_token"]),
                           repr(r["drafted_token"]), _f(r["p_target"]), _f(r["q_target"]), _f(r["alpha"])]
                          for r in al["failing_contexts"]], align="l")
+
+    trained = [n for n in names if res[n].get("training")]
+    if trained:
+        lines += ["## Over training", "", "The simulated τ training logged at every held-out evaluation (its "
+                  "train_summary.json) and the step drafter-best was kept at, beside the decoder's τ measured here.", ""]
+        rows = []
+        for n in trained:
+            tr = res[n]["training"]
+            best = tr.get("best") or {}
+            curve = ", ".join(f"{p['step']}: {p['sim_tau']:.3f}" for p in tr["sim_tau_curve"])
+            rows.append([n, curve, f"{best.get('step', '—')} ({_f(best.get('sim_tau'))})",
+                         _f(res[n]["decoding"]["greedy"]["tau_with_bonus"])])
+        lines += _table(["drafter", "sim_tau by step", "drafter-best step (sim_tau)", "decoder τ greedy"], rows, align="l")
+        lines += ["![training](training_sim_tau.png)", ""]
 
     lines += ["## Lossless audit (fp32 greedy, with and without speculation)", ""]
     for n in names:

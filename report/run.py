@@ -62,6 +62,28 @@ def drafter_entries(drafter: Any, compare: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
+def training_curve(cfg: Any) -> dict[str, Any] | None:
+    """For a saved drafter whose folder sits in a training run (``<run_dir>/drafter`` or ``drafter-best``):
+    the run's sim_tau curve over training and the step drafter-best was picked at (train_summary.json)."""
+    import json
+
+    if cfg.type != "saved":
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(os.path.normpath(cfg.path))), "train_summary.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    curve = summary.get("sim_tau_curve") or []
+    if not curve:
+        return None
+    return {"summary": path, "sim_tau_curve": curve, "best": summary.get("best"), "steps": summary.get("steps"),
+            "note": summary.get("sim_tau_note", "")}
+
+
 def select_questions(source: str, num_prompts: int, per_category: int) -> list[Question]:
     """The first ``num_prompts`` questions, or with ``per_category`` > 0 the first that many of each category."""
     if per_category <= 0:
@@ -183,6 +205,10 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
     print(f"report: {len(asked)} prompts ({sum(t == 2 for t in turns)} second turns), the target's fp32 greedy "
           f"answers: {sum(map(len, answers))} tokens", flush=True)
     results: dict[str, dict[str, Any]] = {name: {"drafter": to_dict(d)} for name, d in entries}
+    for name, d in entries:
+        curve = training_curve(d)
+        if curve is not None:
+            results[name]["training"] = curve
     for name, d in entries:
         res = results[name]
         print(f"report [{name}]: offline alignment", flush=True)

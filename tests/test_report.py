@@ -39,6 +39,9 @@ def setup(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("report")
     target = load_target(tiny_target_dir, dtype="float32")
     save(DraftLMConfig(num_layers=3).build(target), str(root / "draftlm"))
+    (root / "train_summary.json").write_text(json.dumps({  # as draftsmith train writes it beside drafter/
+        "steps": 20, "sim_tau_curve": [{"step": 0, "sim_tau": 1.2}, {"step": 10, "sim_tau": 2.5}, {"step": 20, "sim_tau": 2.4}],
+        "best": {"step": 10, "sim_tau": 2.5, "k": K, "greedy": True}}))
     save(Eagle3Config(feature_layers=[0, 1, 2]).build(target), str(root / "eagle3"))
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
@@ -70,6 +73,9 @@ def test_writes_json_markdown_and_readable_plots(report):
         assert section in md
     assert "| τ greedy, decoder | " in md and "prompt_lookup | draftlm | eagle3" in md
     assert "bonus/resampled token counted" in md
+    assert (out / "training_sim_tau.png").read_bytes()[:4] == b"\x89PNG" and "## Over training" in md
+    assert "10 (2.500)" in md  # drafter-best's step and sim_tau
+    assert data["drafters"]["draftlm"]["training"]["best"]["step"] == 10  # read from the run beside each folder
     assert data["prompts"] == {"source": data["prompts"]["source"], "questions": 2, "asked": 3, "second_turns": 1}
 
 
