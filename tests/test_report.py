@@ -246,3 +246,18 @@ def test_rollout_p_equals_a_fresh_forward_over_the_drafted_prefix(tiny_target):
             ids = seq[:start] + drafts[:j]
             want = torch.softmax(tiny_target.forward(torch.tensor([ids])).logits[0, -1].float() / 0.7, -1)
             assert torch.allclose(p[j], want, atol=1e-5), (start, j)
+
+
+def test_a_drafter_without_offline_alignment_still_renders(report, tmp_path):
+    """A self-speculative drafter is decoded but not aligned offline: every table and plot copes."""
+    import copy
+
+    from draftsmith.report.render import write_report
+
+    data = copy.deepcopy(report[0])
+    data["drafters"]["eagle3"]["alignment"] = {"skipped": "a self-speculative drafter drafts inside the target's cache"}
+    data["drafters"]["eagle3"]["prediction_vs_measurement"] = {"skipped": "no alignment"}
+    write_report(data, str(tmp_path))
+    md = (tmp_path / "report.md").read_text()
+    assert "**eagle3**: offline alignment skipped: a self-speculative drafter" in md
+    assert (tmp_path / "calibration.png").stat().st_size > 10_000
