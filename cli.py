@@ -3,6 +3,7 @@
     draftsmith prepare --config RECIPE [key.sub=value …] conversations → training data (tokens, features, vocab)
     draftsmith train --config RECIPE [key.sub=value …]   the recipe's drafter, through DeepSpeed (resumable)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
+    draftsmith report --config RECIPE [--compare DIR …]  the alignment report: decoding, offline α, prediction, audit
     draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
     draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
     draftsmith export --check DIR                        load an export back and prove it
@@ -50,6 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "write eval_outputs.jsonl and eval_metrics.json to the run folder.")
     _recipe_args(p, default="smollm2-135m-layerskip")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="the alignment report of one or several drafters (report.json, report.md, plots)",
+                       description="Decode the prompt set (eval.prompts; MT-bench with both turns by default) with the "
+                                   "recipe's drafter and every --compare drafter folder: greedy (timed against the target "
+                                   "alone in the recipe's dtype) and sampled at report.temperature for each of "
+                                   "report.seeds; measure offline alignment on the target's own fp32 greedy answers "
+                                   "(alpha = E[sum min(p, q)] by draft position, teacher-forced and along the drafter's "
+                                   "rollouts, KL, top-1, calibration, vocabulary coverage, failing tokens); predict tau "
+                                   "and the speedup from it and compare with the decoder within a stated tolerance; "
+                                   "audit greedy speculative output against the target's in fp32. Writes report.json, "
+                                   "report.md and PNG plots to report.out_dir (default <run_dir>/report).")
+    _recipe_args(p, default="smollm2-135m-eagle3")
+    p.add_argument("--compare", nargs="+", default=[], metavar="DRAFTER_DIR",
+                   help="saved drafter folders (draftsmith train's <run_dir>/drafter) reported beside the recipe's drafter")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("prepare", help="conversations → tokenized data, regenerated answers, feature cache, draft vocab",
                        description="Run the recipe's data.stages (regenerate, tokenize, features, vocab) into "
@@ -144,6 +160,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .eval.run import run_eval_recipe
 
     return run_eval_recipe(load_recipe(args.config, args.overrides))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+    from .report.run import run_report
+
+    # `--compare A B key=value`: argparse gives the trailing overrides to --compare; a folder never holds '='
+    # here unless it exists
+    compare = [c for c in args.compare if "=" not in c or os.path.isdir(c)]
+    overrides = args.overrides + [c for c in args.compare if c not in compare]
+    run_report(load_recipe(args.config, overrides), compare)
+    return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from .data.config import DataConfig
 from .drafters import DrafterConfig
 from .drafters.layer_skip import LayerSkipConfig
 from .eval.config import DecodeConfig, EvalConfig
+from .report.config import ReportConfig
 from .schema import from_dict, load_yaml, merge, parse_overrides
 from .target import TargetConfig
 from .train.config import TrainConfig
@@ -31,6 +32,7 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     run_dir: str = "runs/default"
     """Where this run writes its outputs (resolved config, metrics, checkpoints)."""
 

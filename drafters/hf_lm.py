@@ -43,7 +43,9 @@ class HFDrafter:
         if self._drafts:
             # cache rows beyond the committed prefix are drafts; keep those that were accepted
             kept = self._drafted_from + common_prefix(self._drafts, new)
-            crop_cache(self.cache, min(kept, self.cache.get_seq_length()))
+            # never the last committed token's row: propose feeds it (a caller may commit exactly the first
+            # draft, as the report's teacher forcing does; the decoder's last token always differs from the drafts)
+            crop_cache(self.cache, min(kept, self.cache.get_seq_length(), self._drafted_from + len(new) - 1))
             self._drafts = []
         self.tokens.extend(new)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import DraftsmithError
 
@@ -22,6 +22,12 @@ class Question:
     id: str
     category: str
     turns: list[str]
+    history: list[dict[str, str]] = field(default_factory=list)
+    """Messages before turns[0] (a later turn: the earlier user turns and the target's own answers to them)."""
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation the decoder answers: the history, then turns[0] as the user's message."""
+        return [*self.history, {"role": "user", "content": self.turns[0]}]
 
 
 def mtbench_path() -> str:
@@ -53,4 +59,6 @@ def load_questions(source: str = "mtbench", limit: int | None = None) -> list[Qu
             out.append(Question(str(rec.get("question_id", lineno)), str(rec.get("category", "")), turns))
             if limit is not None and len(out) >= limit:
                 break
+    if not out:
+        raise DraftsmithError(f"prompt file '{path}' holds no prompts (one JSON object per line with 'turns' or 'prompt')")
     return out

@@ -61,7 +61,7 @@ def evaluate(
     time_target: bool = False,
     warmup: int = 1,
 ) -> Evaluation:
-    """Decode the first turn of each question with the drafter.
+    """Decode the first turn of each question (after its ``history``, if any) with the drafter.
 
     time_target: also decode every prompt with the target alone (its own greedy ``generate``,
     same process, dtype and threads), interleaved per prompt with the speculative decode (who
@@ -73,7 +73,7 @@ def evaluate(
     if check_identity and not decode.warp.greedy:
         raise ConfigError("eval.check_identity needs greedy decoding (decode.temperature=0)")
     decode.validate()
-    prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    prompts = [target.render_chat(q.messages()) for q in questions]
     for q, prompt in zip(questions, prompts):  # fail before decoding anything, not at prompt 70 of 80
         try:
             check_prompt(target, prompt, decode.max_new_tokens)
