@@ -61,7 +61,7 @@ def test_unknown_key_lists_valid_keys():
         load_recipe("smollm2-135m-layerskip", ["decode.kk=3"])
     msg = str(e.value)
     assert "unknown config key 'decode.kk'" in msg
-    assert "valid keys here: k, max_new_tokens, seed, temperature, top_k, top_p" in msg
+    assert "valid keys here: k, max_new_tokens, min_confidence, seed, temperature, top_k, top_p" in msg
     with pytest.raises(ConfigError, match="unknown config key 'nonsense'; valid keys here: .*decode.*drafter.*target"):
         load_recipe(None, ["nonsense=1"])
 
