@@ -63,8 +63,10 @@ class DemoSize:
 
 
 SIZES: dict[str, DemoSize] = {
-    "default": DemoSize(),
-    "full": DemoSize(conversations=1200, answer_tokens=192, steps=2400, prompts=20, k=4),
+    "default": DemoSize(conversations=160, steps=50, batch_size=8, ttt_steps=2, prompts=8, max_new_tokens=64, k=2,
+                        min_confidence=0.4),
+    "full": DemoSize(conversations=1000, steps=300, batch_size=8, ttt_steps=2, prompts=20, max_new_tokens=96, k=2,
+                     min_confidence=0.4),
 }
 """``make demo`` runs ``default`` (≈ 20 min on 2 CPU cores); ``make demo DEMO=full`` runs ``full`` (≈ 90 min)."""
 
