@@ -26,6 +26,7 @@ def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path, s
     # speed in bf16 against the target alone, identity audited (in fp32, by run_eval_recipe)
     assert ev.drafter.type == "saved" and ev.eval.check_identity and ev.eval.time_target
     assert ev.target.dtype == "bfloat16" and ev.decode.k == SIZES[size].k
+    assert ev.decode.min_confidence == SIZES[size].min_confidence > 0  # the gate: lossless, and it pays on a CPU
 
 
 def test_the_full_size_is_larger_than_the_default():
