@@ -31,6 +31,16 @@ def _save(fig: Any, path: str) -> None:
     plt.close(fig)
 
 
+def _finish(fig: Any, ax: Any, path: str, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels (with units), title, grid and legend of a one-axes plot, then save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
 def _drafters(report: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
     return [(name, res, COLORS[i % len(COLORS)]) for i, (name, res) in enumerate(report["drafters"].items())]
 
@@ -188,12 +198,8 @@ def predicted_vs_measured(report: dict[str, Any], path: str) -> None:
     ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="gray", lw=1, ls="--", label="predicted = measured")
     ax.set_xlim(lo - pad, hi + pad)
     ax.set_ylim(lo - pad, hi + pad)
-    ax.set_xlabel("predicted τ from offline α (tokens per target forward)")
-    ax.set_ylabel("decoder's τ (tokens per target forward)")
-    ax.set_title("predicted vs measured τ (error bar: tolerance)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    _save(fig, path)
+    _finish(fig, ax, path, "predicted τ from offline α (tokens per target forward)",
+            "decoder's τ (tokens per target forward)", "predicted vs measured τ (error bar: tolerance)")
 
 
 def training_sim_tau(report: dict[str, Any], path: str) -> None:
@@ -213,12 +219,8 @@ def training_sim_tau(report: dict[str, Any], path: str) -> None:
         dec = res["decoding"].get(mode)
         if dec:
             ax.axhline(dec["tau_with_bonus"], color=color, ls="--", lw=1, label=f"{name}: decoder τ ({mode}, this report)")
-    ax.set_xlabel("training step (optimizer steps)")
-    ax.set_ylabel("τ (tokens per target forward, bonus counted)")
-    ax.set_title("simulated τ over training (held-out α) vs the decoder")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    _save(fig, path)
+    _finish(fig, ax, path, "training step (optimizer steps)", "τ (tokens per target forward, bonus counted)",
+            "simulated τ over training (held-out α) vs the decoder")
 
 
 PLOTS = {

@@ -163,6 +163,25 @@ def pooled_chi2(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], f
     return float(chisquare(np.asarray(obs, dtype=np.float64), exp_arr * sum(obs) / exp_arr.sum()).pvalue)
 
 
+class Rewritten:
+    """A drafter whose every proposal is rewritten by ``rewrite`` (a deliberately wrong drafter: the
+    statistical checks must reject what it does)."""
+
+    feature_layers = ()
+
+    def __init__(self, drafter, rewrite):
+        self.drafter, self.rewrite = drafter, rewrite
+
+    def reset(self):
+        self.drafter.reset()
+
+    def update(self, tokens, features):
+        self.drafter.update(tokens, features)
+
+    def propose(self, k, warp, generator):
+        return self.rewrite(self.drafter.propose(k, warp, generator))
+
+
 @pytest.fixture(scope="module")
 def markov():
     target = Target(MarkovLM(random_table(1)), ToyTokenizer(), name="markov")
@@ -211,23 +230,10 @@ def test_markov_gate_on_the_drawn_token_is_biased_and_the_check_sees_it(markov):
     subset of drafts: the same check rejects it — the reason Proposal.confidence is the top-1 mass."""
     target, drafter = markov
 
-    class DrawnTokenConfidence:
-        feature_layers = ()
-
-        def reset(self):
-            drafter.reset()
-
-        def update(self, tokens, features):
-            drafter.update(tokens, features)
-
-        def propose(self, k, warp, generator):
-            prop = drafter.propose(k, warp, generator)
-            return Proposal(prop.tokens, prop.probs, prop.probs.gather(1, prop.tokens[:, None])[:, 0])
-
+    drawn = Rewritten(drafter, lambda p: Proposal(p.tokens, p.probs, p.probs.gather(1, p.tokens[:, None])[:, 0]))
     warp, counts = Warp(temperature=1.0), {}
     for seed in range(DRAWS):
-        res = speculative_decode(target, DrawnTokenConfidence(), PROMPT, k=3, max_new_tokens=3, warp=warp, seed=seed,
-                                 min_confidence=0.15)
+        res = speculative_decode(target, drawn, PROMPT, k=3, max_new_tokens=3, warp=warp, seed=seed, min_confidence=0.15)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
     assert pooled_chi2(counts, sequence_law(target.model.table.exp(), PROMPT, 3, warp)) < 1e-6
 
@@ -244,22 +250,10 @@ def test_markov_check_has_power_against_a_wrong_q(markov):
     """A drafter that reports a q other than the one it sampled from biases the output; the same check sees it."""
     target, drafter = markov
 
-    class LyingDrafter:
-        feature_layers = ()
-
-        def reset(self):
-            drafter.reset()
-
-        def update(self, tokens, features):
-            drafter.update(tokens, features)
-
-        def propose(self, k, warp, generator):
-            prop = drafter.propose(k, warp, generator)
-            return Proposal(prop.tokens, torch.full_like(prop.probs, 1.0 / V))
-
+    lying = Rewritten(drafter, lambda p: Proposal(p.tokens, torch.full_like(p.probs, 1.0 / V)))
     counts: dict[tuple[int, ...], int] = {}
     for seed in range(DRAWS):
-        res = speculative_decode(target, LyingDrafter(), PROMPT, k=2, max_new_tokens=3, warp=Warp(temperature=1.0), seed=seed)
+        res = speculative_decode(target, lying, PROMPT, k=2, max_new_tokens=3, warp=Warp(temperature=1.0), seed=seed)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
     assert pooled_chi2(counts, sequence_law(target.model.table.exp(), PROMPT, 3, Warp(temperature=1.0))) < 1e-6
 
