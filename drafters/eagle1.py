@@ -78,11 +78,13 @@ class Eagle1Head(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         cache: Any = None,
+        logits_to_keep: int = 0,
     ) -> tuple[Tensor, Tensor]:
-        """input_ids [B,S], hidden [B,S,H] → (hidden_out [B,S,H], logits [B,S,V]).
+        """input_ids [B,S], hidden [B,S,H] → (hidden_out [B,S,H], logits [B,S',V]).
 
         cache: a ``new_cache()`` extended in place (decoding); attention_mask then covers
-        the cached rows too: [B, past + S].
+        the cached rows too: [B, past + S]. logits_to_keep: 0 = every row's logits (S' = S), n = the
+        last n rows' only.
         """
         if hidden.shape[-1] != self.hidden_size:
             raise DraftsmithError(
@@ -101,7 +103,7 @@ class Eagle1Head(nn.Module):
             use_cache=cache is not None,
             position_embeddings=cos_sin,
         )  # [B, S, H]
-        return out, self.lm_head(self.norm(out))
+        return out, self.lm_head(self.norm(out[:, -logits_to_keep:]))
 
     def target_logits(self, logits: Tensor) -> Tensor:
         """The head already speaks the target's full vocabulary."""

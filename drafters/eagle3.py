@@ -223,8 +223,12 @@ class Eagle3Head(nn.Module):
         attention_mask: Tensor | None = None,
         cache: Any = None,
         ttt: UnrollKV | None = None,
+        logits_to_keep: int = 0,
     ) -> tuple[Tensor, Tensor]:
-        """input_ids [B,S]; hidden [B,S,3H] (target features) or [B,S,H] (own output) → ([B,S,H], [B,S,Vd])."""
+        """input_ids [B,S]; hidden [B,S,3H] (target features) or [B,S,H] (own output) → ([B,S,H], [B,S',Vd]).
+
+        logits_to_keep: 0 = logits of every row (S' = S); n = of the last n rows only (the decoder's
+        catch-up needs the last row's, and the lm_head is half the head's cost per row)."""
         if hidden.shape[-1] == 3 * self.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))  # [B, S, H]
         elif hidden.shape[-1] != self.hidden_size:
@@ -236,7 +240,7 @@ class Eagle3Head(nn.Module):
         position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
         out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
-        return out, self.lm_head(self.norm(out))
+        return out, self.lm_head(self.norm(out[:, -logits_to_keep:]))
 
     def unroll(
         self,

@@ -38,7 +38,7 @@ class EagleDrafter:
     """Drafter protocol over an EAGLE head (``Eagle1Head`` or ``Eagle3Head``).
 
     module: the head; it provides ``new_cache()``, ``forward(input_ids, hidden, position_ids=,
-    cache=) -> (hidden [1,S,H], logits [1,S,V'])`` and ``target_logits(logits [..,V']) -> [..,V]``.
+    cache=, logits_to_keep=) -> (hidden [1,S,H], logits [1,S',V'])`` and ``target_logits(logits [..,V']) -> [..,V]``.
     feature_layers: the target layers the decoder must return (resolved, 0-based).
     config / target_info: what ``drafters.save`` writes next to the weights.
     """
@@ -136,13 +136,13 @@ class EagleDrafter:
             m = feats.shape[0]
             # row s pairs f_s with x_{s+1}
             ids = torch.tensor([self.tokens[self.rows + 1 : self.rows + 1 + m]], device=self.device)  # [1, m]
-            hidden, logits = self._step(ids, feats[None], self.rows)
+            hidden, logits = self._step(ids, feats[None], self.rows, logits_to_keep=1)  # only the last row drafts
             self.rows += m
             self._last = (hidden[:, -1:], logits[0, -1])
         if self._last is None:
             raise DraftsmithError("EAGLE drafter asked to propose before any target features arrived")
         return self._last
 
-    def _step(self, ids: Tensor, hidden: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    def _step(self, ids: Tensor, hidden: Tensor, start: int, logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]  # [1, S]
-        return self.module(ids, hidden, position_ids=positions, cache=self.cache)
+        return self.module(ids, hidden, position_ids=positions, cache=self.cache, logits_to_keep=logits_to_keep)

@@ -131,6 +131,21 @@ def test_eagle_refuses_missing_features(tiny_target, eagle1):
         eagle1.update(torch.tensor([1, 2, 3]), None)
 
 
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_logits_to_keep_gives_the_last_rows_logits_exactly(tiny_target, family, request):
+    """The decoder's catch-up asks for the last row's logits only: the same numbers, the other rows skipped."""
+    drafter = request.getfixturevalue(family)
+    head = drafter.module
+    x = torch.randint(0, 5000, (1, 7), generator=torch.Generator().manual_seed(4))
+    f = features(tiny_target, x[0].tolist(), drafter.feature_layers)[None]
+    with torch.no_grad():
+        hidden, logits = head(x, f)
+        for keep in (1, 3):
+            h, kept = head(x, f, logits_to_keep=keep)
+            assert kept.shape[1] == keep and torch.equal(h, hidden)
+            assert torch.allclose(kept, logits[:, -keep:], atol=1e-6)
+
+
 def test_causal_mask_exact():
     m = causal_mask(2, 3, torch.float32, torch.device("cpu"), padding=torch.tensor([[0, 1, 1, 1, 1]]))
     allowed = (m == 0).int()[0, 0]
