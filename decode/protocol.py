@@ -76,27 +76,38 @@ class Drafter(Protocol):
 
 
 def draft_chain(
-    step: Callable[[int], Tensor], first_logits: Tensor, k: int, warp: Warp, generator: torch.Generator | None
+    step: Callable[[int], Tensor], first_logits: Tensor, k: int, warp: Warp, generator: torch.Generator | None,
+    vocab_ids: Tensor | None = None, vocab_size: int = 0,
 ) -> Proposal:
     """Draft k tokens one after another: the draft loop of every chain drafter.
 
     first_logits: [V] the drafter's logits for the first draft (over the target's vocabulary);
-    step(token) feeds one drafted token to the drafter and returns its [V] logits for the next
-    draft. Each draft is chosen with ``warp`` (argmax when greedy, else sampled from the warped
+    step(token) feeds one drafted token (a target id) to the drafter and returns its logits for the
+    next draft. Each draft is chosen with ``warp`` (argmax when greedy, else sampled from the warped
     q, which is kept); ``step`` runs k − 1 times, never after the last draft.
+
+    A drafter whose logits cover a reduced vocabulary (EAGLE-3's draft vocabulary) passes them as
+    they are, [V'], with ``vocab_ids`` [V'] (the target id of each entry, ascending) and
+    ``vocab_size`` V: greedy drafts take the argmax and its confidence over the V' entries alone (no
+    [V] tensor; the same token, ties included, as over the −inf-filled [V]); sampled drafts scatter
+    them into [V] first, since q must be a distribution over the target's vocabulary.
     """
     drafts: list[int] = []
     probs: list[Tensor] = []
     confidence: list[Tensor] = []
     logits = first_logits
     for i in range(k):
+        if vocab_ids is not None and not warp.greedy:
+            logits = logits.new_full((vocab_size,), float("-inf")).index_copy_(0, vocab_ids, logits)
         token, q = warp.choose(logits, generator)
-        drafts.append(token)
         if q is not None:
             probs.append(q)
             confidence.append(q.max())  # not q[token]: see Proposal.confidence
-        else:  # greedy: p(argmax) = exp(max − logsumexp), no [V] softmax kept
+        else:  # greedy: p(argmax) = exp(max − logsumexp), no softmax kept
             confidence.append((logits[token].float() - torch.logsumexp(logits.float(), -1)).exp())
+            if vocab_ids is not None:
+                token = int(vocab_ids[token])
+        drafts.append(token)
         if i + 1 < k:
             logits = step(token)
     return Proposal(

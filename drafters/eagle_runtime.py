@@ -79,14 +79,18 @@ class EagleDrafter:
         hidden, logits = self._catch_up()
         position = self.rows
 
+        vocab_ids = getattr(self.module, "draft_ids", None)  # EAGLE-3: logits over its draft vocabulary
+
         def step(token: int) -> Tensor:
             nonlocal hidden, position
             ids = torch.tensor([[token]], device=self.device)
             hidden, out = self._step(ids, hidden, position)  # predicted feature in, next one out
             position += 1
-            return self.module.target_logits(out[0, -1])
+            return out[0, -1] if vocab_ids is not None else self.module.target_logits(out[0, -1])
 
-        return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
+        if vocab_ids is None:
+            return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
+        return draft_chain(step, logits, k, warp, generator, vocab_ids, int(self.module.t2d.shape[0]))
 
     @torch.inference_mode()
     def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:

@@ -25,7 +25,7 @@ def features(target: Target, tokens: list[int], layers: tuple[int, ...]) -> torc
     return target.forward(torch.tensor([tokens]), feature_layers=layers).features[0]
 
 
-def drive(target: Target, drafter, prompt: list[int], accept: list[int], k: int, seed: int = 0):
+def drive(target: Target, drafter, prompt: list[int], accept: list[int], k: int, seed: int = 0, warp: Warp = SAMPLE):
     """Run the drafter protocol by hand, as the decoder does, accepting accept[i] drafts in round i.
 
     Yields (committed tokens, proposal) before each round's acceptance.
@@ -35,7 +35,7 @@ def drive(target: Target, drafter, prompt: list[int], accept: list[int], k: int,
     drafter.reset()
     drafter.update(torch.tensor(tokens), features(target, prompt, drafter.feature_layers))
     for i, m in enumerate(accept):
-        proposal = drafter.propose(k, SAMPLE, gen)
+        proposal = drafter.propose(k, warp, gen)
         yield list(tokens), proposal
         m = min(m, proposal.tokens.shape[0])
         new = proposal.tokens[:m].tolist() + [(97 * (i + 3)) % 5000]
@@ -300,6 +300,17 @@ def test_eagle3_runtime_matches_from_scratch_reference(tiny_target, eagle3):
         ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(), fuse=eagle3.module.fc)
         for q, r in zip(proposal.probs, ref):
             assert torch.allclose(q[t2d].log(), r[t2d].log(), atol=1e-4)
+
+
+def test_eagle3_greedy_drafts_the_argmax_over_its_draft_vocabulary_with_its_confidence(tiny_target, eagle3):
+    """Greedy drafting works on the [Vd] logits (no [V] tensor): the same tokens, mapped to target ids, and
+    the same top-1 confidence as the from-scratch reference over the target's vocabulary."""
+    prompt = list(range(300, 311))
+    for tokens, proposal in drive(tiny_target, eagle3, prompt, accept=[0, 3, 4, 1], k=4, warp=Warp()):
+        assert proposal.probs is None
+        ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(), fuse=eagle3.module.fc)
+        assert proposal.tokens.tolist() == [int(r.argmax()) for r in ref]
+        assert torch.allclose(proposal.confidence, torch.stack([r.max() for r in ref]), atol=1e-5)
 
 
 @pytest.mark.parametrize(
