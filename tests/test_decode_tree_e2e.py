@@ -1,7 +1,8 @@
 """Tree decoding on the real SmolLM2 target (fp32): greedy output token-identical to the target's own
 greedy decoding on 10 MT-bench first turns, with static and dynamic trees drafted by untrained EAGLE-1,
-EAGLE-3 and Medusa heads (no trained head ships with the repository; the demo's trained EAGLE-3 head
-is checked too when ``runs/demo`` holds one), and the CLI path ``draftsmith eval decode.tree=…``."""
+EAGLE-3 and Medusa heads (no trained head ships with the repository; a trained EAGLE-3 head is checked
+too when ``runs/demo`` holds the demo's, or ``DRAFTSMITH_TRAINED_EAGLE3`` names one), and the CLI path
+``draftsmith eval decode.tree=…``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from draftsmith.drafters.medusa import MedusaConfig
 pytestmark = pytest.mark.e2e
 
 MAX_NEW = 8
-TRAINED = os.path.join("runs", "demo", "eagle3", "drafter")
+TRAINED = os.environ.get("DRAFTSMITH_TRAINED_EAGLE3", os.path.join("runs", "demo", "eagle3", "drafter"))
+"""A trained EAGLE-3 head checked too when present: the demo's, or the folder this variable names."""
 
 
 def drafters(target, static: bool):
