@@ -14,6 +14,7 @@ from draftsmith.eval.config import DecodeConfig
 from draftsmith.eval.costs import (
     OracleDrafter,
     TimedDrafter,
+    bench_ceiling,
     conditional_acceptance,
     oracle_reference,
     predicted_speedup,
@@ -75,6 +76,16 @@ def test_timed_drafter_counts_drafting_only_and_keeps_the_self_speculative_hooks
 def test_verify_costs_are_relative_to_a_one_token_step(tiny_target):
     v = verify_costs(tiny_target, [1, 2, 3], [1, 4], context=32, repeats=3)
     assert set(v) == {1, 4} and all(x > 0 for x in v.values())
+
+
+def test_ceiling_reports_the_oracle_end_to_end_and_with_the_prefill_taken_out(tiny_target):
+    prompts = [list(range(10, 40)), list(range(50, 90)), list(range(100, 125))]
+    res = bench_ceiling(tiny_target, prompts, [1, 3], max_new_tokens=12)
+    assert res["prompts"] == 2 and [r["k"] for r in res["table"]] == [1, 3]
+    for r in res["table"]:
+        assert r["oracle_tau"] == pytest.approx(r["k"] + 1, abs=0.5)  # fp32: the oracle is always accepted
+        assert r["prefill_s"] > 0 and r["decode_phase_speedup"] > 0
+        assert r["decode_phase_share_of_bound"] == pytest.approx(r["decode_phase_speedup"] / r["bound"], rel=2e-2)
 
 
 def test_eval_times_the_target_alone_and_reports_the_median_ratio(tiny_target):
