@@ -1,6 +1,6 @@
 """Model-free drafters against the target alone, against HF's prompt lookup, and the suffix trie's cost.
 
-    python benchmarks/model_free.py [--prompts 6] [--max-new-tokens 96] [--k 8]
+    python benchmarks/model_free.py [--prompts 6] [--max-new-tokens 96] [--k 8] [--min-confidence 0]
         [--drafter runs/demo/eagle3/drafter] [--corpus runs/demo/prepare/data/regenerated] [--out runs/bench-model-free.json]
 
 Three parts, all in one process:
@@ -79,7 +79,7 @@ def interleaved(prompts: list[list[int]], methods: dict[str, Callable[[list[int]
 
 
 def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: int, drafter_path: str,
-                    corpus: str) -> dict[str, Any]:
+                    corpus: str, min_confidence: float = 0.0) -> dict[str, Any]:
     builds = {name: load_recipe(None, ov).drafter.build(target) for name, ov in drafter_overrides(drafter_path, corpus).items()}
     out: dict[str, Any] = {}
     for set_name in sets:
@@ -88,7 +88,8 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
 
         def ours(name: str) -> Callable[[list[int]], list[int]]:
             def run(p: list[int]) -> list[int]:
-                res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new)
+                res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new,
+                                         min_confidence=min_confidence)
                 calls[name].append(res.stats)
                 return res.tokens
             return run
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6, help="timed prompts per set (one more is the warm-up)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--min-confidence", type=float, default=0.0,
+                    help="part 1: the decoder's confidence gate (decode.min_confidence) for every drafter")
     ap.add_argument("--max-ngram", type=int, default=3, help="prompt lookup n-gram size (HF: max_matching_ngram_size)")
     ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head), or "
                                                  "layer_skip:N (the target's first N layers, own cache) as a stand-in")
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if "speed" not in skip:
         bf16 = load_target(args.target, dtype="bfloat16", device="cpu")
         results["bf16_vs_target"] = speed_vs_target(bf16, sets, args.prompts, args.k, args.max_new_tokens,
-                                                    args.drafter, args.corpus)
+                                                    args.drafter, args.corpus, args.min_confidence)
         del bf16
     if "hf" not in skip:
         fp32 = load_target(args.target, dtype="float32", device="cpu")
