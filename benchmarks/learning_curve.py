@@ -72,7 +72,9 @@ def measure(run_dirs: list[str], args: argparse.Namespace) -> list[dict]:
         row = {"run": run_dir, "tokens": tokens, "tau": round(s["tau_with_bonus"], 3),
                "acceptance_at_position": s["acceptance_at_position"],
                "speedup_vs_target": speed["speedup_vs_target"], "tokens_per_s": speed["tokens_per_s"],
-               "target_tokens_per_s": speed["target_tokens_per_s"], "dtype": speed["dtype"], "threads": speed["threads"]}
+               "target_tokens_per_s": speed["target_tokens_per_s"], "dtype": speed["dtype"], "threads": speed["threads"],
+               "c": speed["cost_model"]["draft_cost_c"], "v": speed["cost_model"]["verify_cost_by_k"],
+               "predicted": speed["cost_model"].get("predicted_speedup")}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out

@@ -32,6 +32,7 @@ def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path, s
 def test_the_full_size_is_larger_than_the_default():
     d, f = SIZES["default"], SIZES["full"]
     assert f.conversations > d.conversations and f.steps > d.steps and f.prompts >= d.prompts
+    assert (d.min_speedup, d.min_tau) == (1.0, 0.0) and (f.min_speedup, f.min_tau) == (1.5, 2.0)  # issue 9's bars
 
 
 @pytest.mark.e2e
