@@ -75,9 +75,24 @@ class Drafter(Protocol):
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal: ...
 
 
+@dataclass(frozen=True)
+class ReducedVocab:
+    """A drafter's reduced output vocabulary (EAGLE-3's draft vocabulary): the target id of each of its
+    V' logits, ascending, on the device (``ids``) and on the host (``host``, read once per request so
+    that mapping a greedy draft costs no host read), and the target's vocabulary size V."""
+
+    ids: Tensor
+    host: list[int]
+    size: int
+
+    @classmethod
+    def of(cls, ids: Tensor, size: int) -> ReducedVocab:
+        return cls(ids, ids.tolist(), size)
+
+
 def draft_chain(
     step: Callable[[int], Tensor], first_logits: Tensor, k: int, warp: Warp, generator: torch.Generator | None,
-    vocab_ids: Tensor | None = None, vocab_size: int = 0,
+    vocab: ReducedVocab | None = None,
 ) -> Proposal:
     """Draft k tokens one after another: the draft loop of every chain drafter.
 
@@ -86,27 +101,26 @@ def draft_chain(
     next draft. Each draft is chosen with ``warp`` (argmax when greedy, else sampled from the warped
     q, which is kept); ``step`` runs k − 1 times, never after the last draft.
 
-    A drafter whose logits cover a reduced vocabulary (EAGLE-3's draft vocabulary) passes them as
-    they are, [V'], with ``vocab_ids`` [V'] (the target id of each entry, ascending) and
-    ``vocab_size`` V: greedy drafts take the argmax and its confidence over the V' entries alone (no
-    [V] tensor; the same token, ties included, as over the −inf-filled [V]); sampled drafts scatter
-    them into [V] first, since q must be a distribution over the target's vocabulary.
+    A drafter whose logits cover a reduced vocabulary passes them as they are, [V'], with ``vocab``:
+    greedy drafts take the argmax and its confidence over the V' entries alone (no [V] tensor; the
+    same token, ties included, as over the −inf-filled [V]); sampled drafts scatter them into [V]
+    first, since q must be a distribution over the target's vocabulary.
     """
     drafts: list[int] = []
     probs: list[Tensor] = []
     confidence: list[Tensor] = []
     logits = first_logits
     for i in range(k):
-        if vocab_ids is not None and not warp.greedy:
-            logits = logits.new_full((vocab_size,), float("-inf")).index_copy_(0, vocab_ids, logits)
+        if vocab is not None and not warp.greedy:
+            logits = logits.new_full((vocab.size,), float("-inf")).index_copy_(0, vocab.ids, logits)
         token, q = warp.choose(logits, generator)
         if q is not None:
             probs.append(q)
             confidence.append(q.max())  # not q[token]: see Proposal.confidence
         else:  # greedy: p(argmax) = exp(max − logsumexp), no softmax kept
             confidence.append((logits[token].float() - torch.logsumexp(logits.float(), -1)).exp())
-            if vocab_ids is not None:
-                token = int(vocab_ids[token])
+            if vocab is not None:
+                token = vocab.host[token]
         drafts.append(token)
         if i + 1 < k:
             logits = step(token)

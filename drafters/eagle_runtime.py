@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..decode.protocol import Proposal, draft_chain
+from ..decode.protocol import Proposal, ReducedVocab, draft_chain
 from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import DraftsmithError
@@ -65,6 +65,8 @@ class EagleDrafter:
         self.rows = 0  # rows in the cache computed from true features
         self._pending: list[Tensor] = []  # [m, F] feature blocks not yet in the cache
         self._last: tuple[Tensor, Tensor] | None = None  # (hidden [1,1,H], logits [V']) of the last true row
+        ids = getattr(self.module, "draft_ids", None)  # EAGLE-3's draft vocabulary (EAGLE-1: the full one)
+        self._vocab = None if ids is None else ReducedVocab.of(ids, int(self.module.t2d.shape[0]))
 
     def update(self, tokens: Tensor, features: Tensor | None) -> None:
         """Append committed tokens [m'] and the target features [m, F] of committed positions."""
@@ -79,18 +81,18 @@ class EagleDrafter:
         hidden, logits = self._catch_up()
         position = self.rows
 
-        vocab_ids = getattr(self.module, "draft_ids", None)  # EAGLE-3: logits over its draft vocabulary
+        vocab = self._vocab  # EAGLE-3: logits over its draft vocabulary, drafted there
 
         def step(token: int) -> Tensor:
             nonlocal hidden, position
             ids = torch.tensor([[token]], device=self.device)
             hidden, out = self._step(ids, hidden, position)  # predicted feature in, next one out
             position += 1
-            return out[0, -1] if vocab_ids is not None else self.module.target_logits(out[0, -1])
+            return out[0, -1] if vocab is not None else self.module.target_logits(out[0, -1])
 
-        if vocab_ids is None:
+        if vocab is None:
             return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
-        return draft_chain(step, logits, k, warp, generator, vocab_ids, int(self.module.t2d.shape[0]))
+        return draft_chain(step, logits, k, warp, generator, vocab)
 
     @torch.inference_mode()
     def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
