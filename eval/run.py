@@ -159,6 +159,13 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
     c = (timed.seconds / timed.drafted) / step if timed.drafted else 0.0
     alpha = list(itertools.takewhile(lambda a: a is not None, stats.conditional_acceptance_at_position))
     by_k = {} if tree else {kk: round(predicted_speedup(alpha, kk, v[kk], c), 3) for kk in range(1, len(alpha) + 1)}
+    # the same model over the rounds as they were decoded: a round that verified n drafts costs v(n) (v(0) = 1),
+    # plus what drafting cost per round; with the confidence gate most rounds verify fewer than k drafts
+    as_decoded = None
+    if not tree and stats.rounds:
+        verify = sum(count * (v[n] if n else 1.0) for n, count in stats.tree_sizes.items()) / stats.rounds
+        drafting = timed.seconds / step / stats.rounds
+        as_decoded = round(stats.tau / (verify + drafting), 3)
     return {
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
@@ -177,6 +184,10 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
             "predicted_speedup": by_k.get(k),
             "predicted_speedup_by_k": by_k,
             "best_k": max(by_k, key=by_k.get) if by_k else None,
+            "as_decoded_speedup": as_decoded,
+            "as_decoded_note": "the measured tau over the mean cost of a round as decoded: v(n) for the n drafts it "
+                               "verified (v(0) = 1) plus the drafting seconds per round / a target step; unlike "
+                               "predicted_speedup it holds behind the confidence gate (rounds verify fewer drafts)",
             "note": "predicted = tau(k) / (v(k) + k c): tau from the measured acceptance by position (greedy: exact for "
                     "every k up to the one decoded), v(k) the verification forward over k+1 tokens / a one-token "
                     "forward; the decoder's own per-round overhead is not in the model" if not tree else

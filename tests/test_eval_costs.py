@@ -108,6 +108,11 @@ def test_eval_times_the_target_alone_and_reports_the_median_ratio(tiny_target):
     cm = s["cost_model"]
     assert cm["draft_cost_c"] > 0 and set(cm["verify_cost_by_k"]) == {1, 2}
     assert cm["best_k"] in cm["predicted_speedup_by_k"]
+    # the model over the rounds as decoded: tau over the mean of v(n verified) (v(0) = 1) plus drafting per round
+    rounds, sizes = out.stats.rounds, out.stats.tree_sizes
+    verify = sum(m * (cm["verify_cost_by_k"][n] if n else 1.0) for n, m in sizes.items()) / rounds
+    assert sum(sizes.values()) == rounds and cm["as_decoded_speedup"] > 0
+    assert out.stats.tau / cm["as_decoded_speedup"] - verify > 0  # what is left is the drafting cost per round
 
 
 def test_eval_without_timing_has_no_speed(tiny_target):
