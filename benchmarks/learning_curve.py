@@ -49,6 +49,12 @@ def heldout_points(run_dir: str) -> list[dict]:
     return out
 
 
+def run_name(run_dir: str) -> str:
+    """A run's label: its folder, or the demo's folder for a demo's ``…/eagle3`` stage."""
+    path = os.path.normpath(run_dir)
+    return os.path.basename(os.path.dirname(path)) if os.path.basename(path) == "eagle3" else os.path.basename(path)
+
+
 def measure(run_dirs: list[str], args: argparse.Namespace) -> list[dict]:
     from draftsmith.config import load_recipe
     from draftsmith.eval.config import DecodeConfig
@@ -74,7 +80,8 @@ def measure(run_dirs: list[str], args: argparse.Namespace) -> list[dict]:
                "speedup_vs_target": speed["speedup_vs_target"], "tokens_per_s": speed["tokens_per_s"],
                "target_tokens_per_s": speed["target_tokens_per_s"], "dtype": speed["dtype"], "threads": speed["threads"],
                "c": speed["cost_model"]["draft_cost_c"], "v": speed["cost_model"]["verify_cost_by_k"],
-               "predicted": speed["cost_model"].get("predicted_speedup")}
+               "predicted": speed["cost_model"].get("predicted_speedup"),
+               "as_decoded": speed["cost_model"].get("as_decoded_speedup")}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -102,7 +109,7 @@ def plot(curves: dict[str, list[dict]], measured: list[dict], args: argparse.Nam
         right.plot(x, [m["tau"] for m in measured], "o", label=f"τ measured (k={args.k}, gate {args.min_confidence})")
         right.plot(x, [m["speedup_vs_target"] for m in measured], "s", label=f"speedup vs target alone ({measured[0]['dtype']})")
         for m in measured:
-            right.annotate(os.path.basename(os.path.normpath(m["run"])), (m["tokens"] / 1e3, m["speedup_vs_target"]),
+            right.annotate(run_name(m["run"]), (m["tokens"] / 1e3, m["speedup_vs_target"]),
                            fontsize=7, xytext=(4, -10), textcoords="offset points")
     right.axhline(1.0, color="grey", lw=0.8)
     right.set_xlabel("target tokens trained on (thousands)")
@@ -128,9 +135,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--png", default="benchmarks/out/learning_curve.png")
     ap.add_argument("--json", default="benchmarks/out/learning_curve.json")
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from --json without measuring")
     args = ap.parse_args()
-    curves = {os.path.basename(os.path.normpath(r)) if os.path.basename(os.path.normpath(r)) != "eagle3"
-              else os.path.basename(os.path.dirname(os.path.normpath(r))): heldout_points(r) for r in args.runs}
+    if args.replot:
+        with open(args.json) as f:
+            saved = json.load(f)
+        plot(saved["heldout"], saved["measured"], argparse.Namespace(**{**saved["settings"], "png": args.png}))
+        print(f"wrote {args.png}")
+        return
+    curves = {run_name(r): heldout_points(r) for r in args.runs}
     for name, points in curves.items():
         print(name, json.dumps(points[-1]), flush=True)
     measured = measure(args.runs, args) if args.prompts > 0 else []

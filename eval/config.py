@@ -39,12 +39,15 @@ class DecodeConfig:
     tree_paths: str | list[list[int]] = "default"
     """static: a named tree (default: 16 nodes, depth 4; chain4) or a list of child-rank paths, e.g.
     [[0], [1], [0, 0]] (every prefix a path; a rank c > 0 needs its elder sibling c − 1)."""
-    tree_depth: int = 4
+    tree_depth: int = 2
     """dynamic: levels below the last committed token (the most drafts accepted per round)."""
-    tree_top_k: int = 4
+    tree_top_k: int = 2
     """dynamic: child slots expanded per level (and per node)."""
-    tree_budget: int = 16
-    """dynamic: drafted tokens verified per round. GPU (EAGLE's reference decoder): depth 5, top-k 8, 63."""
+    tree_budget: int = 4
+    """dynamic: drafted tokens verified per round. The defaults (depth 2, top-k 2, 4 nodes) are the CPU's:
+    with the demo's trained heads the smallest dynamic tree ran fastest of those measured (up to 16 nodes,
+    depth 4) in bf16 and fp32 (RESULTS.md, tree), as verification costs grow with the nodes there. GPU
+    (EAGLE's reference decoder): depth 5, top-k 8, 63."""
 
     def validate(self) -> None:
         if self.k < 1:

@@ -50,7 +50,8 @@ def test_greedy_tree_decoding_identical_to_target_on_10_mtbench_prompts(smollm2,
 def test_eval_with_a_dynamic_tree_writes_tree_metrics(capsys, tmp_path, smollm2_folder):
     run_dir = tmp_path / "run"
     code = main(["eval", "-c", "smollm2-135m-eagle3", f"run_dir={run_dir}", "eval.num_prompts=2", "decode.max_new_tokens=8",
-                 "eval.check_identity=true", "eval.time_target=false", "decode.tree=dynamic", "decode.tree_budget=12"])
+                 "eval.check_identity=true", "eval.time_target=false", "decode.tree=dynamic", "decode.tree_depth=4",
+                 "decode.tree_top_k=4", "decode.tree_budget=12"])
     out, err = capsys.readouterr()
     assert code == 0, err
     metrics = json.loads((run_dir / "eval_metrics.json").read_text())
