@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
@@ -122,12 +123,14 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None, ttt: UnrollKV | None = None
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: Any = None, ttt: UnrollKV | None = None
     ) -> Tensor:
         """x: [B, S, 2H]; cos/sin: [B, S, d]; mask: [B|1, 1, S, L] → [B, S, H].
 
-        cache: a HF cache (decoding; extended in place, L = past + S); ttt: the unroll's K/V
-        (training; this step's keys are appended, L = S); neither: plain causal, L = S.
+        cache: a HF cache (decoding; extended in place, L = past + S; mask None = every key, the
+        one-row draft step); ttt: the unroll's K/V (training; this step's keys are appended, L = S);
+        neither: plain causal, L = S. Decoding runs SDPA (its softmax in float32 on CPU as on GPU), the
+        training paths :func:`attend`; a test checks that both give the same drafts.
         """
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
@@ -136,11 +139,13 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:  # decoding: SDPA over the cache, grouped heads unrepeated, no mask for one row
+            k, v = cache.update(k, v, 0)  # [B, kv, past + S, d]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         diag_k: list[Tensor] = []
         diag_v: list[Tensor] = []
-        if cache is not None:
-            k, v = cache.update(k, v, 0)  # [B, kv, past + S, d]
-        elif ttt is not None:
+        if ttt is not None:
             ttt.keys.append(k)
             ttt.values.append(v)
             k, v = ttt.keys[0], ttt.values[0]
@@ -237,7 +242,10 @@ class Eagle3Head(nn.Module):
                 f"(three target layers concatenated) or {self.hidden_size} (its own previous output)"
             )
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, S, H]
-        position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
+        if cache is not None and input_ids.shape[1] == 1 and attention_mask is None and position_ids is not None:
+            mask = None  # a chain's draft step: one query that sees every cached row (no mask to build)
+        else:
+            position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
         out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
         return out, self.lm_head(self.norm(out[:, -logits_to_keep:]))
