@@ -13,7 +13,9 @@ Three parts, all in one process:
    on the same prompts; in bf16 outputs may drift from ``generate`` after tens of tokens (block vs
    single-token kernels), counted as "identical".
 2. **draftsmith's prompt_lookup vs HF** ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)``
-   (fp32, same k and n, HF's earliest-match rule in both): tokens/s and token identity with greedy.
+   (fp32, same k and n, HF's earliest-match rule in both): tokens/s, the median over prompts of the
+   per-prompt ratio (``--repeats`` runs each), the target forwards each made and the time each loop
+   spends outside them, and token identity with greedy.
 3. **Suffix trie cost per token vs output length**: µs per appended token and per proposal when the
    request already holds L tokens, for growing L (must stay flat: O(max_depth) per token).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,7 +124,41 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
     return out
 
 
-def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngram: int, max_new: int) -> dict[str, Any]:
+class ForwardTimer:
+    """Time spent inside the target's forward, its calls and the tokens they fed (hooks on the model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seconds, self.calls, self.tokens, self._t0 = 0.0, 0, 0, 0.0
+        self._hooks = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                       model.register_forward_hook(self._post)]
+
+    def _pre(self, _m: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls += 1
+        self.tokens += int(ids.shape[1]) if ids is not None else 0
+        self._t0 = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+    def take(self) -> tuple[float, int, int]:
+        out = (self.seconds, self.calls, self.tokens)
+        self.seconds, self.calls, self.tokens = 0.0, 0, 0
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngram: int, max_new: int,
+                        repeats: int = 1) -> dict[str, Any]:
+    """draftsmith's prompt lookup against HF's, fp32, paired per prompt.
+
+    Every prompt runs ``repeats`` times per method in a rotating order (after one warm-up prompt);
+    the ratio is the median over prompts of draftsmith's tokens/s over HF's on that prompt (the
+    repeats summed). Both propose the same drafts (HF's earliest-match rule), so they also make
+    the same target forwards; the seconds outside those forwards are each loop's own overhead."""
     drafter = PromptLookupDrafter(target.vocab_size, target.eos_token_ids, max_ngram=max_ngram, min_ngram=1,
                                   device=target.device)
     methods = {
@@ -130,17 +167,60 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
         "hf_prompt_lookup": lambda p: hf_generate(target, p, max_new, prompt_lookup_num_tokens=k,
                                                   max_matching_ngram_size=max_ngram),
     }
+    names = list(methods)
+    timer = ForwardTimer(target.model)
     out: dict[str, Any] = {}
-    for set_name in sets:
-        rows = interleaved(prompts_of(target, set_name, n + 1), methods)
-        ref = rows["greedy"]["outputs"]
-        tps = {m: r["new_tokens"] / r["wall_s"] for m, r in rows.items()}
-        out[set_name] = {
-            "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
-            "draftsmith_over_hf": round(tps["draftsmith_prompt_lookup"] / tps["hf_prompt_lookup"], 3),
-            "identical_to_greedy": {m: f"{sum(a == b for a, b in zip(r['outputs'], ref))}/{len(ref)}"
-                                    for m, r in rows.items() if m != "greedy"},
-        }
+    try:
+        for set_name in sets:
+            prompts = prompts_of(target, set_name, n + 1)
+            for fn in methods.values():
+                fn(prompts[0])
+            zero = {"wall_s": 0.0, "new_tokens": 0, "forward_s": 0.0, "forwards": 0, "tokens_fed": 0}
+            per_prompt: list[dict[str, dict[str, float]]] = []
+            outputs: dict[str, list[list[int]]] = {m: [] for m in names}
+            for i, p in enumerate(prompts[1:]):
+                row = {m: dict(zero) for m in names}
+                for r in range(repeats):
+                    j = (i * repeats + r) % len(names)
+                    for name in names[j:] + names[:j]:
+                        timer.take()
+                        t0 = time.perf_counter()
+                        tokens = methods[name](p)
+                        wall = time.perf_counter() - t0
+                        fs, calls, fed = timer.take()
+                        acc = row[name]
+                        acc["wall_s"] += wall
+                        acc["new_tokens"] += len(tokens)
+                        acc["forward_s"] += fs
+                        acc["forwards"] += calls
+                        acc["tokens_fed"] += fed
+                        if r == 0:
+                            outputs[name].append(tokens)
+                per_prompt.append(row)
+            total = {m: {key: sum(row[m][key] for row in per_prompt) for key in zero} for m in names}
+            ratios = [(row["draftsmith_prompt_lookup"]["new_tokens"] / row["draftsmith_prompt_lookup"]["wall_s"])
+                      / (row["hf_prompt_lookup"]["new_tokens"] / row["hf_prompt_lookup"]["wall_s"]) for row in per_prompt]
+            ref = outputs["greedy"]
+            out[set_name] = {
+                "prompts": n, "repeats": repeats,
+                "tokens_per_s": {m: round(t["new_tokens"] / t["wall_s"], 2) for m, t in total.items()},
+                "draftsmith_over_hf": round(statistics.median(ratios), 3),
+                "draftsmith_over_hf_per_prompt": [round(x, 3) for x in ratios],
+                "draftsmith_over_hf_total": round((total["draftsmith_prompt_lookup"]["new_tokens"]
+                                                   / total["draftsmith_prompt_lookup"]["wall_s"])
+                                                  / (total["hf_prompt_lookup"]["new_tokens"]
+                                                     / total["hf_prompt_lookup"]["wall_s"]), 3),
+                "target_forwards": {m: t["forwards"] for m, t in total.items()},
+                "tokens_fed_to_target": {m: t["tokens_fed"] for m, t in total.items()},
+                "ms_per_forward": {m: round(1e3 * t["forward_s"] / max(t["forwards"], 1), 2) for m, t in total.items()},
+                "ms_outside_forward_per_forward": {m: round(1e3 * (t["wall_s"] - t["forward_s"]) / max(t["forwards"], 1), 2)
+                                                   for m, t in total.items()},
+                "identical_to_greedy": {m: f"{sum(a == b for a, b in zip(outputs[m], ref))}/{len(ref)}"
+                                        for m in names if m != "greedy"},
+            }
+            print(set_name, json.dumps(out[set_name]), flush=True)
+    finally:
+        timer.close()
     return out
 
 
@@ -182,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--min-confidence", type=float, default=0.0,
                     help="part 1: the decoder's confidence gate (decode.min_confidence) for every drafter")
+    ap.add_argument("--repeats", type=int, default=1, help="part 2: runs of each prompt per method (paired, rotating)")
     ap.add_argument("--max-ngram", type=int, default=3, help="prompt lookup n-gram size (HF: max_matching_ngram_size)")
     ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head), or "
                                                  "layer_skip:N (the target's first N layers, own cache) as a stand-in")
@@ -200,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if "hf" not in skip:
         fp32 = load_target(args.target, dtype="float32", device="cpu")
         results["fp32_prompt_lookup_vs_hf"] = vs_hf_prompt_lookup(fp32, sets, args.prompts, args.k, args.max_ngram,
-                                                                  args.max_new_tokens)
+                                                                  args.max_new_tokens, args.repeats)
         print(json.dumps(results["fp32_prompt_lookup_vs_hf"], indent=1))
     if "cost" not in skip:
         t = load_target(args.target, dtype="float32", device="cpu") if "hf" in skip else fp32
