@@ -263,7 +263,7 @@ def greedy_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) 
     ids, mask = ids.to(target.device), mask.to(target.device)  # [B, S]
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, S]: left padding does not shift positions
     cache = DynamicCache(config=target.model.config)
-    logits = target.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    logits = target.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                           use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     alive = list(range(len(prompts)))  # prompt index of each batch row
     new: list[list[int]] = [[] for _ in prompts]
@@ -284,7 +284,7 @@ def greedy_batch(target: Target, prompts: list[list[int]], max_new_tokens: int) 
         mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)  # [b, S + step + 1]
         positions = positions[:, -1:] + 1  # [b, 1]
         logits = target.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                              past_key_values=cache, use_cache=True).logits[:, -1]
+                              cache=cache, use_cache=True).logits[:, -1]
     return new
 
 
