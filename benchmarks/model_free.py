@@ -37,6 +37,7 @@ from draftsmith.decode.sampling import Warp
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.drafters.suffix import SuffixDrafter
+from draftsmith.eval.bench import ForwardCounter
 from draftsmith.eval.prompts import load_questions
 from draftsmith.eval.reference import hf_generate, target_greedy
 from draftsmith.files import write_json
@@ -124,33 +125,6 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
     return out
 
 
-class ForwardTimer:
-    """Time spent inside the target's forward, its calls and the tokens they fed (hooks on the model)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.seconds, self.calls, self.tokens, self._t0 = 0.0, 0, 0, 0.0
-        self._hooks = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                       model.register_forward_hook(self._post)]
-
-    def _pre(self, _m: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        self.calls += 1
-        self.tokens += int(ids.shape[1]) if ids is not None else 0
-        self._t0 = time.perf_counter()
-
-    def _post(self, *_: Any) -> None:
-        self.seconds += time.perf_counter() - self._t0
-
-    def take(self) -> tuple[float, int, int]:
-        out = (self.seconds, self.calls, self.tokens)
-        self.seconds, self.calls, self.tokens = 0.0, 0, 0
-        return out
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
-
 def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngram: int, max_new: int,
                         repeats: int = 1) -> dict[str, Any]:
     """draftsmith's prompt lookup against HF's, fp32, paired per prompt.
@@ -168,7 +142,7 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
                                                   max_matching_ngram_size=max_ngram),
     }
     names = list(methods)
-    timer = ForwardTimer(target.model)
+    timer = ForwardCounter(target.model)
     out: dict[str, Any] = {}
     try:
         for set_name in sets:
@@ -187,7 +161,7 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
                         t0 = time.perf_counter()
                         tokens = methods[name](p)
                         wall = time.perf_counter() - t0
-                        fs, calls, fed = timer.take()
+                        calls, fed, fs = timer.take()
                         acc = row[name]
                         acc["wall_s"] += wall
                         acc["new_tokens"] += len(tokens)

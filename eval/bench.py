@@ -53,21 +53,32 @@ def hf_assisted(target: Target, assistant: torch.nn.Module, prompt_ids: list[int
 
 
 class ForwardCounter:
-    """Counts forward calls of a module (to show both speculative methods verify as often)."""
+    """Forward calls of a module, the tokens they fed and the seconds spent inside them (to show two
+    speculative methods verify as often, and how much of their time is their own loop's)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.calls = 0
-        self._handle = module.register_forward_pre_hook(self._hook)
+        self.calls, self.tokens, self.seconds, self._t0 = 0, 0, 0.0, 0.0
+        self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         module.register_forward_hook(self._post)]
 
-    def _hook(self, _module: Any, _args: Any) -> None:
+    def _pre(self, _module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
         self.calls += 1
+        self.tokens += int(ids.shape[1]) if ids is not None else 0
+        self._t0 = time.perf_counter()
 
-    def take(self) -> int:
-        n, self.calls = self.calls, 0
-        return n
+    def _post(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+    def take(self) -> tuple[int, int, float]:
+        """(calls, tokens fed, seconds inside) since the last take."""
+        out = (self.calls, self.tokens, self.seconds)
+        self.calls, self.tokens, self.seconds = 0, 0, 0.0
+        return out
 
     def close(self) -> None:
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
 
 
 SPECULATIVE = ("draftsmith", "draftsmith_own_cache", "hf_assisted")
@@ -130,7 +141,7 @@ def bench_decode(
             for name in order:
                 tokens, secs, cpu = _timed(lambda: methods[name](p))
                 outputs[name] = tokens
-                hooked = counter.take()  # the self-speculative verify bypasses the module: count from stats
+                hooked, _, _ = counter.take()  # the self-speculative verify bypasses the module: count from stats
                 forwards = last_stats[name].target_forwards if name in last_stats else hooked
                 row[name] = {"new_tokens": len(tokens), "wall_s": secs, "cpu_s": cpu, "tokens_per_s": len(tokens) / secs,
                              "target_forwards": forwards}
