@@ -285,6 +285,14 @@ class FeatureCache:
             item["topk_logits"] = handle.get_slice("topk_logits")[a:b]
         return item
 
+    def lengths(self) -> list[int]:
+        """Tokens of every sample, from the shards' offsets (no features read)."""
+        out: list[int] = []
+        for s in range(len(self._shards)):
+            offsets = self._shard(s)[1]
+            out += (offsets[1:] - offsets[:-1]).tolist()
+        return out
+
     def verify_all(self) -> None:
         """Check every shard's sha256 now (raises on the first mismatch)."""
         for s in range(len(self._shards)):

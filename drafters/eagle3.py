@@ -229,11 +229,14 @@ class Eagle3Head(nn.Module):
         cache: Any = None,
         ttt: UnrollKV | None = None,
         logits_to_keep: int = 0,
+        logits_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """input_ids [B,S]; hidden [B,S,3H] (target features) or [B,S,H] (own output) → ([B,S,H], [B,S',Vd]).
 
         logits_to_keep: 0 = logits of every row (S' = S); n = of the last n rows only (the decoder's
-        catch-up needs the last row's, and the lm_head is half the head's cost per row)."""
+        catch-up needs the last row's, and the lm_head is half the head's cost per row).
+        logits_rows: [B, S] bool: logits of those rows only, [N, Vd] in row-major order (training: the
+        rows a loss reads)."""
         if hidden.shape[-1] == 3 * self.hidden_size:
             hidden = self.fc(hidden.to(self.fc.weight.dtype))  # [B, S, H]
         elif hidden.shape[-1] != self.hidden_size:
@@ -248,7 +251,8 @@ class Eagle3Head(nn.Module):
             position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
         out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
-        return out, self.lm_head(self.norm(out[:, -logits_to_keep:]))
+        kept = out[logits_rows] if logits_rows is not None else out[:, -logits_to_keep:]
+        return out, self.lm_head(self.norm(kept))
 
     def unroll(
         self,
@@ -257,17 +261,24 @@ class Eagle3Head(nn.Module):
         steps: int = 7,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        logits_rows: list[Tensor] | None = None,
     ) -> list[tuple[Tensor, Tensor]]:
-        """Training-time test: ``steps`` chained steps over a whole sequence (see module docstring)."""
+        """Training-time test: ``steps`` chained steps over a whole sequence (see module docstring).
+
+        Step j gives (hidden [B, S, H], logits [B, S, Vd]), or with ``logits_rows`` (one [B, S] bool
+        per step) the logits of step j's rows only, [N_j, Vd]."""
         if steps < 1:
             raise DraftsmithError(f"unroll needs at least 1 step, got {steps}")
+        if logits_rows is not None and len(logits_rows) != steps:
+            raise DraftsmithError(f"unroll got {len(logits_rows)} logits_rows masks for {steps} steps")
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = default_positions(b, s, 0, input_ids.device)
         kv = UnrollKV()
         hidden, out = features, []
         for j in range(steps):
-            hidden, logits = self(shift_left(input_ids, j + 1), hidden, position_ids + j, attention_mask, ttt=kv)
+            hidden, logits = self(shift_left(input_ids, j + 1), hidden, position_ids + j, attention_mask, ttt=kv,
+                                  logits_rows=None if logits_rows is None else logits_rows[j])
             out.append((hidden, logits))
         return out
 

@@ -357,3 +357,20 @@ def test_eagle3_vocab_file_is_read_and_checked_against_the_targets_tokenizer(tin
         Eagle3Config(feature_layers=LAYERS, draft_vocab=path).build_module(tiny_target)
     with pytest.raises(DraftsmithError, match="does not exist; run `draftsmith prepare`"):
         Eagle3Config(feature_layers=LAYERS, draft_vocab=str(tmp_path / "missing")).build_module(tiny_target)
+
+
+def test_unroll_logits_rows_are_the_full_logits_at_those_rows(tiny_target, eagle3):
+    """Training asks for the logits of the rows a loss reads only: the same numbers, row-major."""
+    head = eagle3.module
+    torch.manual_seed(5)
+    x = torch.randint(0, 5000, (2, 7))
+    f = torch.randn(2, 7, 192)
+    attention = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    keep = [torch.rand(2, 7) > 0.5 for _ in range(2)]
+    with torch.no_grad():
+        full = head.unroll(x, f, steps=2, attention_mask=attention)
+        kept = head.unroll(x, f, steps=2, attention_mask=attention, logits_rows=keep)
+    for j in range(2):
+        assert kept[j][1].shape == (int(keep[j].sum()), full[j][1].shape[-1])
+        assert torch.allclose(kept[j][1], full[j][1][keep[j]], atol=1e-5)
+        assert torch.equal(kept[j][0], full[j][0])

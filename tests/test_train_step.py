@@ -26,7 +26,9 @@ def recipe(run_dir, target_dir: str, data_dir: str, *extra: str):
         f"target.name={target_dir}", "target.dtype=float32", "drafter.feature_layers=[0,1,2]",
         f"train.dataset={data_dir}", "train.max_length=48", f"train.eval.heldout={HELDOUT}", "train.ttt_steps=2",
         "train.loss.kind=soft_ce", "train.logging.wandb=disabled", "train.logging.progress=false",
-        "train.logging.every=1", "train.eval.decoder_at_end=false", "train.eval.every=0", f"run_dir={run_dir}", *extra,
+        "train.logging.every=1", "train.eval.decoder_at_end=false", "train.eval.every=0", f"run_dir={run_dir}",
+        "train.group_by_length=0",  # uneven_data places its records by the random order
+        *extra,
     ])
 
 
@@ -161,3 +163,21 @@ def test_summary_throughput_covers_the_whole_run_and_this_session(resumed, uneve
     assert second["tokens"] / second["run_tokens_per_s"] == pytest.approx(second["run_train_s"], abs=6e-4)
     assert session["tokens"] / session["tokens_per_s"] == pytest.approx(session["train_s"], abs=6e-4)
     assert (first["session"]["steps"], first["session"]["tokens"]) == (2, first["tokens"])  # a fresh run: all of it
+
+
+def test_eagle3_targets_at_the_loss_rows_are_the_full_targets_shifted():
+    """The recipe rebuilds the target's logits only where a loss reads them (positions whose next
+    token is an answer token); Targets.at(j) must find, for each head row t kept at step j, the
+    target's row t+j+1 — what shift_left(full logits, j+1)[keep] gave when every row was built."""
+    from draftsmith.drafters.common import shift_left
+    from draftsmith.train.eagle3 import Targets
+
+    torch.manual_seed(0)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 0, 1, 1, 1, 1]], dtype=torch.bool)
+    full = torch.randn(2, 8, 11)
+    need = shift_left(loss_mask, 1, fill=False)
+    index = (need.flatten().long().cumsum(0) - 1).view(need.shape)
+    keep = [shift_left(loss_mask, j + 2, fill=False) for j in range(3)]
+    t = Targets(full[need], index, keep)
+    for j in range(3):
+        assert torch.equal(t.logits[t.at(j)], shift_left(full, j + 1)[keep[j]])

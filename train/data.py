@@ -84,13 +84,25 @@ def split_heldout(n: int, heldout: int, seed: int) -> Split:
 
 @dataclass
 class BatchOrder:
-    """Which records micro-batch ``step`` of ``rank`` holds: a pure function, so resuming is exact."""
+    """Which records micro-batch ``step`` of ``rank`` holds: a pure function, so resuming is exact.
+
+    With ``lengths`` and ``group`` > 0, records of similar length share a micro-batch (HF's
+    ``group_by_length``): each epoch's shuffled order is cut into groups of ``group`` optimizer steps'
+    records, each group sorted by length and dealt into steps, and the steps of the epoch shuffled
+    again. A micro-batch is padded to its longest record, so random batches of records 130–510
+    tokens long spent ~45 % of their rows on padding (the demo's data); grouping keeps the
+    randomness of which records meet from epoch to epoch, and the ranks of a step get records of
+    similar length (no rank waits on one long sequence)."""
 
     ids: list[int]
     batch_size: int
     world_size: int
     rank: int
     seed: int
+    lengths: Sequence[int] | None = None
+    """Tokens of every record (indexed like the rows, not like ``ids``); None = random batches."""
+    group: int = 0
+    """Optimizer steps per length group; 0 = random batches."""
     _epoch: int = field(default=-1, repr=False)
     _order: list[int] = field(default_factory=list, repr=False)
 
@@ -109,14 +121,36 @@ class BatchOrder:
         if epoch != self._epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.ids))
             self._order, self._epoch = [self.ids[j] for j in perm], epoch
+            if self.group > 0 and self.lengths is not None:
+                self._order = self._grouped(self._order, epoch)
         start = (i * self.world_size + self.rank) * self.batch_size
         return self._order[start : start + self.batch_size]
+
+    def _grouped(self, order: list[int], epoch: int) -> list[int]:
+        block = self.batch_size * self.world_size  # the records of one optimizer step, every rank
+        used = order[: self.steps_per_epoch * block]
+        span = self.group * block
+        steps: list[list[int]] = []
+        for g in range(0, len(used), span):
+            chunk = sorted(used[g : g + span], key=lambda i: -self.lengths[i])  # type: ignore[index]
+            steps += [chunk[b : b + block] for b in range(0, len(chunk), block)]
+        shuffle = np.random.default_rng([self.seed, epoch, 1]).permutation(len(steps))
+        return [i for j in shuffle for i in steps[j]] + order[len(used) :]
 
     def from_step(self, start: int) -> Iterator[tuple[int, list[int]]]:
         step = start
         while True:
             yield step, self.at(step)
             step += 1
+
+
+def record_lengths(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """Tokens of every record, without reading cached features where the rows can say (``lengths()``)."""
+    if hasattr(rows, "lengths"):
+        return list(rows.lengths())
+    if hasattr(rows, "column_names") and "input_ids" in rows.column_names:
+        return [len(x) for x in rows["input_ids"]]
+    return [len(r["input_ids"]) for r in rows]
 
 
 def heldout_batches(ids: list[int], batch_size: int, world_size: int, rank: int) -> list[list[int]]:

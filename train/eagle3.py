@@ -19,14 +19,34 @@ Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the he
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
+
+
+@dataclass
+class Targets:
+    """The target's side of a batch, at the rows the loss reads: positions u whose next token is an
+    answer token (``loss_mask[u + 1]``), N of them."""
+
+    logits: Tensor
+    """[N, V] the target's logits at those positions."""
+    index: Tensor
+    """[B, S] long: the row of position u in ``logits`` (valid where u is one of them)."""
+    keep: list[Tensor]
+    """Per unrolled step j, [B, S] bool: the head's rows t whose logits step j kept (x_{t+j+2} is an
+    answer token)."""
+
+    def at(self, j: int) -> Tensor:
+        """[N_j] long: the target's row (position t+j+1) for each row t kept at step j."""
+        return target_side.rows_ahead(self.index, j + 1, self.keep[j])
 
 
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
@@ -39,40 +59,44 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
     engine = setup.build_engine(run, head)
     setup.restore(run, engine, resume)
 
-    def unroll(batch: Batch, noise: float) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
-        features, target_logits = target_side.features_and_logits(run, batch, layers)
+    def unroll(batch: Batch, noise: float) -> tuple[list[tuple[Tensor, Tensor]], Targets]:
+        """The head's steps, with logits only at the rows a loss or metric reads, and the target's side."""
+        need = shift_left(batch.loss_mask, 1, fill=False)  # positions whose next token is an answer token
+        features, target_logits = target_side.features_and_logits(run, batch, layers, rows=need)  # [N, V]
         features = target_side.uniform_noise(features, noise).to(run.dtype)
+        keep = [shift_left(batch.loss_mask, j + 2, fill=False) for j in range(cfg.ttt_steps)]
         steps = engine(lambda h: h.unroll(batch.input_ids, features, steps=cfg.ttt_steps,
-                                          attention_mask=batch.attention_mask))
-        return steps, target_logits
+                                          attention_mask=batch.attention_mask, logits_rows=keep))
+        index = (need.flatten().long().cumsum(0) - 1).view(need.shape)  # [B, S]: row of position u in the [N] rows
+        return steps, Targets(target_logits, index, keep)
 
     def rows(batch: Batch) -> Tensor:
         """[B, S] bool: row t counts when x_{t+2} is a loss-masked token (the step-0 prediction)."""
         return shift_left(batch.loss_mask, 2, fill=False)
 
-    def objective(steps: list[tuple[Tensor, Tensor]], target_logits: Tensor, batch: Batch) -> tuple[Tensor, heldout.Metrics]:
+    def objective(steps: list[tuple[Tensor, Tensor]], t: Targets, batch: Batch) -> tuple[Tensor, heldout.Metrics]:
         """Σ_j w_j · (step j's token loss summed over its rows); parts: each step's (sum, rows)."""
         # p over the draft vocabulary, and where the target's argmax is in it, once for all steps
-        p_draft, in_vocab = losses.restrict_to_draft_vocab(target_logits, draft_ids, batch.attention_mask.bool())
+        p_draft, in_vocab = losses.restrict_to_draft_vocab(t.logits, draft_ids, t.logits.new_ones(len(t.logits), dtype=torch.bool))
         total, parts = None, {}
-        for j, (_, logits) in enumerate(steps):
-            mask = shift_left(batch.loss_mask, j + 2, fill=False) & shift_left(in_vocab, j + 1, fill=False)
-            p_rows = target_side.rows_ahead(p_draft, j + 1, mask)  # the target at t+j+1, for the rows that count
-            step_sum = losses.token_loss(cfg.loss.kind, logits[mask], p_rows, mask[mask], cfg.loss.temperature,
+        for j, (_, logits) in enumerate(steps):  # logits: [N_j, Vd] at the rows of t.keep[j]
+            at = t.at(j)  # the target's row at t+j+1 for each of them
+            ok = in_vocab[at]
+            step_sum = losses.token_loss(cfg.loss.kind, logits[ok], p_draft[at][ok], ok[ok], cfg.loss.temperature,
                                          cfg.loss.jsd_beta, reduction="sum")  # 0 past short sequences' ends
             total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
-            parts[f"loss/step{j}"] = (step_sum.item(), float(mask.sum()))
+            parts[f"loss/step{j}"] = (step_sum.item(), float(ok.sum()))
         return total, parts
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
-        steps, target_logits = unroll(batch, 0.0)
-        out: heldout.Metrics = {"loss": (float(objective(steps, target_logits, batch)[0]), float(rows(batch).sum()))}
+        steps, t = unroll(batch, 0.0)
+        out: heldout.Metrics = {"loss": (float(objective(steps, t, batch)[0]), float(rows(batch).sum()))}
         for j, (_, logits) in enumerate(steps):
             q_logits = head.target_logits(logits.float())  # q = 0 outside the draft vocabulary
-            p_logits = shift_left(target_logits, j + 1)
-            mask = shift_left(batch.loss_mask, j + 2, fill=False)
-            out[f"expected_accept_step{j}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, mask), mask)
-            out[f"top1_step{j}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), mask), mask)
+            p_logits = t.logits[t.at(j)]
+            every = torch.ones(len(q_logits), dtype=torch.bool, device=q_logits.device)
+            out[f"expected_accept_step{j}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, every), every)
+            out[f"top1_step{j}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), every), every)
         return out
 
     save.baseline(run, engine, evaluate)

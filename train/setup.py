@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..schema import save_recipe, to_dict
 from ..target import Target, load_target
 from . import checkpoint, distributed
-from .data import Batch, BatchOrder, Split, collate, load_rows, split_heldout
+from .data import Batch, BatchOrder, Split, collate, load_rows, record_lengths, split_heldout
 from .distributed import World
 from .monitor import Monitor
 
@@ -115,7 +115,8 @@ def start(recipe: Any, world: World) -> Run:
     target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
     rows = load_rows(cfg.dataset, cfg.features, target)
     split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed)
-    order = BatchOrder(split.train, cfg.batch_size, world.world_size, world.rank, cfg.seed)
+    lengths = record_lengths(rows) if cfg.group_by_length else None
+    order = BatchOrder(split.train, cfg.batch_size, world.world_size, world.rank, cfg.seed, lengths, cfg.group_by_length)
     order.steps_per_epoch  # noqa: B018 — fail now, not after the engine is built, if data is too small
     state = TrainState(world_size=world.world_size, seed=cfg.seed)
     return Run(recipe, world, target, rows, split, order, ds_config, distributed.engine_dtype(ds_config), state)
@@ -203,6 +204,8 @@ def identity(run: Run) -> dict[str, Any]:
     out = {"drafter": to_dict(run.recipe.drafter), "target": run.target.fingerprint,
            "train": {"dataset": cfg.dataset, "features": cfg.features, "batch_size": cfg.batch_size,
                      "max_length": cfg.max_length, "seed": cfg.seed, "heldout": cfg.eval.heldout}}
+    if cfg.group_by_length:  # another data order; absent = random batches (checkpoints from before it existed)
+        out["train"]["group_by_length"] = cfg.group_by_length
     return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
 
 

@@ -22,19 +22,23 @@ def target_forward(run: Run, batch: Batch, feature_layers: tuple[int, ...] = ())
     return run.target.forward(batch.input_ids, feature_layers=feature_layers, attention_mask=batch.attention_mask)
 
 
-def features_and_logits(run: Run, batch: Batch, layers: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """The target's features of ``layers`` [B, S, len(layers)·H] and its logits [B, S, V].
+def features_and_logits(run: Run, batch: Batch, layers: tuple[int, ...],
+                        rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The target's features of ``layers`` [B, S, len(layers)·H] and its logits [B, S, V], or with
+    ``rows`` ([B, S] bool) its logits at those positions only, [N, V] in row-major order.
 
-    Online: one forward of the frozen target. Offline: read from the feature cache.
+    Online: one forward of the frozen target. Offline: read from the feature cache. The logits are
+    the widest tensor of a step (V = 49152 for SmolLM2): rebuilt from the cache at the rows a loss
+    reads (the answer tokens, no padding), they cost a third of rebuilding every row on the demo's data.
     """
     if not run.offline:
         out = target_forward(run, batch, layers)
-        return out.features, out.logits
+        return out.features, out.logits if rows is None else out.logits[rows]
     if batch.hidden is None:
         raise DraftsmithError("offline training needs the feature cache's hidden states in every batch")
     cached = list(run.rows.layer_ids)
     features = cached_layers(batch.hidden, cached, layers, run.target.hidden_size)
-    return features.to(run.target.dtype), cached_logits(run.target, batch, cached)
+    return features.to(run.target.dtype), cached_logits(run.target, batch, cached, rows)
 
 
 def cached_layers(hidden: Tensor, cached: list[int], wanted: tuple[int, ...], hidden_size: int) -> Tensor:
@@ -49,19 +53,22 @@ def cached_layers(hidden: Tensor, cached: list[int], wanted: tuple[int, ...], hi
 
 
 @torch.no_grad()
-def cached_logits(target: Target, batch: Batch, cached: list[int]) -> Tensor:
-    """The target's logits [B, S, V] without running it: its final norm and lm_head on the cached last
-    layer (exact up to the cache's bf16), else the cached top-k logits with −inf elsewhere."""
+def cached_logits(target: Target, batch: Batch, cached: list[int], rows: Tensor | None = None) -> Tensor:
+    """The target's logits [B, S, V] (or [N, V] at ``rows``) without running it: its final norm and
+    lm_head on the cached last layer (exact up to the cache's bf16), else the cached top-k logits with
+    −inf elsewhere."""
     from ..drafters.common import target_parts
 
     last = target.num_layers - 1
+    pick = (lambda x: x) if rows is None else (lambda x: x[rows])
     if last in cached:
         parts = target_parts(target.model)
-        h = cached_layers(batch.hidden, cached, (last,), target.hidden_size).to(target.dtype)
+        h = pick(cached_layers(batch.hidden, cached, (last,), target.hidden_size)).to(target.dtype)
         return parts.lm_head(parts.norm(h))
     if batch.topk_ids is not None and batch.topk_logits is not None:
-        full = torch.full((*batch.input_ids.shape, target.vocab_size), float("-inf"), device=batch.topk_logits.device)
-        return full.scatter(-1, batch.topk_ids, batch.topk_logits.float())
+        ids, values = pick(batch.topk_ids), pick(batch.topk_logits)
+        full = torch.full((*ids.shape[:-1], target.vocab_size), float("-inf"), device=values.device)
+        return full.scatter(-1, ids, values.float())
     raise DraftsmithError(f"the feature cache has neither the target's last layer ({last}) nor top-k logits, so it "
                           f"gives no target distribution; rebuild it with layer {last} in data.features.layer_ids "
                           f"or data.features.topk > 0")
