@@ -2,6 +2,8 @@
 
     python benchmarks/train.py throughput          # online vs offline target tokens/s, interleaved rounds
     python benchmarks/train.py throughput --compare dtype   # offline, fp32 vs bf16 engine (and target)
+    python benchmarks/train.py throughput --compare order --prepared runs/demo/prepare/data
+                                                   # offline, random vs length-grouped micro-batches
     python benchmarks/train.py short-run           # a few minutes of training: held-out acceptance and
                                                    # decoder τ of the untrained vs the trained head
 
@@ -18,7 +20,9 @@ throughput
     first step of each run left out as warm-up; evaluation, checkpointing and setup are not
     timed). Prints medians per mode and the offline/online ratio of each round. With
     ``--compare dtype`` both runs are offline and differ in precision instead: an fp32 target and
-    engine (ZeRO-0) vs a bf16 target and DeepSpeed's bf16 engine (ZeRO-0, fp32 master weights).
+    engine (ZeRO-0) vs a bf16 target and DeepSpeed's bf16 engine (ZeRO-0, fp32 master weights). With
+    ``--compare order`` both are offline and differ in the batch order: random micro-batches
+    (``train.group_by_length=0``) vs length-grouped ones (the default).
 
 short-run
     ``--steps`` steps of EAGLE-3 training (offline by default), then the trained head and the
@@ -53,8 +57,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--steps", type=int, default=0, help="optimizer steps (default: 6 for throughput, 150 short-run)")
     p.add_argument("--rounds", type=int, default=2, help="throughput: online/offline rounds")
-    p.add_argument("--compare", choices=["target", "dtype"], default="target",
-                   help="throughput: online vs offline target (default), or fp32 vs bf16 training (offline)")
+    p.add_argument("--compare", choices=["target", "dtype", "order"], default="target",
+                   help="throughput: online vs offline target (default), fp32 vs bf16 training (offline), or "
+                        "random vs length-grouped micro-batches (offline)")
+    p.add_argument("--prepared", default="", help="use this `draftsmith prepare` output folder (e.g. "
+                                                 "runs/demo/prepare/data) instead of preparing --data-dir")
     p.add_argument("--lr", type=float, default=1e-3, help="short-run learning rate")
     p.add_argument("--online", action="store_true", help="short-run: run the target online instead of the cache")
     p.add_argument("--prompts", type=int, default=10, help="short-run: MT-bench prompts for τ")
@@ -69,6 +76,10 @@ def prepare_data(args: argparse.Namespace) -> dict[str, str]:
     """Tokenized ShareGPT, the EAGLE-3 + last-layer feature cache and the draft vocabulary (reused if done)."""
     from draftsmith.config import load_recipe
     from draftsmith.data.prepare import PreparedPaths, run_prepare
+
+    if args.prepared:
+        paths = PreparedPaths.at(args.prepared)
+        return {"tokenized": paths.tokenized, "features": paths.features, "vocab": paths.vocab}
 
     recipe = load_recipe("smollm2-135m-prepare", [
         "data.stages=[tokenize,features,vocab]", f"data.max_conversations={args.conversations}",
@@ -112,6 +123,8 @@ def throughput(args: argparse.Namespace, data: dict[str, str]) -> dict:
             json.dump({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "gradient_clipping": 1.0}, f)
         modes = {"fp32": (True, ["target.dtype=float32", "train.deepspeed=zero0"]),
                  "bf16": (True, ["target.dtype=bfloat16", f"train.deepspeed={bf16}"])}
+    elif args.compare == "order":
+        modes = {"random": (True, ["train.group_by_length=0"]), "grouped": (True, [])}
     else:
         modes = {"online": (False, []), "offline": (True, [])}
     first, second = modes
