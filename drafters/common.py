@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
+from ..kernels import cpu_linear
 
 
 def text_config(arch: Any) -> Any:
@@ -192,12 +193,14 @@ def place(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> 
     """Move ``module`` to ``device`` and cast its floating PARAMETERS to ``dtype``.
 
     Unlike ``module.to(dtype)`` this leaves buffers alone, so RoPE's ``inv_freq`` stays float32
-    as in the target (a bf16 ``inv_freq`` shifts every rotary angle).
+    as in the target (a bf16 ``inv_freq`` shifts every rotary angle). bf16 linears on an AVX2 CPU are
+    routed through ``kernels.cpu_linear``, as the target's are.
     """
     module.to(device=device)
     for p in module.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
+    cpu_linear.install(module)  # as the target's (``target.load_target``): bf16 on an AVX2 CPU only
     return module
 
 

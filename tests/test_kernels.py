@@ -1,0 +1,104 @@
+"""kernels/cpu_linear.py: the bf16 linear for AVX2 CPUs equals F.linear up to bf16 rounding, at every
+row count, with and without bias and a K that is not a multiple of 8; a row's result does not depend
+on how many rows share the call; it is installed only where it should be, and never under autograd."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.kernels import cpu_linear
+
+from .conftest import SMOLLM2, tiny_llama
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.wanted(), reason="the kernel is for AVX2 CPUs without a bf16 GEMM")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The exact product of the bf16 values, in float64."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(96, 64), (200, 20), (33, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_is_the_linear_up_to_one_bf16_rounding(n, k, bias):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    for m in (1, 2, 3, 7, 8, 9, 17, 40):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        ref = reference(x, w, b)
+        ours = cpu_linear.linear(x, w, b)
+        assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+        # one rounding to bf16 (relative 2^-8) plus fp32 accumulation noise; a dropped K tail (k = 20: 4 of
+        # 20 terms), a wrong row or a missing bias is off by far more
+        err = (ours.double() - ref).abs()
+        assert (err <= 2 ** -8 * ref.abs() + 1e-4 * ref.abs().max()).all(), (m, err.max().item())
+        aten = F.linear(x, w, b).double()
+        assert (ours.double() - aten).abs().max() <= 2 ** -7 * ref.abs().max()
+
+
+@needs_kernel
+def test_a_row_is_computed_the_same_alone_or_among_others():
+    w = torch.randn(300, 576).bfloat16()
+    x = torch.randn(13, 576).bfloat16()
+    together = cpu_linear.linear(x, w)
+    for i in range(13):
+        assert torch.equal(cpu_linear.linear(x[i : i + 1], w), together[i : i + 1])
+    batched = cpu_linear.linear(x.view(1, 13, 576), w)  # [..., K] in, [..., N] out
+    assert batched.shape == (1, 13, 300) and torch.equal(batched[0], together)
+
+
+@needs_kernel
+def test_install_routes_bf16_linears_and_keeps_the_model_s_output():
+    model = tiny_llama(layers=2).to(torch.bfloat16).eval()
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert cpu_linear.install(model) == linears == cpu_linear.installed(model)
+    assert cpu_linear.install(model) == linears  # idempotent
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        fast = model(ids).logits.float()
+        with cpu_linear.disabled():
+            slow = model(ids).logits.float()
+    assert not torch.equal(fast, slow)  # the kernel really ran (its sums are ordered differently)
+    assert (fast - slow).abs().max() <= 0.05 * slow.abs().max()
+    assert (fast.argmax(-1) == slow.argmax(-1)).float().mean() >= 0.9
+    copied = copy.deepcopy(model)  # frozen_copy deep-copies heads: the routing follows the copy
+    assert cpu_linear.installed(copied) == linears
+
+
+@needs_kernel
+def test_autograd_takes_torch_s_linear_and_gets_gradients():
+    lin = nn.Linear(64, 32).to(torch.bfloat16)
+    assert cpu_linear.install(lin) == 1
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    lin(x).float().sum().backward()  # the kernel has no backward: this must not go through it
+    assert x.grad is not None and lin.weight.grad is not None
+    with torch.no_grad():
+        assert torch.equal(lin(x), cpu_linear.linear(x, lin.weight, lin.bias))
+
+
+def test_nothing_is_installed_in_fp32_or_when_switched_off(monkeypatch):
+    model = tiny_llama(layers=1)  # fp32
+    assert cpu_linear.install(model) == 0 and cpu_linear.installed(model) == 0
+    monkeypatch.setenv("DRAFTSMITH_CPU_KERNELS", "0")
+    assert not cpu_linear.wanted()
+    bf = tiny_llama(layers=1).to(torch.bfloat16)
+    assert cpu_linear.install(bf) == 0 and cpu_linear.installed(bf) == 0
+
+
+@needs_kernel
+@pytest.mark.e2e
+def test_the_bf16_target_loads_with_the_kernel_and_fp32_without():
+    from draftsmith.target import load_target
+
+    bf16 = load_target(SMOLLM2, dtype="bfloat16", device="cpu")
+    linears = sum(isinstance(m, nn.Linear) for m in bf16.model.modules())
+    assert cpu_linear.installed(bf16.model) == linears == 30 * 7 + 1  # q k v o gate up down per layer, lm_head
+    fp32 = load_target(SMOLLM2, dtype="float32", device="cpu")
+    assert cpu_linear.installed(fp32.model) == 0
