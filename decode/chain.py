@@ -46,7 +46,8 @@ def speculative_decode(
     may verify no draft at all: a plain target step). The rule reads only the drafter's state, before
     the target sees the drafts, so the output law is unchanged (lossless; greedy: token-identical).
     It pays where verification is not free: a draft is worth verifying when its chance of acceptance
-    exceeds the extra verification cost, v(1) − 1 ≈ 0.35 of a step in bf16 on a 2-core CPU.
+    exceeds the extra verification cost, v(1) − 1 (≈ 0.05–0.2 of a step in bf16 on a 2-core AVX2 CPU with
+    ``kernels/cpu_linear.py``, ≈ 0.35 without it), plus the drafting cost c.
     """
     if k < 1:
         raise DraftsmithError(f"k = {k}: the number of draft tokens per round must be at least 1")
@@ -64,6 +65,9 @@ def speculative_decode(
     bind = getattr(drafter, "bind", None)  # optional: self-speculative drafters share the target's cache
     if bind is not None:
         bind(cache)
+    set_gate = getattr(drafter, "set_gate", None)  # optional: stop drafting where the gate would cut
+    if set_gate is not None:
+        set_gate(min_confidence)
     verify = getattr(drafter, "verify", None)  # optional: their verification forward reuses drafting work
     token = prefill(target, drafter, prompt_ids, cache, warp, gen, stats)
     tokens = [token]

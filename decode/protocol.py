@@ -33,6 +33,14 @@ decoder uses them only when present, so the three methods above stay the whole c
     the target's verification forward over (last committed token, drafts), replacing
     ``target.forward``; it must leave every cache layer holding the same positions (the
     decoder then crops them all to the accepted length) and return the target's logits.
+
+Optional for any drafter with a cost per draft step:
+
+``set_gate(min_confidence)``
+    called after ``reset()`` with the decoder's confidence gate (0 = none): the drafter may stop
+    drafting at the first draft whose running confidence product falls below it, since the gate
+    drops every draft from there on (``draft_chain(stop_below=)``). The output is unchanged;
+    the draft steps that would have been dropped are not computed.
 """
 
 from __future__ import annotations
@@ -92,7 +100,7 @@ class ReducedVocab:
 
 def draft_chain(
     step: Callable[[int], Tensor], first_logits: Tensor, k: int, warp: Warp, generator: torch.Generator | None,
-    vocab: ReducedVocab | None = None,
+    vocab: ReducedVocab | None = None, stop_below: float = 0.0,
 ) -> Proposal:
     """Draft k tokens one after another: the draft loop of every chain drafter.
 
@@ -105,10 +113,15 @@ def draft_chain(
     greedy drafts take the argmax and its confidence over the V' entries alone (no [V] tensor; the
     same token, ties included, as over the −inf-filled [V]); sampled drafts scatter them into [V]
     first, since q must be a distribution over the target's vocabulary.
+
+    stop_below: the decoder's confidence gate (``set_gate`` in the module docstring): drafting stops
+    after the first draft whose running confidence product is below it (that draft is still returned;
+    the gate drops it). Costs one host read of the confidence per draft; 0 = draft all k.
     """
     drafts: list[int] = []
     probs: list[Tensor] = []
     confidence: list[Tensor] = []
+    running = 1.0  # product of the confidences so far (read only with stop_below)
     logits = first_logits
     for i in range(k):
         if vocab is not None and not warp.greedy:
@@ -122,6 +135,10 @@ def draft_chain(
             if vocab is not None:
                 token = vocab.host[token]
         drafts.append(token)
+        if stop_below > 0:
+            running *= float(confidence[-1])
+            if running < stop_below:
+                break
         if i + 1 < k:
             logits = step(token)
     return Proposal(

@@ -59,6 +59,7 @@ class EagleDrafter:
         return self.module.fc.weight.dtype
 
     def reset(self) -> None:
+        self.stop_below = 0.0  # the decoder's confidence gate, set after reset (set_gate)
         self.cache: Any = self.module.new_cache()
         self.tokens: list[int] = []
         self.num_features = 0
@@ -67,6 +68,10 @@ class EagleDrafter:
         self._last: tuple[Tensor, Tensor] | None = None  # (hidden [1,1,H], logits [V']) of the last true row
         ids = getattr(self.module, "draft_ids", None)  # EAGLE-3's draft vocabulary (EAGLE-1: the full one)
         self._vocab = None if ids is None else ReducedVocab.of(ids, int(self.module.t2d.shape[0]))
+
+    def set_gate(self, min_confidence: float) -> None:
+        """Stop a chain where the decoder's confidence gate would cut it (``decode/protocol.py``)."""
+        self.stop_below = min_confidence
 
     def update(self, tokens: Tensor, features: Tensor | None) -> None:
         """Append committed tokens [m'] and the target features [m, F] of committed positions."""
@@ -91,8 +96,8 @@ class EagleDrafter:
             return out[0, -1] if vocab is not None else self.module.target_logits(out[0, -1])
 
         if vocab is None:
-            return draft_chain(step, self.module.target_logits(logits), k, warp, generator)
-        return draft_chain(step, logits, k, warp, generator, vocab)
+            return draft_chain(step, self.module.target_logits(logits), k, warp, generator, stop_below=self.stop_below)
+        return draft_chain(step, logits, k, warp, generator, vocab, stop_below=self.stop_below)
 
     @torch.inference_mode()
     def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:

@@ -32,7 +32,12 @@ class HFDrafter:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def set_gate(self, min_confidence: float) -> None:
+        """Stop a chain where the decoder's confidence gate would cut it (``decode/protocol.py``)."""
+        self.stop_below = min_confidence
+
     def reset(self) -> None:
+        self.stop_below = 0.0  # the decoder's confidence gate, set after reset (set_gate)
         self.cache: Any = rollback_cache(self.model.config)
         self.tokens: list[int] = []
         self._drafted_from = 0  # committed length when the last proposal was made
@@ -57,7 +62,8 @@ class HFDrafter:
             ids_t = torch.tensor([ids], device=self.device)  # [1, n ≥ 1]
             return self.model(input_ids=ids_t, cache=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
 
-        proposal = draft_chain(lambda token: feed([token]), feed(self.tokens[cached:]), k, warp, generator)
+        proposal = draft_chain(lambda token: feed([token]), feed(self.tokens[cached:]), k, warp, generator,
+                               stop_below=self.stop_below)
         self._drafted_from = len(self.tokens)
         self._drafts = proposal.tokens.tolist()
         return proposal

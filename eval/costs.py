@@ -115,8 +115,8 @@ def predicted_speedup(conditional: Sequence[float], k: int, v: float, c: float) 
 class TimedDrafter:
     """Wraps a drafter and adds up the seconds it spends drafting (``propose`` and ``update``).
 
-    The optional ``bind`` / ``verify`` of self-speculative drafters pass through untimed:
-    ``verify`` is the target's own forward. ``drafted`` counts the draft tokens proposed.
+    The optional ``bind`` / ``verify`` of self-speculative drafters and ``set_gate`` pass through
+    untimed: ``verify`` is the target's own forward. ``drafted`` counts the draft tokens proposed.
     """
 
     def __init__(self, drafter: Any):
@@ -124,7 +124,7 @@ class TimedDrafter:
         self.feature_layers = drafter.feature_layers
         self.seconds = 0.0
         self.drafted = 0
-        for name in ("bind", "verify"):
+        for name in ("bind", "verify", "set_gate"):
             if hasattr(drafter, name):
                 setattr(self, name, getattr(drafter, name))
         if hasattr(drafter, "propose_tree"):  # a tree runtime: timed too, ``drafted`` counts tree nodes

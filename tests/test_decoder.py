@@ -376,6 +376,30 @@ def test_greedy_identity_with_layer_skip_and_standalone_drafters(tiny):
         assert res.tokens == expected
 
 
+def test_a_gated_chain_stops_drafting_where_the_gate_cuts_and_decodes_the_same(tiny):
+    """set_gate: the drafter skips the draft steps the gate would drop — the same tokens and the same
+    verified drafts, fewer drafter forwards."""
+    target, ref = tiny
+    drafter = HFDrafter(tiny_llama(layers=2, seed=1))
+    calls = []
+    drafter.model.register_forward_hook(lambda *_: calls.append(1))
+    runs = {}
+    for stop in (False, True):
+        if not stop:
+            drafter.set_gate = lambda threshold: None  # the hook switched off: every chain drafts all k
+        else:
+            del drafter.set_gate
+        calls.clear()
+        res = speculative_decode(target, drafter, PROMPT_IDS, k=4, max_new_tokens=30, min_confidence=0.5)
+        runs[stop] = (res.tokens, res.stats.drafted, res.stats.accepted, res.stats.rounds, len(calls))
+    assert runs[True][0] == runs[False][0] == ref[:30]
+    assert runs[True][1:4] == runs[False][1:4]  # the same drafts verified and accepted, round for round
+    assert runs[True][4] < runs[False][4]  # fewer drafter forwards
+    assert drafter.stop_below == 0.5
+    drafter.reset()
+    assert drafter.stop_below == 0.0  # a direct caller of propose (the report) drafts ungated
+
+
 def test_metrics_arithmetic_with_known_acceptance(tiny, smollm2_tokenizer):
     target, ref = tiny
     pattern, k, max_new = [0, 2, 4, 1, 3], 4, 30
