@@ -17,7 +17,7 @@ alone (its own ``generate``) and the speculative decoder run the very same kerne
 * with ``DRAFTSMITH_CPU_KERNELS=0`` in the environment, or inside :func:`disabled` (A/B benchmarks).
 
 The extension is compiled once with the C++ compiler torch uses (``torch.utils.cpp_extension``,
-cached under ``$TORCH_EXTENSIONS_DIR``, ~40 s); without a compiler :func:`install` warns once and
+cached under ``$TORCH_EXTENSIONS_DIR``, ~70 s on 2 cores); without a compiler :func:`install` warns once and
 leaves the module as it was. Numerics: fp32 accumulation, one bf16 rounding at the end, as torch's
 bf16 ``F.linear`` — not bit-equal to it (the order of the sums differs), but each row's result is
 the same whether it is computed alone or with 7 others.
