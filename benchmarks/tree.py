@@ -44,6 +44,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=16, help="dynamic tree: nodes per round (default: 16)")
     p.add_argument("--budgets", default="", help="also run dynamic trees of these budgets, e.g. 8,32")
     p.add_argument("--depths", default="", help="with --budgets: and these depths, e.g. 3,5")
+    p.add_argument("--gates", default="0", help="confidence gates for the chain and the dynamic trees, e.g. 0,0.2 "
+                   "(decode.min_confidence; 0: ungated)")
+    p.add_argument("--no-static", action="store_true", help="skip the static tree")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=os.path.join("benchmarks", "out", "tree.json"))
     return p.parse_args(argv)
@@ -54,19 +57,30 @@ def _ints(text: str) -> list[int]:
 
 
 def methods(args: argparse.Namespace) -> dict[str, Any]:
-    """name → tree shape (None = chain of k)."""
+    """name → (tree shape or None for a chain of k, confidence gate). The static tree runs ungated, once;
+    the chain and every dynamic tree once per gate of --gates."""
     import json
 
     from draftsmith.decode.tree import DynamicTree, StaticTree
 
     static = args.static if not args.static.strip().startswith("[") else json.loads(args.static)
-    out: dict[str, Any] = {f"chain k={args.k}": None, f"static '{args.static}'": StaticTree.named_or_given(static),
-                           f"dynamic d={args.depth} k={args.top_k} n={args.budget}":
-                               DynamicTree(args.depth, args.top_k, args.budget)}
-    for budget in _ints(args.budgets):
-        for depth in _ints(args.depths) or [args.depth]:
-            out[f"dynamic d={depth} k={args.top_k} n={budget}"] = DynamicTree(depth, args.top_k, budget)
+    dynamic = {(args.depth, args.budget)}
+    dynamic |= {(depth, budget) for budget in _ints(args.budgets) for depth in _ints(args.depths) or [args.depth]}
+    out: dict[str, Any] = {}
+    for gate in _floats(args.gates):
+        tag = f" gate {gate:g}" if gate > 0 else ""
+        out[f"chain k={args.k}{tag}"] = (None, gate)
+        if not out.get(f"static '{args.static}'"):
+            out[f"static '{args.static}'"] = (StaticTree.named_or_given(static), 0.0)
+        for depth, budget in sorted(dynamic):
+            out[f"dynamic d={depth} k={args.top_k} n={budget}{tag}"] = (DynamicTree(depth, args.top_k, budget, gate), gate)
+    if args.no_static:
+        out.pop(f"static '{args.static}'")
     return out
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()] or [0.0]
 
 
 def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dict[str, Any]:
@@ -85,9 +99,10 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
     prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
     shapes = methods(args)
 
-    def decode(shape: Any, p: list[int]) -> Any:
+    def decode(method: tuple[Any, float], p: list[int]) -> Any:
+        shape, gate = method
         if shape is None:
-            return speculative_decode(target, drafter, p, k=args.k, max_new_tokens=args.max_new_tokens)
+            return speculative_decode(target, drafter, p, k=args.k, max_new_tokens=args.max_new_tokens, min_confidence=gate)
         return tree_decode(target, drafter, p, tree=shape, max_new_tokens=args.max_new_tokens)
 
     print(f"\n== {target.name} {dtype} on {target.device}, {label}, {len(prompts) - 1} MT-bench prompts, "
@@ -95,7 +110,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
     for shape in shapes.values():  # warm-up
         decode(shape, prompts[0])
     target_greedy(target, prompts[0], 8)
-    stats = {name: DecodeStats(k=args.k if s is None else s.depth) for name, s in shapes.items()}
+    stats = {name: DecodeStats(k=args.k if s is None else s.depth) for name, (s, _) in shapes.items()}
     spent = {name: [0.0, 0.0] for name in ["greedy", *shapes]}  # wall, cpu
     rates: dict[str, list[float]] = {name: [] for name in ["greedy", *shapes]}
     identical = {name: 0 for name in shapes}

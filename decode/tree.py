@@ -121,16 +121,24 @@ class StaticTree:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` slots expanded per level, ``budget`` nodes in all."""
+    """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` slots expanded per level, ``budget`` nodes in all.
+
+    ``min_confidence`` is the tree's confidence gate: a slot whose confidence (known before it is
+    drawn, see the module docstring) is below it is not drafted, so a round where the drafter is unsure
+    verifies fewer nodes, or none (a plain target step). It is a stopping rule on values fixed before
+    the draws, so verification stays exact; 0 = off (EAGLE-2)."""
 
     depth: int = 5
     top_k: int = 8
     budget: int = 63
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.budget < 1:
             raise DraftsmithError(f"a dynamic tree needs depth, top_k and budget ≥ 1, got {self.depth}, "
                                   f"{self.top_k}, {self.budget}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise DraftsmithError(f"a dynamic tree's min_confidence must be in [0, 1), got {self.min_confidence}")
 
     @property
     def size(self) -> int:
@@ -426,7 +434,8 @@ def build_tree(
             room = shape.budget - len(b.tokens)
             if room <= 0 or not frontier:
                 break
-            slots = [(key, row, j) for row in frontier for j, key in enumerate(b.slot_keys(row, shape.top_k))]
+            slots = [(key, row, j) for row in frontier for j, key in enumerate(b.slot_keys(row, shape.top_k))
+                     if key >= shape.min_confidence]  # per parent keys fall with j: the gate keeps a prefix
             slots.sort(key=lambda s: (-s[0], s[1], s[2]))  # per parent, keys fall with j: a prefix is taken
             take, rest = slots[: min(shape.top_k, room)], slots[min(shape.top_k, room):]
             leftover += rest

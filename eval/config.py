@@ -28,8 +28,9 @@ class DecodeConfig:
     seed: int = 0
     """Seeds the sampler: same seed, same output."""
     min_confidence: float = 0.0
-    """Chains: the confidence gate — verify only the leading drafts whose running product of the
-    drafter's own probabilities is ≥ this (0 = off; lossless either way, see ``decode/chain.py``).
+    """The confidence gate — chains: verify only the leading drafts whose running product of the
+    drafter's own probabilities is ≥ this; dynamic trees: draft only the slots whose path confidence is
+    ≥ this (0 = off; lossless either way, see ``decode/chain.py`` and ``decode/tree.py``).
     On a CPU where verifying one more token costs v(1) − 1 ≈ 0.35 of a step (bf16, 2 cores), a draft
     less likely than that to be accepted costs more than it gives."""
     tree: Literal["none", "static", "dynamic"] = "none"
@@ -73,7 +74,7 @@ class DecodeConfig:
             if self.tree == "static":
                 return StaticTree.named_or_given(self.tree_paths)
             if self.tree == "dynamic":
-                return DynamicTree(self.tree_depth, self.tree_top_k, self.tree_budget)
+                return DynamicTree(self.tree_depth, self.tree_top_k, self.tree_budget, self.min_confidence)
         except DraftsmithError as e:
             raise ConfigError(f"decode.tree_paths: {e}") from e
         return None

@@ -133,7 +133,9 @@ def evaluate(
         records.append(rec)
     speed = None
     if time_target:
-        speed = speed_summary(target, timed, total, records, prompts[0], decode.k, tree=decode.tree_shape() is not None)
+        shape = decode.tree_shape()
+        speed = speed_summary(target, timed, total, records, prompts[0], decode.k,
+                              tree_size=0 if shape is None else shape.size)
     return Evaluation(total, records, speed)
 
 
@@ -148,22 +150,25 @@ def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: D
 
 
 def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, records: list[dict[str, Any]],
-                  prompt: list[int], k: int, tree: bool = False) -> dict[str, Any]:
+                  prompt: list[int], k: int, tree_size: int = 0) -> dict[str, Any]:
     """speedup_vs_target and the cost model that predicts it (see :mod:`draftsmith.eval.costs`).
 
-    tree: the decode drafted trees; the chain model τ(k) / (v(k) + k c) does not describe them, so
-    no prediction is made (c is then the drafter's seconds per drafted tree node)."""
+    tree_size: the decode drafted trees of at most this many nodes (0: chains). The chain model
+    τ(k) / (v(k) + k c) does not describe trees, so no prediction by k is made (c is then the
+    drafter's seconds per drafted tree node); the model over the rounds as decoded still holds, with
+    v(n) for the n nodes each round verified."""
+    tree = tree_size > 0
     spec_s = sum(r["stats"]["wall_s"] for r in records)
     target_s = sum(r["target"]["wall_s"] for r in records)
     step = target_step_seconds(target, prompt)
-    v = {} if tree else verify_costs(target, prompt, range(1, k + 1))
+    v = verify_costs(target, prompt, range(1, (tree_size if tree else k) + 1))
     c = (timed.seconds / timed.drafted) / step if timed.drafted else 0.0
     alpha = list(itertools.takewhile(lambda a: a is not None, stats.conditional_acceptance_at_position))
     by_k = {} if tree else {kk: round(predicted_speedup(alpha, kk, v[kk], c), 3) for kk in range(1, len(alpha) + 1)}
     # the same model over the rounds as they were decoded: a round that verified n drafts costs v(n) (v(0) = 1),
     # plus what drafting cost per round; with the confidence gate most rounds verify fewer than k drafts
     as_decoded = None
-    if not tree and stats.rounds:
+    if stats.rounds:
         verify = sum(count * (v[n] if n else 1.0) for n, count in stats.tree_sizes.items()) / stats.rounds
         drafting = timed.seconds / step / stats.rounds
         as_decoded = round(stats.tau / (verify + drafting), 3)
@@ -193,7 +198,9 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
             "note": "predicted = tau(k) / (v(k) + k c): tau from the measured acceptance by position (greedy: exact for "
                     "every k up to the one decoded), v(k) the verification forward over k+1 tokens / a one-token "
                     "forward; the decoder's own per-round overhead is not in the model" if not tree else
-                    "tree decoding: the chain cost model does not apply (no prediction); speedup_vs_target is measured",
+                    "tree decoding: the chain model by k does not apply (no prediction by k); as_decoded_speedup "
+                    "prices each round's n nodes at v(n), the chain forward over n+1 tokens (a tree's forward "
+                    "differs only in its attention mask); speedup_vs_target is measured",
         },
     }
 
@@ -275,7 +282,9 @@ def print_eval(m: dict[str, Any]) -> None:
               f"speedup_vs_target {speed['speedup_vs_target']:.3f}x" + (
                   f" (predicted {cm['predicted_speedup']}x from c={cm['draft_cost_c']:.3f}, "
                   f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
-                  f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else ""))
+                  f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else
+                  f" (cost model over the rounds as decoded {cm['as_decoded_speedup']}x, c={cm['draft_cost_c']:.3f})"
+                  if cm.get("as_decoded_speedup") is not None else ""))
     print(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
           f"acceptance rate {m['acceptance_rate']:.3f}; by position: cumulative {m['acceptance_at_position']}, "
           f"conditional {m['conditional_acceptance_at_position']}")

@@ -109,6 +109,32 @@ def test_recipe_tree_settings():
         DecodeConfig(tree="dynamic", tree_budget=0).validate()
 
 
+def test_a_gated_dynamic_tree_drafts_only_the_slots_at_or_above_the_gate():
+    """Every node's path confidence (the product of softmax probabilities along its path) is ≥ the gate;
+    a gate above the root's best probability leaves the round without drafts (a plain target step)."""
+    torch.manual_seed(0)
+    table = torch.randn(V, V)
+
+    def expand(new, tokens, parents):
+        return table[[tokens[n] for n in new]]
+
+    root = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    full = build_tree(DynamicTree(depth=3, top_k=2, budget=7), root, expand, Warp(), None)
+    gate = 0.15
+    t = build_tree(DynamicTree(depth=3, top_k=2, budget=7, min_confidence=gate), root, expand, Warp(), None)
+    score: dict[int, float] = {}
+    for i, (tok, par) in enumerate(zip(t.tokens.tolist(), t.parents.tolist())):
+        logits = root if par < 0 else table[t.tokens[par]]
+        score[i] = (1.0 if par < 0 else score[par]) * float(logits.softmax(-1)[tok])
+    assert 0 < t.size < full.size and min(score.values()) >= gate
+    assert sorted(t.tokens[t.parents < 0].tolist()) == [0, 1]  # the root's two slots above the gate (p 0.61, 0.22; the third is 0.14)
+    empty = build_tree(DynamicTree(depth=3, top_k=2, budget=7, min_confidence=0.7), root, expand, Warp(), None)
+    assert empty.size == 0
+    assert DecodeConfig(tree="dynamic", min_confidence=0.3).tree_shape().min_confidence == 0.3
+    with pytest.raises(DraftsmithError, match="min_confidence"):
+        DynamicTree(min_confidence=1.0)
+
+
 def test_dynamic_tree_is_eagle2_in_greedy_mode():
     """Greedy: level 1 = top-k of the root, level d = the top-k children of level d−1 by path score, then
     the best leftover slots up to the budget; every node's score = product of softmax probabilities."""
@@ -201,6 +227,7 @@ def sample_counts(target, drafter, shape, warp, draws=DRAWS, length=4):
     (WIDE, True, Warp(temperature=1.0)),  # i.i.d. children: duplicated candidates, SpecInfer's rule
     (WIDE, False, Warp(temperature=1.0)),  # distinct children: recursive rejection without replacement
     (DynamicTree(depth=2, top_k=2, budget=5), False, Warp(temperature=1.0)),
+    (DynamicTree(depth=2, top_k=2, budget=5, min_confidence=0.15), False, Warp(temperature=1.0)),  # gated
     (WIDE, False, Warp(temperature=0.7, top_k=3)),
 ])
 def test_tree_sampling_matches_the_exact_sequence_law(markov_target, shape, replacement, warp):
@@ -243,10 +270,11 @@ def tiny(smollm2_tokenizer):
     return target, reference(target, 40)
 
 
-SHAPES = [StaticTree.named_or_given("default"), DynamicTree(depth=3, top_k=3, budget=8), StaticTree.named_or_given("chain4")]
+SHAPES = [StaticTree.named_or_given("default"), DynamicTree(depth=3, top_k=3, budget=8), StaticTree.named_or_given("chain4"),
+          DynamicTree(depth=3, top_k=3, budget=8, min_confidence=0.05)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["static", "dynamic", "chain4"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["static", "dynamic", "chain4", "dynamic-gated"])
 def test_greedy_tree_decoding_is_the_targets_greedy_output(tiny, shape):
     target, _ = tiny
     expected = target_greedy(target, PROMPT_IDS, 24)

@@ -27,6 +27,10 @@ def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path, s
     assert ev.drafter.type == "saved" and ev.eval.check_identity and ev.eval.time_target
     assert ev.target.dtype == "bfloat16" and ev.decode.k == SIZES[size].k
     assert ev.decode.min_confidence == SIZES[size].min_confidence > 0  # the gate: lossless, and it pays on a CPU
+    if SIZES[size].tree is not None:  # a gated dynamic tree of the size's shape
+        shape = ev.decode.tree_shape()
+        assert ev.decode.tree == "dynamic" and (shape.depth, shape.top_k, shape.budget) == SIZES[size].tree
+        assert shape.min_confidence == SIZES[size].min_confidence
 
 
 def test_the_full_size_is_larger_than_the_default():
