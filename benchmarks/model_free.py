@@ -33,6 +33,7 @@ import torch
 
 from draftsmith.config import load_recipe
 from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
@@ -83,7 +84,9 @@ def interleaved(prompts: list[list[int]], methods: dict[str, Callable[[list[int]
 
 
 def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: int, drafter_path: str,
-                    corpus: str, min_confidence: float = 0.0) -> dict[str, Any]:
+                    corpus: str, min_confidence: float = 0.0, tree: DynamicTree | None = None) -> dict[str, Any]:
+    """tree: decode every method with draft trees of this shape (model-free drafters draft chains of its
+    depth; the trained head and the hybrid's model, its gated tree); None: chains of k behind the gate."""
     builds = {name: load_recipe(None, ov).drafter.build(target) for name, ov in drafter_overrides(drafter_path, corpus).items()}
     out: dict[str, Any] = {}
     for set_name in sets:
@@ -92,8 +95,11 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
 
         def ours(name: str) -> Callable[[list[int]], list[int]]:
             def run(p: list[int]) -> list[int]:
-                res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new,
-                                         min_confidence=min_confidence)
+                if tree is not None:
+                    res = tree_decode(target, builds[name], p, tree=tree, max_new_tokens=max_new)
+                else:
+                    res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new,
+                                             min_confidence=min_confidence)
                 calls[name].append(res.stats)
                 return res.tokens
             return run
@@ -108,7 +114,7 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
         table: dict[str, Any] = {"target": {"tokens_per_s": round(base["new_tokens"] / base["wall_s"], 2)}}
         for name in builds:
             r = rows[name]
-            total = DecodeStats(k=k)
+            total = DecodeStats(k=k if tree is None else tree.depth)
             for st in calls[name][1:]:  # the first call was the warm-up prompt
                 total = total.merge(st)
             same = sum(a == b for a, b in zip(r["outputs"], base["outputs"]))
@@ -236,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--min-confidence", type=float, default=0.0,
                     help="part 1: the decoder's confidence gate (decode.min_confidence) for every drafter")
+    ap.add_argument("--tree", default="", help="part 1: DEPTH,TOP_K,BUDGET of a dynamic draft tree gated at "
+                    "--min-confidence (e.g. 3,3,3); empty: chains of k")
     ap.add_argument("--repeats", type=int, default=1, help="part 2: runs of each prompt per method (paired, rotating)")
     ap.add_argument("--max-ngram", type=int, default=3, help="prompt lookup n-gram size (HF: max_matching_ngram_size)")
     ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head), or "
@@ -247,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sets, skip = args.sets.split(","), set(filter(None, args.skip.split(",")))
     results: dict[str, Any] = {"settings": vars(args)}
+    tree = None
+    if args.tree:
+        depth, top_k, budget = (int(x) for x in args.tree.split(","))
+        tree = DynamicTree(depth, top_k, budget, args.min_confidence)
     if "speed" not in skip:
         bf16 = load_target(args.target, dtype="bfloat16", device="cpu")
         results["bf16_vs_target"] = speed_vs_target(bf16, sets, args.prompts, args.k, args.max_new_tokens,
-                                                    args.drafter, args.corpus, args.min_confidence)
+                                                    args.drafter, args.corpus, args.min_confidence, tree)
         del bf16
     if "hf" not in skip:
         fp32 = load_target(args.target, dtype="float32", device="cpu")

@@ -7,6 +7,10 @@ n-gram match) — is at least ``min_confidence``; otherwise the trained drafter 
 trained drafter runs only in rounds it is needed: asking it for its first-token probability would
 cost one of its draft steps every round, and on copy-heavy text most rounds are the lookup's.
 
+In tree decoding (``decode.tree``) the same rule picks the part per round: the model-free part drafts
+its chain (up to the tree's depth), verified as the degenerate tree, or else the model drafts its own
+tree of the decoder's shape (a model without a tree runtime: its chain).
+
 Both parts see every committed token (and the trained part its target features), so either can
 draft the next round; the trained part catches up on the rounds it skipped in one forward, as it
 does after any round. Each round's q is the q of the part that drafted, so sampling stays exact.
@@ -22,6 +26,7 @@ from torch import Tensor
 
 from ..decode.protocol import Drafter, Proposal
 from ..decode.sampling import Warp
+from ..decode.tree import DraftTree, TreeShape, chain_tree
 from ..errors import ConfigError
 from ..target import Target
 from .checkpoint import SavedDrafterConfig
@@ -65,6 +70,19 @@ class HybridDrafter:
         proposal = self.model.propose(k, warp, generator)
         self.counts.add("model", int(proposal.tokens.numel()))
         return proposal
+
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+        """The rule of :meth:`propose`, per tree round: the lookup's chain, or the model's tree."""
+        found = self.lookup.continuations(shape.depth)
+        if found and found[0].confidence >= self.min_confidence:
+            proposal = self.lookup.propose(shape.depth, warp, generator)
+            if proposal.tokens.numel():
+                self.counts.add("lookup", int(proposal.tokens.numel()))
+                return chain_tree(proposal)
+        model_tree = getattr(self.model, "propose_tree", None)
+        tree = model_tree(shape, warp, generator) if model_tree else chain_tree(self.model.propose(shape.depth, warp, generator))
+        self.counts.add("model", tree.size)
+        return tree
 
 
 @dataclass

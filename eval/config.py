@@ -45,10 +45,11 @@ class DecodeConfig:
     tree_top_k: int = 2
     """dynamic: child slots expanded per level (and per node)."""
     tree_budget: int = 4
-    """dynamic: drafted tokens verified per round. The defaults (depth 2, top-k 2, 4 nodes) are the CPU's:
-    with the demo's trained heads the smallest dynamic tree ran fastest of those measured (up to 16 nodes,
-    depth 4) in bf16 and fp32 (RESULTS.md, tree), as verification costs grow with the nodes there. GPU
-    (EAGLE's reference decoder): depth 5, top-k 8, 63."""
+    """dynamic: drafted tokens verified per round. The defaults (depth 2, top-k 2, 4 nodes) were the CPU's
+    before ``kernels/cpu_linear.py``, when verification cost grew with the nodes. With it, and with
+    ``min_confidence`` gating the tree's slots, depth 1 / top-k 3 / 3 nodes at gate 0.1 ran fastest with
+    the demo's head, 9 % above the gated chain (bf16, 2-core AVX2 CPU; RESULTS.md, tree): the demo uses
+    that. GPU (EAGLE's reference decoder): depth 5, top-k 8, 63."""
 
     def validate(self) -> None:
         if self.k < 1:

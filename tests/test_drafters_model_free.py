@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.decode.sampling import Warp
+from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.drafters.hf_lm import HFDrafter
 from draftsmith.drafters.hybrid import HybridDrafter
 from draftsmith.drafters.model_free import Continuation, to_proposal
@@ -28,6 +29,7 @@ from draftsmith.drafters.suffix import SuffixDrafter, SuffixTrie, build_corpus, 
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.target import Target
 
+from .test_decode_tree import MarkovTreeDrafter
 from .test_decoder import DRAWS, V, MarkovLM, ToyTokenizer, pooled_chi2, random_table, sequence_law
 
 GREEDY = Warp()
@@ -248,6 +250,25 @@ def test_hybrid_sampled_keeps_the_exact_sequence_law(markov_target):
     assert accepted > DRAWS // 10
     assert hybrid.counts.rounds["model"] > DRAWS // 5 and hybrid.counts.rounds["lookup"] > DRAWS // 20  # both drafted
     assert pvalue > 1e-3
+
+
+def test_hybrid_in_tree_decoding_keeps_the_exact_sequence_law(markov_target):
+    """Per tree round the lookup's chain or the model's gated tree: both kinds of round, sampled, exact."""
+    lookup = SuffixDrafter(V, max_depth=8, max_spec_factor=2.0, min_prob=0.05)
+    hybrid = HybridDrafter(MarkovTreeDrafter(random_table(2, second_order=False)), lookup, min_confidence=0.55)
+    shape = DynamicTree(depth=2, top_k=2, budget=4, min_confidence=0.1)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(DRAWS):
+        res = tree_decode(markov_target, hybrid, MARKOV_PROMPT, tree=shape, max_new_tokens=LENGTH,
+                          warp=Warp(temperature=1.0), seed=seed)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        accepted += res.stats.accepted
+    assert accepted > DRAWS // 10
+    assert hybrid.counts.rounds["model"] > DRAWS // 5 and hybrid.counts.rounds["lookup"] > DRAWS // 20
+    assert hybrid.model.trees >= hybrid.counts.rounds["model"]  # the model's rounds were its trees
+    law = sequence_law(markov_target.model.table.exp(), MARKOV_PROMPT, LENGTH, Warp(temperature=1.0))
+    assert pooled_chi2(counts, law) > 1e-3
 
 
 def test_suffix_with_a_wrong_q_fails_the_same_check(markov_target):
