@@ -171,7 +171,7 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
             "" if size.tree is None else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
          "k": m["k"], "tau_with_bonus": m["tau_with_bonus"],
          "acceptance_at_position": m["acceptance_at_position"], "tokens_per_s": speed["tokens_per_s"],
-         "speedup_vs_target": speed["speedup_vs_target"],
+         "speedup_vs_target": speed["speedup_vs_target"], "speedup_interval_90": speed.get("speedup_interval_90"),
          # behind the gate most rounds verify no draft: the cost model over the rounds as decoded
          "predicted_speedup": speed["cost_model"]["as_decoded_speedup" if size.min_confidence > 0 else "predicted_speedup"],
          "identical_to_target": f"{ident['identical']}/{ident['prompts']}"},
@@ -232,4 +232,8 @@ def _print_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: s
         bar = f"speedup_vs_target > {size.min_speedup:g}" + (f" and τ ≥ {size.min_tau:g}" if size.min_tau else "")
         console.print(f"check: the trained drafter against the target alone ({bar}, {speed['dtype']}) with "
                       f"fp32-identical outputs: {verdict}")
+        if speed.get("speedup_interval_90"):
+            lo, hi = speed["speedup_interval_90"]
+            console.print(f"  the speedup's 90 % interval over prompts: {lo:.3f}–{hi:.3f}× (this CPU's speed moves per "
+                          f"prompt; read the check with it)")
     console.print(f"summary: {os.path.join(run_dir, 'demo_summary.json')}")

@@ -156,6 +156,23 @@ class TimedDrafter:
         return out
 
 
+def median_interval(ratios: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap ``level`` interval for the median of per-prompt ratios (prompts resampled with
+    replacement, a fixed seed: the same ratios give the same interval). On a shared or bursty machine the
+    same work's per-prompt speed ratio spreads by ±20 % (benchmarks/RESULTS.md, demo), so a median over 8
+    prompts is worth reading with its interval."""
+    if not ratios:
+        raise ValueError("no per-prompt ratios to bootstrap")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.tensor([float(r) for r in ratios], dtype=torch.float64)
+    picks = torch.randint(len(x), (resamples, len(x)), generator=gen)
+    medians = x[picks].sort(dim=1).values  # [resamples, n]; statistics.median of each row:
+    n = len(x)
+    med = (medians[:, (n - 1) // 2] + medians[:, n // 2]) / 2
+    lo, hi = torch.quantile(med, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
 def _sync(t: Tensor) -> None:
     if t.device.type == "cuda":
         torch.cuda.synchronize(t.device)

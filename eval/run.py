@@ -35,7 +35,7 @@ from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
 from .baselines import baseline_lines, run_baselines
 from .config import DecodeConfig
-from .costs import TimedDrafter, predicted_speedup, target_step_seconds, verify_costs
+from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs
 from .prompts import Question, load_questions
 from .reference import target_greedy
 
@@ -180,6 +180,8 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
         "tokens_per_s": round(stats.new_tokens / spec_s, 3) if spec_s else 0.0,
         "target_tokens_per_s": round(sum(r["target"]["new_tokens"] for r in records) / target_s, 3),
         "speedup_vs_target": round(statistics.median(r["speedup_vs_target"] for r in records), 4),
+        "speedup_interval_90": [round(x, 4) for x in median_interval([r["speedup_vs_target"] for r in records])],
+        "interval_note": "90 % percentile-bootstrap interval of the median over prompts (resampled, fixed seed)",
         "speedup_note": "median over prompts of per-prompt tok/s ratios; the target alone is its own greedy generate "
                         "in the same process, dtype and threads, interleaved per prompt after a warm-up",
         "cost_model": {
@@ -280,6 +282,8 @@ def print_eval(m: dict[str, Any]) -> None:
         print(f"speed ({speed['dtype']}, {speed['device']}, {speed['threads']} threads): "
               f"{speed['tokens_per_s']:.1f} tok/s vs the target alone {speed['target_tokens_per_s']:.1f} tok/s -> "
               f"speedup_vs_target {speed['speedup_vs_target']:.3f}x" + (
+                  f" [90% interval over prompts {speed['speedup_interval_90'][0]:.3f}-{speed['speedup_interval_90'][1]:.3f}]"
+                  if "speedup_interval_90" in speed else "") + (
                   f" (predicted {cm['predicted_speedup']}x from c={cm['draft_cost_c']:.3f}, "
                   f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
                   f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else

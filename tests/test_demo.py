@@ -67,4 +67,6 @@ def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
         assert r["speedup_vs_target"] == pytest.approx(spec / alone_tps, rel=2e-3)
         ratios.append(r["speedup_vs_target"])
     assert head["speedup_vs_target"] == pytest.approx(statistics.median(ratios), rel=1e-3)
+    lo, hi = head["speedup_interval_90"]  # the median's bootstrap interval over prompts
+    assert min(ratios) - 1e-3 <= lo <= head["speedup_vs_target"] <= hi <= max(ratios) + 1e-3
     assert summary["passed"] == (head["speedup_vs_target"] > 1.0)

@@ -16,6 +16,7 @@ from draftsmith.eval.costs import (
     TimedDrafter,
     bench_ceiling,
     conditional_acceptance,
+    median_interval,
     oracle_reference,
     predicted_speedup,
     tau_from_acceptance,
@@ -33,6 +34,17 @@ def test_tau_from_conditional_acceptance_is_exact():
     assert tau_from_acceptance([0.5, 0.5, 0.5], 1) == pytest.approx(1.5)
     assert tau_from_acceptance([], 4) == 1.0
     assert predicted_speedup([1.0, 1.0], 2, v=1.5, c=0.25) == pytest.approx(3 / 2.0)
+
+
+def test_the_median_interval_brackets_the_median_and_narrows_with_prompts():
+    assert median_interval([1.1] * 5) == pytest.approx((1.1, 1.1))
+    few = [0.8, 0.9, 1.0, 1.1, 1.2, 1.05, 0.95, 1.0]
+    lo, hi = median_interval(few)
+    assert lo <= statistics.median(few) <= hi and (lo, hi) == median_interval(few)  # fixed seed: reproducible
+    lo4, hi4 = median_interval(few * 4)  # the same spread over 4x the prompts
+    assert lo <= lo4 <= hi4 <= hi and hi4 - lo4 < (hi - lo) * 0.75
+    with pytest.raises(ValueError):
+        median_interval([])
 
 
 def test_conditional_acceptance_undoes_the_cumulative_share():
@@ -104,6 +116,8 @@ def test_eval_times_the_target_alone_and_reports_the_median_ratio(tiny_target):
         ratios.append(rec["speedup_vs_target"])
     s = out.speed
     assert s["speedup_vs_target"] == pytest.approx(statistics.median(ratios), rel=1e-3)
+    lo, hi = s["speedup_interval_90"]
+    assert min(ratios) - 1e-3 <= lo <= s["speedup_vs_target"] <= hi <= max(ratios) + 1e-3
     assert s["dtype"] == "float32" and s["threads"] == torch.get_num_threads()
     cm = s["cost_model"]
     assert cm["draft_cost_c"] > 0 and set(cm["verify_cost_by_k"]) == {1, 2}
