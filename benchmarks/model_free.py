@@ -33,9 +33,9 @@ import torch
 
 from draftsmith.config import load_recipe
 from draftsmith.decode.chain import speculative_decode
-from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.decode.stats import DecodeStats
+from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.drafters.suffix import SuffixDrafter
 from draftsmith.eval.bench import ForwardCounter

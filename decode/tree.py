@@ -435,8 +435,8 @@ def build_tree(
             if room <= 0 or not frontier:
                 break
             slots = [(key, row, j) for row in frontier for j, key in enumerate(b.slot_keys(row, shape.top_k))
-                     if key >= shape.min_confidence]  # per parent keys fall with j: the gate keeps a prefix
-            slots.sort(key=lambda s: (-s[0], s[1], s[2]))  # per parent, keys fall with j: a prefix is taken
+                     if key >= shape.min_confidence]
+            slots.sort(key=lambda s: (-s[0], s[1], s[2]))  # per parent, keys fall with j: the gate and the cut keep a prefix
             take, rest = slots[: min(shape.top_k, room)], slots[min(shape.top_k, room):]
             leftover += rest
             new_rows: list[int] = []

@@ -60,25 +60,29 @@ class HybridDrafter:
         self.model.update(tokens, features)
         self.lookup.update(tokens, None)
 
-    def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+    def _lookup_round(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal | None:
+        """The lookup's drafts when it is confident enough and proposes any, else None (the model drafts)."""
         found = self.lookup.continuations(k)
         if found and found[0].confidence >= self.min_confidence:
             proposal = self.lookup.propose(k, warp, generator)
             if proposal.tokens.numel():
                 self.counts.add("lookup", int(proposal.tokens.numel()))
                 return proposal
+        return None
+
+    def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+        proposal = self._lookup_round(k, warp, generator)
+        if proposal is not None:
+            return proposal
         proposal = self.model.propose(k, warp, generator)
         self.counts.add("model", int(proposal.tokens.numel()))
         return proposal
 
     def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
         """The rule of :meth:`propose`, per tree round: the lookup's chain, or the model's tree."""
-        found = self.lookup.continuations(shape.depth)
-        if found and found[0].confidence >= self.min_confidence:
-            proposal = self.lookup.propose(shape.depth, warp, generator)
-            if proposal.tokens.numel():
-                self.counts.add("lookup", int(proposal.tokens.numel()))
-                return chain_tree(proposal)
+        proposal = self._lookup_round(shape.depth, warp, generator)
+        if proposal is not None:
+            return chain_tree(proposal)
         model_tree = getattr(self.model, "propose_tree", None)
         tree = model_tree(shape, warp, generator) if model_tree else chain_tree(self.model.propose(shape.depth, warp, generator))
         self.counts.add("model", tree.size)
