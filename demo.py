@@ -14,8 +14,8 @@ target and data, ending with a drafter that makes the target faster, measured.
    decoding in **fp32** (where identity is exact).
 
 Two sizes (``--size``): ``default`` fits in about 20 minutes on a 2-core CPU and must end
-faster than the target alone; ``full`` (about 90 minutes) trains on more of the target's
-answers for longer. Every stage reuses what a previous run finished (prepare skips done
+faster than the target alone; ``full`` (about 90 minutes) trains on ShareGPT's own answers of
+1,000 conversations (no regeneration: more tokens per minute) for longer. Every stage reuses what a previous run finished (prepare skips done
 stages, training resumes from its last checkpoint), so a killed demo continues where it
 stopped. Each stage is the code the CLI runs (``draftsmith prepare | train | eval``) with the
 recipe overrides printed, so every figure can be reproduced stage by stage.

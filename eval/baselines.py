@@ -4,7 +4,8 @@ A trained drafter is worth shipping only if it beats what costs nothing, so ever
 eval`` also decodes its prompts with each named model-free drafter (default settings, default
 ``["prompt_lookup"]``) in the same process and dtype, and reports its τ, tokens/s and
 ``speedup_vs_target`` — the median over prompts of its tokens/s over the target-alone tokens/s
-that the main run timed on the same prompt — under ``"baselines"`` in ``eval_metrics.json``.
+on the same prompt, timed in the same paired runs as the main drafter (``evaluate``'s
+``baselines``) — under ``"baselines"`` in ``eval_metrics.json``.
 When the main run was identity-checked (greedy, fp32), each baseline's output must equal it token
 for token; otherwise the row counts the prompts where the two outputs agree.
 """
@@ -17,46 +18,43 @@ from typing import Any
 from ..drafters.registry import model_free_config
 from ..errors import DraftsmithError
 from ..schema import to_dict
-from ..target import Target
 from .config import DecodeConfig
-from .prompts import Question
+from .costs import median_interval
 
 
-def run_baselines(
-    target: Target,
-    questions: list[Question],
+def baseline_configs(names: list[str]) -> dict[str, Any]:
+    """name → the model-free drafter's default config (refuses an unknown name before anything is decoded)."""
+    return {name: model_free_config(name) for name in names}
+
+
+def baseline_rows(
+    result: Any,
+    configs: dict[str, Any],
     decode: DecodeConfig,
-    names: list[str],
-    main_records: list[dict[str, Any]],
     check_identity: bool = False,
-    progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """name → the baseline's stats summary, its drafter section and its speed against the target alone.
 
-    main_records: the main run's per-prompt records (``evaluate``), whose target-alone timing
-    (``rec["target"]``, when timed) the speedups divide by; check_identity: the main run's outputs
-    were checked against the target's, so a baseline's must equal them (raises on a difference).
+    result: the :class:`~draftsmith.eval.run.Evaluation` whose ``baselines`` decoded these drafters beside
+    the main one (same prompts, paired timing); check_identity: the main run's outputs were checked against
+    the target's, so a baseline's must equal them (raises on a difference).
     """
-    from .run import evaluate  # run.py calls this module: import at call time
-
-    configs = {name: model_free_config(name) for name in names}  # refuse a bad name before decoding anything
     out: dict[str, dict[str, Any]] = {}
     for name, config in configs.items():
-        result = evaluate(target, config.build(target), questions, decode, progress=progress)
+        side = result.baselines[name]
         same = 0
-        ratios = []
-        for main, rec in zip(main_records, result.records):
+        for main, rec in zip(result.records, side.records):
             if main["tokens"] == rec["tokens"]:
                 same += 1
             elif check_identity and decode.warp.greedy:
                 raise DraftsmithError(f"baseline {name}, prompt {rec['id']}: output differs from the target's greedy "
                                       f"output (which the main run reproduced)")
-            if "target" in main and main["target"]["tokens_per_s"]:
-                ratios.append(rec["stats"]["tokens_per_s"] / main["target"]["tokens_per_s"])
-        row: dict[str, Any] = {"drafter": to_dict(config), **result.stats.summary(),
-                               "same_tokens_as_main": f"{same}/{len(result.records)}"}
+        row: dict[str, Any] = {"drafter": to_dict(config), **side.stats.summary(),
+                               "same_tokens_as_main": f"{same}/{len(side.records)}"}
+        ratios = [rec["speedup_vs_target"] for rec in side.records if "speedup_vs_target" in rec]
         if ratios:
             row["speedup_vs_target"] = round(statistics.median(ratios), 4)
+            row["speedup_interval_90"] = [round(x, 4) for x in median_interval(ratios)]
         out[name] = row
     return out
 

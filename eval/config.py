@@ -106,6 +106,11 @@ class EvalConfig:
     """Also decode every prompt with the target alone (its greedy ``generate``, same process, dtype and threads,
     interleaved after a warm-up) and report target_tokens_per_s and speedup_vs_target. Speed is meant to be
     measured in bf16 on CPU (target.dtype=bfloat16: verifying 4–8 tokens costs about one token there)."""
+    repeats: int = 2
+    """Timed runs of each prompt per method (the target alone, the drafter, each baseline), in an order that
+    rotates from run to run; each method's fastest run counts. On this project's 2-core CPU one prompt's speed
+    moves by ±20 % between identical runs; the fastest of 2 paired runs is the default (benchmarks/RESULTS.md,
+    "timing"). 1 halves the timed work."""
     baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])
     """Model-free drafters (default settings) also run on the same prompts, reported as baseline rows
     under "baselines" in eval_metrics.json (with their speedup against the same run's target-alone timing);
@@ -114,5 +119,7 @@ class EvalConfig:
     def validate(self) -> None:
         if self.num_prompts < 1:
             raise ConfigError(f"eval.num_prompts = {self.num_prompts} must be at least 1")
+        if self.repeats < 1:
+            raise ConfigError(f"eval.repeats = {self.repeats} must be at least 1")
         if len(set(self.baselines)) != len(self.baselines):
             raise ConfigError(f"eval.baselines = {self.baselines} names a drafter twice")

@@ -17,8 +17,8 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 
@@ -33,7 +33,7 @@ from ..files import atomic_path, write_json
 from ..kernels import cpu_linear
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
-from .baselines import baseline_lines, run_baselines
+from .baselines import baseline_configs, baseline_lines, baseline_rows
 from .config import DecodeConfig
 from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs
 from .prompts import Question, load_questions
@@ -50,6 +50,8 @@ class Evaluation:
     speed: dict[str, Any] | None = None
     """tokens_per_s, target_tokens_per_s, speedup_vs_target (median of per-prompt ratios), the
     cost model (c, v(k), predicted speedup) and the dtype / device / threads they were measured in."""
+    baselines: dict[str, "Evaluation"] = field(default_factory=dict)
+    """name → the stats and records of each baseline drafter decoded beside the main one."""
 
 
 def evaluate(
@@ -61,18 +63,27 @@ def evaluate(
     progress: bool = True,
     time_target: bool = False,
     warmup: int = 1,
+    repeats: int = 1,
+    baselines: dict[str, Drafter] | None = None,
 ) -> Evaluation:
     """Decode the first turn of each question (after its ``history``, if any) with the drafter.
 
     time_target: also decode every prompt with the target alone (its own greedy ``generate``,
-    same process, dtype and threads), interleaved per prompt with the speculative decode (who
-    goes first alternates) after ``warmup`` untimed rounds of both, and report
-    ``speedup_vs_target``. check_identity (greedy only): compare every output with the target's
-    own greedy output and raise on the first difference — a guarantee in fp32 only (bf16 kernels
-    of other shapes round differently), so :func:`run_eval_recipe` checks it in fp32.
+    same process, dtype and threads) and report ``speedup_vs_target``. The timing is paired per
+    prompt: after ``warmup`` untimed prompts of every method, each prompt is decoded ``repeats``
+    times by every method (the target alone, the drafter, each of ``baselines``) in an order that
+    rotates from run to run, and each method's fastest run counts (on a shared CPU a slow stretch
+    of a second or two lands on one run; the minimum discards it, as ``timeit`` does). All runs'
+    seconds stay in the record (``wall_s_runs``). baselines: name → a drafter decoded the same way
+    (``Evaluation.baselines``; its records carry ``speedup_vs_target`` against the same prompt's
+    target-alone time). check_identity (greedy only): compare every output with the target's own
+    greedy output and raise on the first difference — a guarantee in fp32 only (bf16 kernels of
+    other shapes round differently), so :func:`run_eval_recipe` checks it in fp32.
     """
     if check_identity and not decode.warp.greedy:
         raise ConfigError("eval.check_identity needs greedy decoding (decode.temperature=0)")
+    if repeats < 1:
+        raise ConfigError(f"eval.repeats = {repeats} must be at least 1")
     decode.validate()
     prompts = [target.render_chat(q.messages()) for q in questions]
     for q, prompt in zip(questions, prompts):  # fail before decoding anything, not at prompt 70 of 80
@@ -81,31 +92,34 @@ def evaluate(
         except DraftsmithError as e:
             raise DraftsmithError(f"prompt {q.id}: {e}") from e
     timed = TimedDrafter(drafter)
+    others = dict(baselines or {})
 
-    def spec(prompt: list[int]) -> Any:
-        return decode_prompt(target, timed, prompt, decode)
+    def spec(d: Drafter) -> Callable[[list[int]], tuple[DecodeResult, float]]:
+        def run(prompt: list[int]) -> tuple[DecodeResult, float]:
+            result = decode_prompt(target, d, prompt, decode)
+            return result, result.stats.wall_s
+        return run
 
     def alone(prompt: list[int]) -> tuple[list[int], float]:
         t0 = time.perf_counter()
         tokens = target_greedy(target, prompt, decode.max_new_tokens)
         return tokens, time.perf_counter() - t0
 
+    methods: dict[str, Callable[[list[int]], tuple[Any, float]]] = {MAIN: spec(timed)}
+    methods.update({name: spec(d) for name, d in others.items()})
+    if time_target or check_identity:
+        methods[TARGET] = alone
     if time_target:
         for prompt in prompts[:warmup]:
-            spec(prompt)
-            alone(prompt)
+            for run in methods.values():
+                run(prompt)
         timed.seconds, timed.drafted = 0.0, 0
     total = DecodeStats(k=decode.depth)
+    side = {name: (DecodeStats(k=decode.depth), []) for name in others}
     records = []
     for i, (q, prompt) in enumerate(tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress)):
-        ref = None
-        if time_target and i % 2:  # alternate who goes first, so a load change hits both alike
-            ref = alone(prompt)
-        result = spec(prompt)
-        if time_target and ref is None:
-            ref = alone(prompt)
-        if check_identity and ref is None:
-            ref = alone(prompt)
+        out = paired_runs(methods, prompt, repeats if time_target else 1, start=i * (repeats if time_target else 1))
+        result = out[MAIN][0][0]
         total = total.merge(result.stats)
         rec = {
             "id": q.id,
@@ -116,6 +130,7 @@ def evaluate(
             "finish_reason": result.finish_reason,
             "stats": result.stats.summary(),
         }
+        ref = out[TARGET][0] if TARGET in out else None
         if ref is not None:
             ref_tokens, ref_s = ref
             rec["identical_to_target"] = ref_tokens == result.tokens
@@ -123,6 +138,7 @@ def evaluate(
                 rec["target"] = {"new_tokens": len(ref_tokens), "wall_s": round(ref_s, 4),
                                  "tokens_per_s": round(len(ref_tokens) / ref_s, 3)}
                 rec["speedup_vs_target"] = round(result.stats.tokens_per_s / (len(ref_tokens) / ref_s), 4)
+                rec["wall_s_runs"] = {name: [round(x, 4) for x in runs] for name, (_, runs) in out.items()}
             if check_identity and ref_tokens != result.tokens:
                 first = common_prefix(ref_tokens, result.tokens)
                 raise DraftsmithError(
@@ -131,12 +147,44 @@ def evaluate(
                     f"{str(target.dtype).replace('torch.', '')})"
                 )
         records.append(rec)
+        for name in others:
+            b = out[name][0][0]
+            stats, recs = side[name]
+            side[name] = (stats.merge(b.stats), recs)
+            brec = {"id": q.id, "tokens": b.tokens, "stats": b.stats.summary()}
+            if time_target:
+                brec["speedup_vs_target"] = round(b.stats.tokens_per_s / rec["target"]["tokens_per_s"], 4)
+            recs.append(brec)
     speed = None
     if time_target:
         shape = decode.tree_shape()
         speed = speed_summary(target, timed, total, records, prompts[0], decode.k,
-                              tree_size=0 if shape is None else shape.size)
-    return Evaluation(total, records, speed)
+                              tree_size=0 if shape is None else shape.size, repeats=repeats)
+    return Evaluation(total, records, speed, {name: Evaluation(s, r) for name, (s, r) in side.items()})
+
+
+MAIN, TARGET = "drafter", "target"
+"""The method names of :func:`evaluate`'s timed runs (``wall_s_runs``); a baseline's name is its own."""
+
+
+def paired_runs(methods: dict[str, Callable[[list[int]], tuple[Any, float]]], prompt: list[int], repeats: int,
+                start: int = 0) -> dict[str, tuple[tuple[Any, float], list[float]]]:
+    """Run every method on one prompt ``repeats`` times; name → (the fastest run's (output, seconds), all seconds).
+
+    Run r goes through the methods starting at position ``(start + r) % len(methods)``, so who runs first
+    rotates (with two methods and two runs: A B, B A), and a load change mid-prompt hits every method alike.
+    """
+    names = list(methods)
+    best: dict[str, tuple[Any, float]] = {}
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        shift = (start + r) % len(names)
+        for name in names[shift:] + names[:shift]:
+            got = methods[name](prompt)
+            runs[name].append(got[1])
+            if name not in best or got[1] < best[name][1]:
+                best[name] = got
+    return {name: (best[name], runs[name]) for name in names}
 
 
 def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: DecodeConfig) -> DecodeResult:
@@ -150,7 +198,7 @@ def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: D
 
 
 def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, records: list[dict[str, Any]],
-                  prompt: list[int], k: int, tree_size: int = 0) -> dict[str, Any]:
+                  prompt: list[int], k: int, tree_size: int = 0, repeats: int = 1) -> dict[str, Any]:
     """speedup_vs_target and the cost model that predicts it (see :mod:`draftsmith.eval.costs`).
 
     tree_size: the decode drafted trees of at most this many nodes (0: chains). The chain model
@@ -183,7 +231,9 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
         "speedup_interval_90": [round(x, 4) for x in median_interval([r["speedup_vs_target"] for r in records])],
         "interval_note": "90 % percentile-bootstrap interval of the median over prompts (resampled, fixed seed)",
         "speedup_note": "median over prompts of per-prompt tok/s ratios; the target alone is its own greedy generate "
-                        "in the same process, dtype and threads, interleaved per prompt after a warm-up",
+                        "in the same process, dtype and threads, paired per prompt after a warm-up: each prompt run "
+                        "`timing_repeats` times by every method in a rotating order, the fastest run of each counted",
+        "timing_repeats": repeats,
         "cost_model": {
             "draft_cost_c": round(c, 4),
             "c_note": "seconds the drafter spends per draft token (propose + update) / one one-token target forward",
@@ -244,11 +294,12 @@ def run_eval_recipe(recipe: Any) -> int:
           f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
     questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
     exact = target.dtype == torch.float32
+    configs = baseline_configs(recipe.eval.baselines)
     result = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity and exact,
-                      time_target=recipe.eval.time_target)
+                      time_target=recipe.eval.time_target, repeats=recipe.eval.repeats,
+                      baselines={name: config.build(target) for name, config in configs.items()})
     identity, described = None, describe(target)
-    baselines = run_baselines(target, questions, recipe.decode, recipe.eval.baselines, result.records,
-                              check_identity=recipe.eval.check_identity and exact)
+    baselines = baseline_rows(result, configs, recipe.decode, check_identity=recipe.eval.check_identity and exact)
     if recipe.eval.check_identity:
         if exact:
             identity = {"dtype": "float32", "identical": sum(r["identical_to_target"] for r in result.records)}

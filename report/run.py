@@ -220,7 +220,7 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
         print(f"report [{name}]: fp32 audit decode", flush=True)
         timed = speed_dtype == torch.float32
         ev = evaluate(target, d.build(target), asked, greedy, progress=False,
-                      time_target=timed and recipe.eval.time_target)
+                      time_target=timed and recipe.eval.time_target, repeats=recipe.eval.repeats)
         res["audit"] = audit(ev.records, answers, target)
         print(f"report [{name}]: fp32 greedy tau {ev.stats.tau:.3f}; identical to the target's greedy output on "
               f"{res['audit']['identical']}/{res['audit']['prompts']} prompts", flush=True)
@@ -238,7 +238,8 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
         if "_greedy" not in res:
             print(f"report [{name}]: greedy decode ({described.get('dtype', speed_dtype)}), timed against the target alone", flush=True)
             res["_greedy"] = decoding_summary(evaluate(target, drafter, asked, greedy, progress=False,
-                                                      time_target=recipe.eval.time_target), turn_of)
+                                                      time_target=recipe.eval.time_target,
+                                                      repeats=recipe.eval.repeats), turn_of)
         sampled = []
         for seed in cfg.seeds:
             print(f"report [{name}]: sampled decode, temperature {cfg.temperature}, seed {seed}", flush=True)

@@ -24,7 +24,8 @@ from draftsmith.eval.costs import (
 )
 from draftsmith.eval.prompts import Question
 from draftsmith.eval.reference import target_greedy
-from draftsmith.eval.run import evaluate
+from draftsmith.drafters.registry import model_free_config
+from draftsmith.eval.run import evaluate, paired_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,3 +135,40 @@ def test_eval_without_timing_has_no_speed(tiny_target):
     drafter = layer_skip_drafter(tiny_target.model, 1, share_cache=True)
     out = evaluate(tiny_target, drafter, questions, DecodeConfig(k=2, max_new_tokens=6), progress=False)
     assert out.speed is None and "target" not in out.records[0]
+
+
+def test_paired_runs_rotate_the_order_and_keep_each_methods_fastest_run():
+    calls = []
+    seconds = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+
+    def method(name):
+        def run(prompt):
+            calls.append(name)
+            return f"{name}-out", next(seconds[name])
+        return run
+
+    out = paired_runs({"a": method("a"), "b": method("b")}, [1, 2], repeats=3, start=1)
+    assert calls == ["b", "a", "a", "b", "b", "a"]  # run r starts at (start + r) % 2: B A, A B, B A
+    assert out["a"] == (("a-out", 1.0), [3.0, 1.0, 2.0]) and out["b"] == (("b-out", 4.0), [5.0, 6.0, 4.0])
+
+
+def test_eval_repeats_pair_the_baselines_with_the_target_on_each_prompt(tiny_target):
+    questions = [Question(str(i), "x", [text]) for i, text in enumerate(["hello there", "a b c d"])]
+    drafter = layer_skip_drafter(tiny_target.model, 1, share_cache=True)
+    lookup = model_free_config("prompt_lookup").build(tiny_target)
+    out = evaluate(tiny_target, drafter, questions, DecodeConfig(k=2, max_new_tokens=8), progress=False,
+                   time_target=True, repeats=2, baselines={"prompt_lookup": lookup})
+    assert out.speed["timing_repeats"] == 2
+    side = out.baselines["prompt_lookup"]
+    assert len(side.records) == 2 and side.stats.sequences == 2 and out.stats.sequences == 2  # one decode counted
+    for rec, brec in zip(out.records, side.records):
+        runs = rec["wall_s_runs"]
+        assert set(runs) == {"drafter", "prompt_lookup", "target"} and all(len(r) == 2 for r in runs.values())
+        assert rec["target"]["wall_s"] == pytest.approx(min(runs["target"]), abs=1e-4)  # the fastest run counts
+        assert rec["stats"]["wall_s"] == pytest.approx(min(runs["drafter"]), abs=1e-4)
+        assert brec["stats"]["wall_s"] == pytest.approx(min(runs["prompt_lookup"]), abs=1e-4)
+        assert brec["speedup_vs_target"] == pytest.approx(brec["stats"]["tokens_per_s"] / rec["target"]["tokens_per_s"],
+                                                          rel=2e-3)
+        assert brec["tokens"] == rec["tokens"]  # fp32 greedy: the same output as the target's
+    with pytest.raises(Exception, match="repeats"):
+        evaluate(tiny_target, drafter, questions, DecodeConfig(k=2, max_new_tokens=8), progress=False, repeats=0)
