@@ -9,9 +9,14 @@ Three parts, all in one process:
    the target's own greedy ``generate`` and every drafter in the built-in decoder run back to back in
    a rotating order (interleaved, after one warm-up prompt): prompt_lookup, suffix, and, given
    ``--drafter`` (a trained drafter folder, e.g. the demo's EAGLE-3 head, or ``layer_skip:N`` as a
-   stand-in), that drafter and the hybrid of it with the suffix drafter. Speedup = the target's total wall time over the drafter's
-   on the same prompts; in bf16 outputs may drift from ``generate`` after tens of tokens (block vs
-   single-token kernels), counted as "identical".
+   stand-in), that drafter and the hybrid of it with the suffix drafter (with ``--tree``, also
+   ``hybrid_both``: the hybrid with ``combine: both``, the head's tree every round and the suffix
+   drafter's chain grafted onto it when confident). With ``--repeats R`` every
+   prompt runs R times per method in a rotating order and each method's fastest run counts (as in
+   ``draftsmith eval``). Speedup = the median over prompts of the per-prompt tokens/s ratio to the
+   target alone, with its 90 % bootstrap interval (``aggregate_speedup``: total time over total time);
+   in bf16 outputs may drift from ``generate`` after tens of tokens (block vs single-token kernels),
+   counted as "identical".
 2. **draftsmith's prompt_lookup vs HF** ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)``
    (fp32, same k and n, HF's earliest-match rule in both): tokens/s, the median over prompts of the
    per-prompt ratio (``--repeats`` runs each), the target forwards each made and the time each loop
@@ -27,6 +32,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +47,8 @@ from draftsmith.drafters.suffix import SuffixDrafter
 from draftsmith.eval.bench import ForwardCounter
 from draftsmith.eval.prompts import load_questions
 from draftsmith.eval.reference import hf_generate, target_greedy
+from draftsmith.eval.costs import median_interval
+from draftsmith.eval.run import paired_runs
 from draftsmith.files import write_json
 from draftsmith.target import Target, load_target
 
@@ -49,7 +57,7 @@ def prompts_of(target: Target, name: str, n: int) -> list[list[int]]:
     return [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in load_questions(name, n)]
 
 
-def drafter_overrides(drafter_path: str, corpus: str) -> dict[str, list[str]]:
+def drafter_overrides(drafter_path: str, corpus: str, both: bool = False, head_depth: int = 0) -> dict[str, list[str]]:
     suffix = ["drafter.type=suffix"] + ([f"drafter.corpus={corpus}"] if corpus else [])
     out = {"prompt_lookup": ["drafter.type=prompt_lookup"], "suffix": suffix}
     if drafter_path:
@@ -61,42 +69,63 @@ def drafter_overrides(drafter_path: str, corpus: str) -> dict[str, list[str]]:
         out[name] = [f"drafter.{o}" for o in model]
         out["hybrid"] = ["drafter.type=hybrid", *[f"drafter.drafter.{o}" for o in model],
                          "drafter.lookup.type=suffix"] + ([f"drafter.lookup.corpus={corpus}"] if corpus else [])
+        # the hybrids' model drafts trees at most head_depth deep (0: the tree's depth); "hybrid" is the
+        # per-round choice, "hybrid_both" (tree decoding) the head's tree every round with the suffix chain grafted on
+        out["hybrid"] = out["hybrid"] + [f"drafter.model_depth={head_depth}"]
+        if both:
+            out["hybrid_both"] = out["hybrid"] + ["drafter.combine=both"]
+        out["hybrid"].append("drafter.combine=either")
     return out
 
 
 def interleaved(prompts: list[list[int]], methods: dict[str, Callable[[list[int]], list[int]]],
-                warmup: int = 1) -> dict[str, dict[str, Any]]:
-    """Run every method on every prompt, rotating the order per prompt; per method: total wall s,
-    new tokens, per-prompt outputs."""
+                warmup: int = 1, repeats: int = 1) -> dict[str, dict[str, Any]]:
+    """Run every method on every prompt ``repeats`` times in a rotating order (``eval.run.paired_runs``: the
+    fastest run of each counts); per method: total wall s, new tokens, per-prompt outputs and seconds."""
     names = list(methods)
     for p in prompts[:warmup]:
         for fn in methods.values():
             fn(p)
-    rows: dict[str, dict[str, Any]] = {n: {"wall_s": 0.0, "new_tokens": 0, "outputs": []} for n in names}
-    for i, p in enumerate(prompts[warmup:]):
-        for name in names[i % len(names):] + names[: i % len(names)]:
+
+    def timed(fn: Callable[[list[int]], list[int]]) -> Callable[[list[int]], tuple[list[int], float]]:
+        def run(p: list[int]) -> tuple[list[int], float]:
             t0 = time.perf_counter()
-            out = methods[name](p)
-            rows[name]["wall_s"] += time.perf_counter() - t0
+            out = fn(p)
+            return out, time.perf_counter() - t0
+        return run
+
+    rows: dict[str, dict[str, Any]] = {n: {"wall_s": 0.0, "new_tokens": 0, "outputs": [], "prompt_s": []} for n in names}
+    for i, p in enumerate(prompts[warmup:]):
+        got = paired_runs({name: timed(fn) for name, fn in methods.items()}, p, repeats, start=i * repeats)
+        for name, ((out, seconds), _) in got.items():
+            rows[name]["wall_s"] += seconds
             rows[name]["new_tokens"] += len(out)
             rows[name]["outputs"].append(out)
+            rows[name]["prompt_s"].append(seconds)
     return rows
 
 
 def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: int, drafter_path: str,
-                    corpus: str, min_confidence: float = 0.0, tree: DynamicTree | None = None) -> dict[str, Any]:
+                    corpus: str, min_confidence: float = 0.0, tree: DynamicTree | None = None,
+                    repeats: int = 1, head_depth: int = 0) -> dict[str, Any]:
     """tree: decode every method with draft trees of this shape (model-free drafters draft chains of its
-    depth; the trained head and the hybrid's model, its gated tree); None: chains of k behind the gate."""
-    builds = {name: load_recipe(None, ov).drafter.build(target) for name, ov in drafter_overrides(drafter_path, corpus).items()}
+    depth; the trained head and the hybrid's model, its gated tree); None: chains of k behind the gate.
+    head_depth: the trained head alone, and the hybrids' model, draft trees at most this deep (0: the tree's)."""
+    overrides = drafter_overrides(drafter_path, corpus, both=tree is not None, head_depth=head_depth)
+    builds = {name: load_recipe(None, ov).drafter.build(target) for name, ov in overrides.items()}
     out: dict[str, Any] = {}
     for set_name in sets:
         prompts = prompts_of(target, set_name, n + 1)
         calls: dict[str, list[DecodeStats]] = {name: [] for name in builds}
 
+        def depth_of(name: str) -> int:
+            return head_depth if head_depth and name in ("trained", "layer_skip") else tree.depth
+
         def ours(name: str) -> Callable[[list[int]], list[int]]:
             def run(p: list[int]) -> list[int]:
                 if tree is not None:
-                    res = tree_decode(target, builds[name], p, tree=tree, max_new_tokens=max_new)
+                    shape = replace(tree, depth=depth_of(name))
+                    res = tree_decode(target, builds[name], p, tree=shape, max_new_tokens=max_new)
                 else:
                     res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new,
                                              min_confidence=min_confidence)
@@ -109,19 +138,23 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
                 d.counts.rounds.clear()
                 d.counts.drafted.clear()
         methods = {"target": lambda p: target_greedy(target, p, max_new), **{name: ours(name) for name in builds}}
-        rows = interleaved(prompts, methods, warmup=1)
+        rows = interleaved(prompts, methods, warmup=1, repeats=repeats)
         base = rows["target"]
         table: dict[str, Any] = {"target": {"tokens_per_s": round(base["new_tokens"] / base["wall_s"], 2)}}
         for name in builds:
             r = rows[name]
-            total = DecodeStats(k=k if tree is None else tree.depth)
+            total = DecodeStats(k=k if tree is None else depth_of(name))
             for st in calls[name][1:]:  # the first call was the warm-up prompt
                 total = total.merge(st)
             same = sum(a == b for a, b in zip(r["outputs"], base["outputs"]))
             tps = r["new_tokens"] / r["wall_s"]
+            ratios = [(len(o) / s_) / (len(b) / bs) for o, s_, b, bs in zip(r["outputs"], r["prompt_s"], base["outputs"],
+                                                                           base["prompt_s"])]
             table[name] = {"tau_with_bonus": round(total.tau, 3), "acceptance_rate": round(total.acceptance_rate, 3),
                            "tokens_per_s": round(tps, 2),
-                           "speedup_vs_target": round(tps / table["target"]["tokens_per_s"], 3),
+                           "speedup_vs_target": round(statistics.median(ratios), 3),
+                           "speedup_interval_90": [round(x, 3) for x in median_interval(ratios)],
+                           "aggregate_speedup": round(tps / table["target"]["tokens_per_s"], 3),
                            "identical_to_target": f"{same}/{len(base['outputs'])}"}
             counts = getattr(builds[name], "counts", None)
             if counts is not None:  # who drafted (hybrid: model / lookup; suffix: request / corpus), warm-up included
@@ -137,7 +170,7 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
 
     Every prompt runs ``repeats`` times per method in a rotating order (after one warm-up prompt);
     the ratio is the median over prompts of draftsmith's tokens/s over HF's on that prompt (the
-    repeats summed). Both propose the same drafts (HF's earliest-match rule), so they also make
+    repeats summed; ``draftsmith_over_hf_fastest_runs``: each method's fastest run, as eval times). Both propose the same drafts (HF's earliest-match rule), so they also make
     the same target forwards; the seconds outside those forwards are each loop's own overhead."""
     drafter = PromptLookupDrafter(target.vocab_size, target.eos_token_ids, max_ngram=max_ngram, min_ngram=1,
                                   device=target.device)
@@ -174,18 +207,23 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
                         acc["forward_s"] += fs
                         acc["forwards"] += calls
                         acc["tokens_fed"] += fed
+                        acc["fastest_s"] = min(acc.get("fastest_s", wall), wall)
                         if r == 0:
                             outputs[name].append(tokens)
                 per_prompt.append(row)
             total = {m: {key: sum(row[m][key] for row in per_prompt) for key in zero} for m in names}
             ratios = [(row["draftsmith_prompt_lookup"]["new_tokens"] / row["draftsmith_prompt_lookup"]["wall_s"])
                       / (row["hf_prompt_lookup"]["new_tokens"] / row["hf_prompt_lookup"]["wall_s"]) for row in per_prompt]
+            fastest = [(row["draftsmith_prompt_lookup"]["new_tokens"] / row["draftsmith_prompt_lookup"]["fastest_s"])
+                       / (row["hf_prompt_lookup"]["new_tokens"] / row["hf_prompt_lookup"]["fastest_s"]) for row in per_prompt]
             ref = outputs["greedy"]
             out[set_name] = {
                 "prompts": n, "repeats": repeats,
                 "tokens_per_s": {m: round(t["new_tokens"] / t["wall_s"], 2) for m, t in total.items()},
                 "draftsmith_over_hf": round(statistics.median(ratios), 3),
                 "draftsmith_over_hf_per_prompt": [round(x, 3) for x in ratios],
+                "draftsmith_over_hf_fastest_runs": round(statistics.median(fastest), 3),
+                "draftsmith_over_hf_fastest_interval_90": [round(x, 3) for x in median_interval(fastest)],
                 "draftsmith_over_hf_total": round((total["draftsmith_prompt_lookup"]["new_tokens"]
                                                    / total["draftsmith_prompt_lookup"]["wall_s"])
                                                   / (total["hf_prompt_lookup"]["new_tokens"]
@@ -244,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 1: the decoder's confidence gate (decode.min_confidence) for every drafter")
     ap.add_argument("--tree", default="", help="part 1: DEPTH,TOP_K,BUDGET of a dynamic draft tree gated at "
                     "--min-confidence (e.g. 3,3,3); empty: chains of k")
-    ap.add_argument("--repeats", type=int, default=1, help="part 2: runs of each prompt per method (paired, rotating)")
+    ap.add_argument("--head-depth", type=int, default=0, help="part 1 with --tree: the trained head alone and the "
+                    "hybrids' model draft trees at most this deep (model-free chains keep the tree's depth)")
+    ap.add_argument("--repeats", type=int, default=1, help="parts 1 and 2: runs of each prompt per method (paired, rotating; "
+                    "part 1 counts each method's fastest run)")
     ap.add_argument("--max-ngram", type=int, default=3, help="prompt lookup n-gram size (HF: max_matching_ngram_size)")
     ap.add_argument("--drafter", default="", help="a trained drafter folder (e.g. the demo's EAGLE-3 head), or "
                                                  "layer_skip:N (the target's first N layers, own cache) as a stand-in")
@@ -262,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     if "speed" not in skip:
         bf16 = load_target(args.target, dtype="bfloat16", device="cpu")
         results["bf16_vs_target"] = speed_vs_target(bf16, sets, args.prompts, args.k, args.max_new_tokens,
-                                                    args.drafter, args.corpus, args.min_confidence, tree)
+                                                    args.drafter, args.corpus, args.min_confidence, tree, args.repeats,
+                                                    args.head_depth)
         del bf16
     if "hf" not in skip:
         fp32 = load_target(args.target, dtype="float32", device="cpu")

@@ -215,6 +215,32 @@ def chain_tree(proposal: Proposal) -> DraftTree:
     return DraftTree(proposal.tokens, parents, q)
 
 
+def with_chain(tree: DraftTree, chain: Tensor) -> DraftTree:
+    """Greedy trees only: ``tree`` plus ``chain`` as a branch from the root, sharing the nodes whose tokens
+    match (the chain follows the tree's child with its token while there is one, then grows new nodes,
+    appended after the tree's so parents stay first). Greedy verification follows the target's argmax, so
+    any tree is exact there; a sampled tree's children must all come from the q its row records, which a
+    second drafter's chain does not, so this refuses one with q."""
+    if tree.q is not None:
+        raise DraftsmithError("with_chain merges greedy trees only (a sampled tree's children come from one q per row)")
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    kids: dict[int, dict[int, int]] = {}
+    for i, (tok, par) in enumerate(zip(tokens, parents)):
+        kids.setdefault(par, {}).setdefault(tok, i)
+    at = -1
+    for tok in chain.tolist():
+        node = kids.get(at, {}).get(tok)
+        if node is None:
+            tokens.append(tok)
+            parents.append(at)
+            node = len(tokens) - 1
+            kids.setdefault(at, {})[tok] = node
+        at = node
+    device = tree.tokens.device
+    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device),
+                     torch.tensor(parents, dtype=torch.long, device=device), None, tree.replacement)
+
+
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Additive mask [1, 1, N+1, past+N+1]: every row sees the ``past`` cached rows and its tree ancestors.
 

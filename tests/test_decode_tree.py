@@ -27,12 +27,15 @@ from draftsmith.decode.tree import (
     tree_decode,
     tree_position_ids,
     verify_greedy,
+    with_chain,
 )
 from draftsmith.drafters.eagle1 import Eagle1Config
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.hf_lm import HFDrafter
+from draftsmith.drafters.hybrid import HybridDrafter
 from draftsmith.drafters.layer_skip import layer_skip_drafter
 from draftsmith.drafters.medusa import MedusaConfig
+from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.eval.config import DecodeConfig
 from draftsmith.eval.reference import target_greedy
@@ -86,6 +89,18 @@ def test_mask_positions_and_children_of_a_hand_tree():
     assert verify_greedy(t, torch.tensor([5, 0, 0, 0, 0, 0])) == ([], 5)
     cut = t.truncated(2)
     assert cut.tokens.tolist() == [10, 11, 12, 14] and cut.parents.tolist() == [-1, -1, 0, 1]
+
+
+def test_a_chain_grafted_onto_a_tree_shares_the_nodes_it_matches():
+    t = hand_tree()
+    g = with_chain(t, torch.tensor([10, 12, 7, 8]))  # follows a, c, then leaves the tree under c
+    assert g.tokens.tolist() == [10, 11, 12, 13, 14, 7, 8] and g.parents.tolist() == [-1, -1, 0, 2, 1, 2, 5]
+    assert verify_greedy(g, torch.tensor([10, 12, 0, 7, 0, 0, 8, 3])) == ([0, 2, 5, 6], 3)  # the grafted path
+    g = with_chain(t, torch.tensor([9]))  # a new child of the root, after the tree's nodes
+    assert g.tokens.tolist() == [10, 11, 12, 13, 14, 9] and g.parents.tolist() == [-1, -1, 0, 2, 1, -1]
+    assert with_chain(t, torch.tensor([11, 14])).tokens.tolist() == t.tokens.tolist()  # already in the tree
+    with pytest.raises(DraftsmithError, match="greedy"):
+        with_chain(DraftTree(t.tokens, t.parents, torch.zeros(6, 16)), torch.tensor([9]))
 
 
 @pytest.mark.parametrize("paths,match", [
@@ -283,6 +298,28 @@ def test_greedy_tree_decoding_is_the_targets_greedy_output(tiny, shape):
     for drafter in drafters:
         res = tree_decode(target, drafter, PROMPT_IDS, tree=shape, max_new_tokens=24)
         assert res.tokens == expected, type(drafter).__name__
+
+
+@pytest.mark.parametrize("combine", ["either", "both"])
+def test_a_hybrid_of_a_head_and_prompt_lookup_keeps_the_greedy_output(tiny, combine):
+    """Per round the lookup's chain or the head's tree (either), or the head's tree with the chain grafted on (both)."""
+    target, _ = tiny
+    expected = target_greedy(target, PROMPT_IDS, 24)
+    lookup = PromptLookupDrafter(target.vocab_size, target.eos_token_ids, max_ngram=3, min_ngram=1)
+    hybrid = HybridDrafter(Eagle3Config(feature_layers=[0, 1, 2]).build(target), lookup, min_confidence=0.0, combine=combine)
+    res = tree_decode(target, hybrid, PROMPT_IDS, tree=DynamicTree(depth=3, top_k=3, budget=6), max_new_tokens=24)
+    assert res.tokens == expected
+    rounds = hybrid.counts.rounds
+    assert rounds["lookup"] > 0 and rounds["model"] > 0
+    if combine == "both":  # the head drafted every round, the lookup's chain rode along in some
+        assert rounds["model"] == res.stats.rounds - res.stats.tree_sizes.get(0, 0)  # every round with room to draft
+        assert rounds["lookup"] <= rounds["model"]
+        assert max(res.stats.tree_sizes) > 6  # a grafted chain made a tree larger than the head's budget
+    shallow = HybridDrafter(Eagle3Config(feature_layers=[0, 1, 2]).build(target), lookup, min_confidence=0.0,
+                            combine=combine, model_depth=1)
+    res = tree_decode(target, shallow, PROMPT_IDS, tree=DynamicTree(depth=3, top_k=3, budget=6), max_new_tokens=24)
+    assert res.tokens == expected  # the head drafts depth 1 only; the lookup's chains still reach depth 3
+    assert shallow.counts.drafted["model"] <= 3 * shallow.counts.rounds["model"] and res.stats.proposed_at[2] > 0
 
 
 class ScriptedTreeDrafter(ScriptedDrafter):

@@ -12,6 +12,7 @@ import pytest
 from draftsmith.config import load_recipe
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.decode.stats import DecodeStats
+from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.eval.prompts import load_questions
 from draftsmith.eval.reference import target_greedy
 
@@ -51,6 +52,21 @@ def test_greedy_identical_to_target(smollm2, prompt_set, corpus, overrides):
     assert total.accepted > 0 and total.accepted < total.drafted  # drafts were accepted and rejected
     if name == "copyheavy":
         assert sum(total.accept_hist[2:]) > 0  # multi-token copies were accepted
+
+
+def test_the_hybrid_grafting_its_parts_into_one_tree_is_identical_to_target(smollm2, prompt_set, corpus):
+    """The default hybrid in tree decoding (combine: both, the head at depth 1, the suffix chain grafted on)."""
+    name, prompts, refs = prompt_set
+    recipe = load_recipe(None, ["drafter.type=hybrid", "drafter.drafter.type=eagle3", "drafter.lookup.type=suffix",
+                                f"drafter.lookup.corpus={corpus}"])
+    assert (recipe.drafter.combine, recipe.drafter.model_depth) == ("both", 1)
+    drafter = recipe.drafter.build(smollm2)
+    for p, ref in zip(prompts, refs):
+        res = tree_decode(smollm2, drafter, p, tree=DynamicTree(depth=3, top_k=3, budget=3, min_confidence=0.1),
+                          max_new_tokens=MAX_NEW)
+        assert res.tokens == ref
+    if name == "copyheavy":
+        assert drafter.counts.rounds["lookup"] > 0  # chains were grafted onto the head's trees
 
 
 def test_eval_reports_model_free_baselines(smollm2, tmp_path):
