@@ -29,6 +29,7 @@ from ..decode.protocol import common_prefix
 from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
+from ..eval.baselines import baseline_configs
 from ..eval.prompts import Question, load_questions
 from ..eval.reference import target_greedy
 from ..eval.run import Evaluation, evaluate
@@ -39,13 +40,16 @@ from . import summary as S
 from .alignment import AnswerAlignment, align_answer
 
 
-def drafter_entries(drafter: Any, compare: list[str]) -> list[tuple[str, Any]]:
-    """(label, drafter config) for the recipe's drafter and each ``--compare`` folder, each folder checked
-    (config.json + model.safetensors, draftsmith's format) before anything is loaded."""
+def drafter_entries(drafter: Any, compare: list[str], baselines: list[str] = ()) -> list[tuple[str, Any]]:
+    """(label, drafter config) for the recipe's drafter, each ``--compare`` folder (each checked: config.json +
+    model.safetensors, draftsmith's format, before anything is loaded) and each model-free baseline of
+    ``eval.baselines`` (default settings; prompt lookup by default, so every report shows the free floor
+    beside the trained drafters) that is not the recipe's drafter already."""
     def label(cfg: Any) -> str:
         return os.path.basename(os.path.normpath(cfg.path)) if cfg.type == "saved" else cfg.type
 
     entries = [drafter] + [SavedDrafterConfig(path=p) for p in compare]
+    entries += [cfg for name, cfg in baseline_configs(list(baselines)).items() if name != drafter.type]
     for cfg in entries:
         if cfg.type == "saved":
             if not os.path.isdir(cfg.path):
@@ -189,7 +193,7 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
     if recipe.decode.min_confidence > 0:
         raise ConfigError("draftsmith report predicts ungated chains from the drafters' acceptance: set "
                           "decode.min_confidence=0 (the confidence gate is measured by draftsmith eval)")
-    entries = drafter_entries(recipe.drafter, list(compare or []))
+    entries = drafter_entries(recipe.drafter, list(compare or []), recipe.eval.baselines)
     questions = select_questions(recipe.eval.prompts, recipe.eval.num_prompts, cfg.per_category)
     out_dir = cfg.out_dir or os.path.join(recipe.run_dir, "report")
     save_recipe(recipe)

@@ -17,7 +17,7 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.eval.prompts import Question
 from draftsmith.report.alignment import expected_rounds
-from draftsmith.report.run import reference_answers
+from draftsmith.report.run import drafter_entries, reference_answers
 from draftsmith.report.summary import calibration, compare, null_round_se, ratio_se, tau_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -261,3 +261,15 @@ def test_a_drafter_without_offline_alignment_still_renders(report, tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "**eagle3**: offline alignment skipped: a self-speculative drafter" in md
     assert (tmp_path / "calibration.png").stat().st_size > 10_000
+
+
+def test_the_report_adds_the_model_free_baselines_beside_the_drafters(setup):
+    from draftsmith.drafters.eagle3 import Eagle3Config
+    from draftsmith.drafters.prompt_lookup import PromptLookupConfig
+
+    root, _ = setup
+    entries = drafter_entries(Eagle3Config(), [str(root / "draftlm")], ["prompt_lookup", "suffix"])
+    assert [(name, cfg.type) for name, cfg in entries] == [
+        ("eagle3", "eagle3"), ("draftlm", "saved"), ("prompt_lookup", "prompt_lookup"), ("suffix", "suffix")]
+    entries = drafter_entries(PromptLookupConfig(), [], ["prompt_lookup"])  # the recipe's drafter is the baseline
+    assert [name for name, _ in entries] == ["prompt_lookup"]
