@@ -116,9 +116,10 @@ def evaluate(
         timed.seconds, timed.drafted = 0.0, 0
     total = DecodeStats(k=decode.depth)
     side = {name: (DecodeStats(k=decode.depth), []) for name in others}
+    runs = repeats if time_target else 1  # untimed: one decode per method (identity, baselines' stats)
     records = []
     for i, (q, prompt) in enumerate(tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress)):
-        out = paired_runs(methods, prompt, repeats if time_target else 1, start=i * (repeats if time_target else 1))
+        out = paired_runs(methods, prompt, runs, start=i * runs)
         result = out[MAIN][0][0]
         total = total.merge(result.stats)
         rec = {
