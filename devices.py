@@ -39,6 +39,37 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     return DTYPES[requested]
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 matrix products natively, so that bf16 is the faster dtype for
+    throughput-bound work (regeneration, feature capture, training): a GPU with bf16 support, or a CPU
+    whose oneDNN has a bf16 path (AVX512-BF16 / AMX; ``torch.ops.mkldnn._is_mkldnn_bf16_supported``).
+
+    On an AVX2-only CPU torch's bf16 GEMM is a slow fallback (0.09× fp32 training, RESULTS.md "prepare"),
+    so fp32 stays the faster dtype there. On a 2-core AVX-512 BF16 VM bf16 ran regeneration 1.42×,
+    feature capture 1.70× and EAGLE-3 training 1.70× fp32 (RESULTS.md "prepare", "train"). Identity
+    checks stay in fp32 wherever this says True: it only picks a speed."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    # oneDNN also "supports" bf16 on AVX-512 CPUs without bf16 instructions (emulated, no faster than
+    # fp32): where the kernel's flags can be read, ask for the instructions themselves
+    flags = _cpu_flags()
+    return flags is None or bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (Linux), or None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
 def cache_dir() -> str:
     """Where draftsmith caches converted targets etc. (``$DRAFTSMITH_CACHE`` or ~/.cache/draftsmith)."""
     root = os.environ.get("DRAFTSMITH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "draftsmith")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -37,6 +38,20 @@ def test_the_full_size_is_larger_than_the_default():
     d, f = SIZES["default"], SIZES["full"]
     assert f.conversations > d.conversations and f.steps > d.steps and f.prompts >= d.prompts
     assert (d.min_speedup, d.min_tau) == (1.0, 0.0) and (f.min_speedup, f.min_tau) == (1.5, 2.0)  # issue 9's bars
+
+
+def test_sizes_fit_the_pipeline_dtype_and_explicit_figures_win(monkeypatch):
+    """Sized for native bf16; an fp32 pipeline (AVX2-only CPU) runs FP32_SHARE of the data and steps."""
+    from draftsmith import demo
+
+    monkeypatch.setattr(demo, "pipeline_dtype", lambda size: "bfloat16")
+    assert demo.sized("default") == SIZES["default"]
+    monkeypatch.setattr(demo, "pipeline_dtype", lambda size: "float32")
+    small = demo.sized("default")
+    assert (small.conversations, small.steps) == (160, 100)  # the fp32 default measured at 17-18 min
+    assert demo.sized("default", steps=7, conversations=None).steps == 7
+    stages = demo_stages("/tmp/x", replace(SIZES["default"], dtype="float32"))
+    assert "target.dtype=float32" in stages["prepare"] and "target.dtype=float32" in stages["train"]
 
 
 @pytest.mark.e2e

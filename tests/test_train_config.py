@@ -50,6 +50,14 @@ def test_shipped_engine_configs_load_and_resolve_auto_precision(name):
     assert "optimizer" not in cfg and "scheduler" not in cfg
 
 
+@pytest.mark.parametrize("dtype,bf16", [(torch.bfloat16, True), (torch.float32, False), (None, False)])
+def test_auto_precision_follows_the_target_dtype(dtype, bf16):
+    """A bf16 target trains in the bf16 engine, an fp32 one in fp32, on CPU as on GPU; without a target dtype
+    the old rule (bf16 on a GPU only)."""
+    cfg = load_engine_config("zero2", micro_batch_size=1, device=CPU, target_dtype=dtype)
+    assert cfg["bf16"]["enabled"] is bf16
+
+
 def _write(tmp_path, obj) -> str:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(obj))

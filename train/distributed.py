@@ -173,8 +173,15 @@ def resolve_engine_config_path(name: str) -> str:
                       f"{', '.join(shipped)} or give a path")
 
 
-def load_engine_config(name: str, micro_batch_size: int, device: torch.device) -> dict[str, Any]:
+def load_engine_config(name: str, micro_batch_size: int, device: torch.device,
+                       target_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Read and check a DeepSpeed JSON, resolve ``"auto"`` precision, set the micro-batch size.
+
+    ``"bf16": {"enabled": "auto"}`` follows the frozen target's dtype (``target_dtype``, the
+    recipe's ``target.dtype`` resolved): a bf16 target trains its drafter in DeepSpeed's bf16
+    engine (fp32 master weights), an fp32 target in fp32 — so ``target.dtype=bfloat16`` alone
+    moves a CPU run with a native bf16 path (``devices.native_bf16``) to the faster dtype. Without
+    ``target_dtype``: bf16 on a GPU that supports it, fp32 elsewhere.
 
     The JSON holds engine settings only: ZeRO stage, bf16/fp16, gradient accumulation,
     clipping. Learning rate, schedule and batch size live in the recipe YAML, and a JSON
@@ -202,7 +209,8 @@ def load_engine_config(name: str, micro_batch_size: int, device: torch.device) -
         raise ConfigError(f"DeepSpeed config '{path}': gradient_clipping = {clip!r} must be a number ≥ 0 (0 turns it off)")
     bf16, fp16 = cfg.setdefault("bf16", {}), cfg.setdefault("fp16", {})
     if bf16.get("enabled") == "auto":
-        bf16["enabled"] = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        bf16["enabled"] = (target_dtype == torch.bfloat16 if target_dtype is not None
+                           else device.type == "cuda" and torch.cuda.is_bf16_supported())
     if fp16.get("enabled") == "auto":
         fp16["enabled"] = False
     if fp16.get("enabled") and device.type == "cpu":

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..devices import resolve_dtype
 from ..errors import ConfigError
 from ..schema import save_recipe, to_dict
 from ..target import Target, load_target
@@ -110,7 +111,8 @@ def start(recipe: Any, world: World) -> Run:
     os.makedirs(recipe.run_dir, exist_ok=True)
     if world.is_main:
         save_recipe(recipe)
-    ds_config = distributed.load_engine_config(cfg.deepspeed, cfg.batch_size, world.device)  # fail before loading
+    ds_config = distributed.load_engine_config(  # fail before loading; "auto" precision follows the target's dtype
+        cfg.deepspeed, cfg.batch_size, world.device, resolve_dtype(recipe.target.dtype, world.device))
     checkpoint.seed_everything(cfg.seed)
     target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
     rows = load_rows(cfg.dataset, cfg.features, target)
