@@ -204,7 +204,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
                      "identical_to_target": None})
     passed = (speed["speedup_vs_target"] > size.min_speedup and m["tau_with_bonus"] >= size.min_tau
               and ident["identical"] == ident["prompts"])
-    summary = {"size": size.__dict__, "speed_dtype": speed["dtype"], "identity_dtype": ident["dtype"],
+    summary = {"size": size.__dict__, "pipeline_dtype": pipeline_dtype(size), "speed_dtype": speed["dtype"],
+               "identity_dtype": ident["dtype"],
                "device": speed["device"], "threads": speed["threads"],
                "stage_seconds": {k: round(v, 1) for k, v in times.items()},
                "train": {k: train_summary.get(k)

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 from ..target import Target, keep_cache_rows
-from .chain import DecodeResult, check_prompt, finish, prefill
+from .chain import DecodeResult, check_prompt, finish, gate, prefill
 from .protocol import Drafter, Proposal
 from .sampling import Warp
 from .stats import DecodeStats, first_eos
@@ -491,7 +491,9 @@ def tree_decode(
     """Decode one prompt with draft trees of ``tree``'s shape. Greedy mode reproduces the target's greedy output.
 
     A drafter with ``propose_tree(shape, warp, generator) -> DraftTree`` drafts trees; any other drafter's
-    ``propose(depth, …)`` chain is verified as the degenerate tree. Drafters that draft inside the target's
+    ``propose(depth, …)`` chain is verified as the degenerate tree, behind the shape's confidence gate
+    (``min_confidence``) as in the chain decoder: the chain is cut where the running product of its
+    confidences falls under the gate, and a drafter with ``set_gate`` stops drafting there. Drafters that draft inside the target's
     cache (``bind``) are refused: their drafted rows would sit in the cache a tree verification writes.
     """
     if max_new_tokens < 1:
@@ -508,9 +510,13 @@ def tree_decode(
     stats = DecodeStats(k=depth, sequences=1)
     start = time.perf_counter()
     propose_tree = getattr(drafter, "propose_tree", None)
+    threshold = getattr(tree, "min_confidence", 0.0)  # a dynamic tree's gate; static trees have none
 
     cache = target.new_cache()
     drafter.reset()
+    set_gate = getattr(drafter, "set_gate", None)  # a chain drafter stops where the gate would cut
+    if propose_tree is None and set_gate is not None:
+        set_gate(threshold)
     token = prefill(target, drafter, prompt_ids, cache, warp, gen, stats)
     tokens = [token]
 
@@ -520,7 +526,10 @@ def tree_decode(
             if propose_tree is not None:
                 draft = propose_tree(tree, warp, gen).truncated(room)
             else:
-                draft = chain_tree(drafter.propose(room, warp, gen))
+                proposal = drafter.propose(room, warp, gen)
+                draft = chain_tree(proposal)
+                if threshold > 0 and proposal.confidence is not None:  # reads the drafter only: lossless
+                    draft = draft.truncated(gate(proposal.confidence[: draft.size], threshold))
         else:
             draft = DraftTree(torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device),
                               None if warp.greedy else torch.zeros(1, target.vocab_size, device=device))

@@ -124,6 +124,26 @@ def test_recipe_tree_settings():
         DecodeConfig(tree="dynamic", tree_budget=0).validate()
 
 
+def test_a_chain_drafter_in_tree_decoding_is_gated_as_in_the_chain_decoder(smollm2_tokenizer):
+    """A drafter without propose_tree drafts chains in tree decoding: the dynamic shape's gate cuts them
+    (set_gate stops the drafter there), the output stays the target's greedy one, and the nodes verified
+    are those the chain decoder verifies at the same gate."""
+    from draftsmith.decode.chain import speculative_decode
+
+    target = make_target(smollm2_tokenizer)
+    ref = reference(target, 30)
+    drafter = HFDrafter(tiny_llama(layers=2, seed=1))
+    open_tree = tree_decode(target, drafter, PROMPT_IDS, tree=DynamicTree(depth=4, top_k=1, budget=4),
+                            max_new_tokens=30)
+    gated = tree_decode(target, drafter, PROMPT_IDS, tree=DynamicTree(depth=4, top_k=1, budget=4, min_confidence=0.5),
+                        max_new_tokens=30)
+    assert drafter.stop_below == 0.5  # set_gate reached the chain drafter
+    chain = speculative_decode(target, drafter, PROMPT_IDS, k=4, max_new_tokens=30, min_confidence=0.5)
+    assert open_tree.tokens == gated.tokens == chain.tokens == ref[:30]
+    assert gated.stats.drafted < open_tree.stats.drafted  # the gate cut some chains
+    assert (gated.stats.drafted, gated.stats.accepted) == (chain.stats.drafted, chain.stats.accepted)
+
+
 def test_a_gated_dynamic_tree_drafts_only_the_slots_at_or_above_the_gate():
     """Every node's path confidence (the product of softmax probabilities along its path) is ≥ the gate;
     a gate above the root's best probability leaves the round without drafts (a plain target step)."""

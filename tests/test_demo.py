@@ -67,6 +67,7 @@ def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
     assert head["drafter"].startswith("EAGLE-3 head") and head["k"] == 2
     assert head["identical_to_target"] == "2/2"  # fp32 audit; a mismatch raises
     assert summary["speed_dtype"] == "bfloat16" and summary["identity_dtype"] == "float32"
+    assert summary["pipeline_dtype"] in ("bfloat16", "float32")  # prepare and train: bf16 where native
     with open(os.path.join(run_dir, "demo_summary.json"), encoding="utf-8") as f:
         assert json.load(f)["drafters"] == summary["drafters"]
 
