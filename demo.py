@@ -89,11 +89,11 @@ SIZES: dict[str, DemoSize] = {
 }
 """``make demo`` runs ``default``; ``make demo DEMO=full`` runs ``full``. Both train on the target's own answers
 (the default size showed on-policy data teaches more per token). Their conversations and steps are sized for
-a device with native bf16 (on a 2-core AVX512-BF16 CPU: 16 min for the default, 64 min for the full size, RESULTS.md
-"demo"); where the
-pipeline runs in fp32 (an AVX2-only CPU, ~1.6× slower per token) :func:`sized` takes ``FP32_SHARE`` of both,
-which keeps the time (the default then is the 160 conversations / 100 steps measured at 17–18 min on such a
-CPU). Times and figures: RESULTS.md, "demo" and "tree". Both decode with a gated dynamic tree: the head's top-3 first
+a device with native bf16 (on a 2-core AVX512-BF16 CPU: 16 min for the default, 64 min for the full size,
+RESULTS.md "demo"); where the pipeline runs in fp32 (an AVX2-only CPU, ~1.6× slower per token) :func:`sized`
+takes ``FP32_SHARE`` of both, which keeps the time (the default then is the 160 conversations / 100 steps
+measured at 17–18 min on such a CPU). Times and figures: RESULTS.md, "demo" and "tree". Both decode with a
+gated dynamic tree: the head's top-3 first
 tokens whose probability is at least 0.1, verified together (depth 1, one head forward per round). With
 ``kernels/cpu_linear.py`` a bf16 verification of 2–4 tokens costs ≈ 1.0–1.2 one-token steps on a 2-core
 AVX2 CPU, so two or three siblings cost little more than one draft, and they catch more: in two runs

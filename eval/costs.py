@@ -262,7 +262,7 @@ def bench_ceiling(
             rows[k].append({"tokens_per_s": tps, "target_tokens_per_s": base, "speedup": tps / base, "tau": tau,
                             "new_tokens": n, "prefill_s": prefill,
                             "decode_speedup": (t_alone - prefill) / max(t_oracle - prefill, 1e-9),
-                            "prefill_share": min(prefill / t_alone, 1.0)})
+                            "prefill_share": min(prefill / t_alone, 1.0)})  # f: the end-to-end bound's share
         if progress:
             progress(f"prompt {i + 1}: target {base:.1f} tok/s; oracle speedup "
                      + ", ".join(f"k={k} {runs[k][0] / base:.2f}x" for k in ks))
@@ -273,9 +273,9 @@ def bench_ceiling(
         decode = statistics.median(r["decode_speedup"] for r in rows[k])
         bound = (k + 1) / v[k]
         # per prompt: the bound with the prefill (share f of the target's time) paid on both sides
-        e2e = statistics.median(1 / (r["prefill_share"] + (1 - r["prefill_share"]) / bound) for r in rows[k])
-        share_e2e = statistics.median(r["speedup"] / (1 / (r["prefill_share"] + (1 - r["prefill_share"]) / bound))
-                                      for r in rows[k])
+        e2e_bounds = [1 / (r["prefill_share"] + (1 - r["prefill_share"]) / bound) for r in rows[k]]
+        e2e = statistics.median(e2e_bounds)
+        share_e2e = statistics.median(r["speedup"] / b for r, b in zip(rows[k], e2e_bounds))
         table.append({"k": k, "verify_cost": round(v[k], 3), "bound": round(bound, 3),
                       "oracle_speedup": round(speedup, 3), "share_of_bound": round(speedup / bound, 3),
                       "end_to_end_bound": round(e2e, 3), "share_of_end_to_end_bound": round(share_e2e, 3),
