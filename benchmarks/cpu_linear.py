@@ -1,6 +1,7 @@
-"""The bf16 CPU linear kernel (``kernels/cpu_linear.py``) against torch's own, side by side in one run.
+"""draftsmith's CPU linears (``kernels/cpu_linear.py``) against torch's own ``F.linear``, side by side in one run.
 
-    python benchmarks/cpu_linear.py --prompts 3 --max-new-tokens 48
+    python benchmarks/cpu_linear.py --prompts 3 --max-new-tokens 48                  # bf16: our AVX2 kernel
+    python benchmarks/cpu_linear.py --dtype float32 --prompts 3 --max-new-tokens 48  # fp32: oneDNN vs MKL
 
 Three tables, each interleaving torch's kernel (inside ``cpu_linear.disabled()``) and ours:
 
@@ -10,7 +11,8 @@ Three tables, each interleaving torch's kernel (inside ``cpu_linear.disabled()``
 3. the target alone (its own greedy ``generate``) in tokens/s on MT-bench first turns: the kernel is in
    the target-alone baseline too, so ``speedup_vs_target`` never credits speculation with it.
 
-bf16 only (fp32 never uses the kernel). Figures: RESULTS.md, "cpu_linear".
+bf16 runs where our kernel is wanted (AVX2 without a bf16 GEMM); fp32 wherever torch has oneDNN.
+Figures: RESULTS.md, "cpu_linear" and "fp32 linears on oneDNN".
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from draftsmith.eval.reference import target_greedy
 from draftsmith.kernels import cpu_linear
 from draftsmith.target import crop_cache, load_target
 
+NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
 
 def median_ms(fn, repeats: int) -> float:
     fn()
@@ -40,23 +44,25 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def linears(model: nn.Module, repeats: int) -> None:
+def linears(model: nn.Module, repeats: int, dtype: torch.dtype) -> None:
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
-    rows = [1, 2, 4, 8, 16]
-    print("\n| linear [N, K] (bf16) | " + " | ".join(f"{r} rows: torch / ours ms" for r in rows) + " |")
+    rows = [1, 2, 3, 4, 5, 8, 16, 256]  # 256: a prefill or a feature-capture batch
+    ours = cpu_linear.linear if dtype == torch.bfloat16 else cpu_linear.onednn_linear
+    print(f"\n| linear [N, K] ({NAMES[dtype]}) | " + " | ".join(f"{r} rows: torch / ours ms" for r in rows) + " |")
     print("| --- | " + " | ".join("---:" for _ in rows) + " |")
     for n, k in shapes:
-        w = torch.randn(n, k).bfloat16()
+        w = torch.randn(n, k).to(dtype)
         cells = []
         for r in rows:
-            x = torch.randn(r, k).bfloat16()
+            x = torch.randn(r, k).to(dtype)
             a = median_ms(lambda: F.linear(x, w), repeats)
-            b = median_ms(lambda: cpu_linear.linear(x, w), repeats)
+            b = median_ms(lambda: ours(x, w), repeats)
             cells.append(f"{a:.2f} / {b:.2f} ({a / b:.1f}×)")
         print(f"| [{n}, {k}] | " + " | ".join(cells) + " |", flush=True)
 
 
 def forwards(target, repeats: int) -> None:
+    dtype = NAMES[target.dtype]
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, 100), generator=g)
     news = [1, 2, 3, 5, 9]
@@ -73,7 +79,7 @@ def forwards(target, repeats: int) -> None:
                     target.forward(ids, cache)
                     ms[side][n].append((time.perf_counter() - t0) * 1e3)
                 crop_cache(cache, 100)
-    print("\n| target forward on a 100-token cache (bf16) | " + " | ".join(f"{n} new" for n in news) + " | v(1) | v(2) | v(4) | v(8) |")
+    print(f"\n| target forward on a 100-token cache ({dtype}) | " + " | ".join(f"{n} new" for n in news) + " | v(1) | v(2) | v(4) | v(8) |")
     print("| --- | " + " | ".join("---:" for _ in news) + " | ---: | ---: | ---: | ---: |")
     for side in ("torch", "ours"):
         med = {n: statistics.median(ms[side][n]) for n in news}
@@ -91,7 +97,7 @@ def alone(target, prompts: list[list[int]], max_new: int) -> None:
                 out = target_greedy(target, p, max_new)
                 rates[side].append(len(out) / (time.perf_counter() - t0))
     ratio = statistics.median(o / t for o, t in zip(rates["ours"], rates["torch"]))
-    print(f"\ntarget alone (its own greedy generate, bf16, {len(prompts)} prompts × {max_new} tokens): torch "
+    print(f"\ntarget alone (its own greedy generate, {NAMES[target.dtype]}, {len(prompts)} prompts × {max_new} tokens): torch "
           f"{statistics.median(rates['torch']):.1f} tok/s, ours {statistics.median(rates['ours']):.1f} tok/s, "
           f"median per-prompt ratio {ratio:.2f}×")
 
@@ -102,14 +108,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
-    if not cpu_linear.wanted():
-        raise SystemExit("this CPU is not one the kernel is for (it needs AVX2 and no bf16 GEMM in oneDNN)")
-    target = load_target(args.target, dtype="bfloat16", device="cpu")
-    print(f"{target.name}, bf16, {torch.get_num_threads()} threads, "
-          f"{cpu_linear.installed(target.model)} linears on the kernel")
+    dtype = getattr(torch, args.dtype)
+    if cpu_linear.route(dtype) is None:
+        raise SystemExit(f"no draftsmith route for {args.dtype} linears on this CPU (bf16 needs AVX2 without a bf16 "
+                         f"GEMM in oneDNN; fp32 needs a torch built with oneDNN)")
+    target = load_target(args.target, dtype=args.dtype, device="cpu")
+    print(f"{target.name}, {args.dtype}, {torch.get_num_threads()} threads, "
+          f"{cpu_linear.installed(target.model)} linears on {cpu_linear.describe(target.model)}")
     with torch.inference_mode():
-        linears(target.model, args.repeats * 4)
+        linears(target.model, args.repeats * 4, dtype)
         forwards(target, args.repeats)
         questions = load_questions("mtbench", args.prompts)
         prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]

@@ -20,7 +20,10 @@ Three parts, all in one process:
 2. **draftsmith's prompt_lookup vs HF** ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=n)``
    (fp32, same k and n, HF's earliest-match rule in both): tokens/s, the median over prompts of the
    per-prompt ratio (``--repeats`` runs each), the target forwards each made and the time each loop
-   spends outside them, and token identity with greedy.
+   spends outside them, and token identity with greedy. HF runs twice: on draftsmith's target (the
+   same model object, its fp32 linears on oneDNN as ``load_target`` routes them: the loops compared
+   alone) and on the stock model (inside ``cpu_linear.disabled()``: torch's ``F.linear``, what
+   ``AutoModelForCausalLM`` + ``generate`` give a user); the target alone runs both ways too.
 3. **Suffix trie cost per token vs output length**: µs per appended token and per proposal when the
    request already holds L tokens, for growing L (must stay flat: O(max_depth) per token).
 """
@@ -50,6 +53,7 @@ from draftsmith.eval.reference import hf_generate, target_greedy
 from draftsmith.eval.costs import median_interval
 from draftsmith.eval.run import paired_runs
 from draftsmith.files import write_json
+from draftsmith.kernels import cpu_linear
 from draftsmith.target import Target, load_target
 
 
@@ -164,21 +168,49 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
     return out
 
 
+def ratios_over(per_prompt: list[dict[str, dict[str, float]]], total: dict[str, dict[str, float]], ours: str,
+                other: str, key: str) -> dict[str, Any]:
+    """Tokens/s of ``ours`` over ``other``: the median of per-prompt ratios (repeats summed), the same over each
+    method's fastest run with its 90 % interval, and all tokens over all seconds."""
+    def rate(acc: dict[str, float], s: str) -> float:
+        return acc["new_tokens"] / acc[s]
+
+    ratios = [rate(row[ours], "wall_s") / rate(row[other], "wall_s") for row in per_prompt]
+    fastest = [rate(row[ours], "fastest_s") / rate(row[other], "fastest_s") for row in per_prompt]
+    return {key: round(statistics.median(ratios), 3),
+            f"{key}_per_prompt": [round(x, 3) for x in ratios],
+            f"{key}_fastest_runs": round(statistics.median(fastest), 3),
+            f"{key}_fastest_interval_90": [round(x, 3) for x in median_interval(fastest)],
+            f"{key}_total": round(rate(total[ours], "wall_s") / rate(total[other], "wall_s"), 3)}
+
+
 def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngram: int, max_new: int,
                         repeats: int = 1) -> dict[str, Any]:
     """draftsmith's prompt lookup against HF's, fp32, paired per prompt.
 
     Every prompt runs ``repeats`` times per method in a rotating order (after one warm-up prompt);
     the ratio is the median over prompts of draftsmith's tokens/s over HF's on that prompt (the
-    repeats summed; ``draftsmith_over_hf_fastest_runs``: each method's fastest run, as eval times). Both propose the same drafts (HF's earliest-match rule), so they also make
-    the same target forwards; the seconds outside those forwards are each loop's own overhead."""
+    repeats summed; ``…_fastest_runs``: each method's fastest run, as eval times), against HF on the
+    same model (``draftsmith_over_hf``: the loops alone) and on the stock one (``draftsmith_over_hf_stock``:
+    loops and linears). Both propose the same drafts (HF's earliest-match rule), so they also make the
+    same target forwards; the seconds outside those forwards are each loop's own overhead."""
     drafter = PromptLookupDrafter(target.vocab_size, target.eos_token_ids, max_ngram=max_ngram, min_ngram=1,
                                   device=target.device)
+    def hf_lookup(p: list[int]) -> list[int]:
+        return hf_generate(target, p, max_new, prompt_lookup_num_tokens=k, max_matching_ngram_size=max_ngram)
+
+    def stock(fn: Callable[[list[int]], list[int]]) -> Callable[[list[int]], list[int]]:
+        def run(p: list[int]) -> list[int]:
+            with cpu_linear.disabled():
+                return fn(p)
+        return run
+
     methods = {
         "greedy": lambda p: target_greedy(target, p, max_new),
         "draftsmith_prompt_lookup": lambda p: speculative_decode(target, drafter, p, k=k, max_new_tokens=max_new).tokens,
-        "hf_prompt_lookup": lambda p: hf_generate(target, p, max_new, prompt_lookup_num_tokens=k,
-                                                  max_matching_ngram_size=max_ngram),
+        "hf_prompt_lookup": hf_lookup,
+        "hf_prompt_lookup_stock": stock(hf_lookup),
+        "greedy_stock": stock(lambda p: target_greedy(target, p, max_new)),
     }
     names = list(methods)
     timer = ForwardCounter(target.model)
@@ -212,22 +244,12 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
                             outputs[name].append(tokens)
                 per_prompt.append(row)
             total = {m: {key: sum(row[m][key] for row in per_prompt) for key in zero} for m in names}
-            ratios = [(row["draftsmith_prompt_lookup"]["new_tokens"] / row["draftsmith_prompt_lookup"]["wall_s"])
-                      / (row["hf_prompt_lookup"]["new_tokens"] / row["hf_prompt_lookup"]["wall_s"]) for row in per_prompt]
-            fastest = [(row["draftsmith_prompt_lookup"]["new_tokens"] / row["draftsmith_prompt_lookup"]["fastest_s"])
-                       / (row["hf_prompt_lookup"]["new_tokens"] / row["hf_prompt_lookup"]["fastest_s"]) for row in per_prompt]
             ref = outputs["greedy"]
-            out[set_name] = {
-                "prompts": n, "repeats": repeats,
-                "tokens_per_s": {m: round(t["new_tokens"] / t["wall_s"], 2) for m, t in total.items()},
-                "draftsmith_over_hf": round(statistics.median(ratios), 3),
-                "draftsmith_over_hf_per_prompt": [round(x, 3) for x in ratios],
-                "draftsmith_over_hf_fastest_runs": round(statistics.median(fastest), 3),
-                "draftsmith_over_hf_fastest_interval_90": [round(x, 3) for x in median_interval(fastest)],
-                "draftsmith_over_hf_total": round((total["draftsmith_prompt_lookup"]["new_tokens"]
-                                                   / total["draftsmith_prompt_lookup"]["wall_s"])
-                                                  / (total["hf_prompt_lookup"]["new_tokens"]
-                                                     / total["hf_prompt_lookup"]["wall_s"]), 3),
+            out[set_name] = {"prompts": n, "repeats": repeats,
+                             "tokens_per_s": {m: round(t["new_tokens"] / t["wall_s"], 2) for m, t in total.items()}}
+            for hf, label in (("hf_prompt_lookup", "hf"), ("hf_prompt_lookup_stock", "hf_stock")):
+                out[set_name].update(ratios_over(per_prompt, total, "draftsmith_prompt_lookup", hf, f"draftsmith_over_{label}"))
+            out[set_name].update({
                 "target_forwards": {m: t["forwards"] for m, t in total.items()},
                 "tokens_fed_to_target": {m: t["tokens_fed"] for m, t in total.items()},
                 "ms_per_forward": {m: round(1e3 * t["forward_s"] / max(t["forwards"], 1), 2) for m, t in total.items()},
@@ -235,7 +257,7 @@ def vs_hf_prompt_lookup(target: Target, sets: list[str], n: int, k: int, max_ngr
                                                    for m, t in total.items()},
                 "identical_to_greedy": {m: f"{sum(a == b for a, b in zip(outputs[m], ref))}/{len(ref)}"
                                         for m in names if m != "greedy"},
-            }
+            })
             print(set_name, json.dumps(out[set_name]), flush=True)
     finally:
         timer.close()

@@ -194,13 +194,13 @@ def place(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> 
 
     Unlike ``module.to(dtype)`` this leaves buffers alone, so RoPE's ``inv_freq`` stays float32
     as in the target (a bf16 ``inv_freq`` shifts every rotary angle). bf16 linears on an AVX2 CPU are
-    routed through ``kernels.cpu_linear``, as the target's are.
+    routed through ``kernels.cpu_linear``, and fp32 ones through oneDNN, as the target's are.
     """
     module.to(device=device)
     for p in module.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
-    cpu_linear.install(module)  # as the target's (``target.load_target``): bf16 on an AVX2 CPU only
+    cpu_linear.install(module)  # as the target's (``target.load_target``)
     return module
 
 

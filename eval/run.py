@@ -225,7 +225,7 @@ def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, recor
         "dtype": str(target.dtype).replace("torch.", ""),
         "device": str(target.device),
         "threads": torch.get_num_threads(),
-        "linear_kernel": "draftsmith bf16 (kernels/cpu_linear.py)" if cpu_linear.installed(target.model) else "torch",
+        "linear_kernel": cpu_linear.describe(target.model),
         "tokens_per_s": round(stats.new_tokens / spec_s, 3) if spec_s else 0.0,
         "target_tokens_per_s": round(sum(r["target"]["new_tokens"] for r in records) / target_s, 3),
         "speedup_vs_target": round(statistics.median(r["speedup_vs_target"] for r in records), 4),

@@ -1,6 +1,18 @@
-"""bf16 linear layers that cost about the same for 1 to 8 tokens on CPUs without a bf16 GEMM.
+"""CPU linear layers whose cost stays flat from 1 to 8 tokens, the shape of a verification forward.
 
-Why: on an AVX2 CPU without AVX-512 (this project's 2-core machine, most laptops), torch's bf16
+Two routes, chosen per layer by its dtype when :func:`install` runs:
+
+* **bf16 on an AVX2 CPU without a bf16 GEMM** — draftsmith's own kernel (``bf16_linear.cpp``, below).
+* **fp32 on any CPU torch built with oneDNN** — oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``,
+  the op torch's own compiler uses for CPU linears; dense weights, no copy). torch's fp32 ``F.linear``
+  goes to MKL's sgemm, whose small-M kernels are pathological: on the 2-core AVX-512 VM a [49152 × 576]
+  lm_head costs 11 ms for 1 row, 25 ms for 2, 37 ms for 3, 20 ms for 5 rows, where oneDNN takes
+  4.8 / 6.4 / 7.0 / 7.8 ms; a SmolLM2-135M forward over the cache goes 76 → 51 ms for one token
+  and 120 → 64 ms for five (RESULTS.md, "fp32 linears on oneDNN"). oneDNN is as fast or faster for
+  large M too (prefill, feature capture). Numerics: fp32 accumulation in another order than MKL's
+  (≈ 1e-6 relative); as with MKL, a row's result may differ in the last bits with the number of rows.
+
+The bf16 kernel: on an AVX2 CPU without AVX-512 (this project's 2-core machine, most laptops), torch's bf16
 ``F.linear`` runs one matrix-vector product per row, so a target forward over k+1 tokens costs
 about k+1 one-token steps in its linears, and speculative verification never pays (RESULTS.md,
 "Why verification is not free here"). ``bf16_linear.cpp`` streams each weight once for every 8 rows
@@ -11,9 +23,9 @@ When: :func:`install` swaps the forward of every bf16 ``nn.Linear`` of a module 
 alone (its own ``generate``) and the speculative decoder run the very same kernels, and
 ``speedup_vs_target`` compares like with like. Nothing changes
 
-* in fp32 (the identity checks), on GPUs, or on CPUs where oneDNN has a bf16 path
-  (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 machines);
-* while autograd records (training): the kernel has no backward, so those calls take ``F.linear``;
+* in bf16 on GPUs, or on CPUs where oneDNN has a bf16 path
+  (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 machines); fp32 on GPUs;
+* while autograd records (training): neither route has a backward, so those calls take ``F.linear``;
 * with ``DRAFTSMITH_CPU_KERNELS=0`` in the environment, or inside :func:`disabled` (A/B benchmarks).
 
 The extension is compiled once with the C++ compiler torch uses (``torch.utils.cpp_extension``,
@@ -43,10 +55,14 @@ _failed: str | None = None  # why it could not be built (then never retried in t
 _active = True  # flipped by disabled()
 
 
+def switched_off() -> bool:
+    return os.environ.get(_ENV, "1").strip().lower() in ("0", "off", "false", "no")
+
+
 def wanted() -> bool:
-    """Whether this process should use the kernel: an AVX2 CPU torch has no bf16 GEMM for, not
+    """Whether this process should use the bf16 kernel: an AVX2 CPU torch has no bf16 GEMM for, not
     switched off by ``DRAFTSMITH_CPU_KERNELS=0``."""
-    if os.environ.get(_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off():
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         return False  # AVX-512 machines: oneDNN's bf16 path; older CPUs: no AVX2 + FMA
@@ -69,6 +85,31 @@ def ops() -> Any:
     return _ops
 
 
+_onednn_ok: bool | None = None  # whether oneDNN's linear ran correctly here (checked once per process)
+
+
+def onednn_wanted() -> bool:
+    """Whether fp32 CPU linears should go to oneDNN: torch has it, it computes a small linear right,
+    and ``DRAFTSMITH_CPU_KERNELS=0`` is not set."""
+    global _onednn_ok
+    if switched_off():
+        return False
+    if _onednn_ok is None:
+        try:
+            g = torch.Generator().manual_seed(0)
+            w, x, b = torch.randn(24, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(24, generator=g)
+            _onednn_ok = bool(torch.backends.mkldnn.is_available()
+                              and torch.allclose(onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4))
+        except (RuntimeError, AttributeError):  # a torch without the op, or a CPU oneDNN refuses
+            _onednn_ok = False
+    return _onednn_ok
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` through oneDNN: x [..., K] fp32, weight [N, K] contiguous fp32 → [..., N] fp32 (no autograd)."""
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), weight, bias, "none", [], "")
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` through the kernel: x [..., K] bf16, weight [N, K] contiguous bf16 → [..., N] bf16."""
     shape = x.shape
@@ -78,32 +119,54 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     w = self.weight
-    if (_active and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+    if (_active and x.dtype == w.dtype and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
             and w.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return linear(x, w, self.bias)
+        if w.dtype == torch.bfloat16 and _ops is not None:
+            return linear(x, w, self.bias)
+        if w.dtype == torch.float32 and _onednn_ok:
+            return onednn_linear(x, w, self.bias)
     return F.linear(x, w, self.bias)
 
 
+def route(dtype: torch.dtype) -> str | None:
+    """Which route CPU linears of ``dtype`` take in this process: "bf16" (draftsmith's kernel),
+    "onednn" (fp32) or None (torch's ``F.linear``)."""
+    if dtype == torch.bfloat16 and wanted() and ops() is not None:
+        return "bf16"
+    if dtype == torch.float32 and onednn_wanted():
+        return "onednn"
+    return None
+
+
 def install(module: nn.Module) -> int:
-    """Route every bf16 CPU ``nn.Linear`` of ``module`` through the kernel where :func:`wanted`;
+    """Route every CPU ``nn.Linear`` of ``module`` whose dtype has a route here (:func:`route`);
     returns how many were routed (0: nothing changed). Idempotent."""
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16
-               and m.weight.device.type == "cpu"]
-    if not linears or not wanted() or ops() is None:
-        return 0
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
+               and route(m.weight.dtype) is not None]
     for m in linears:
         m.forward = types.MethodType(_forward, m)
     return len(linears)
 
 
 def installed(module: nn.Module) -> int:
-    """How many linears of ``module`` run through the kernel."""
+    """How many linears of ``module`` run through a route of this module."""
     return sum(1 for m in module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__)
+
+
+def describe(module: nn.Module) -> str:
+    """The linear kernel ``module``'s linears run on, for result files."""
+    routed = [m for m in module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
+    if not routed or not _active:
+        return "torch"
+    kind = route(routed[0].weight.dtype)
+    return {"bf16": "draftsmith bf16 (kernels/cpu_linear.py)",
+            "onednn": "oneDNN fp32 (kernels/cpu_linear.py)"}.get(kind or "", "torch")
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Run installed linears on torch's own kernel inside this block (for side-by-side timing)."""
+    """Run installed linears on torch's own ``F.linear`` inside this block (side-by-side timing; the
+    stock model a plain transformers user runs)."""
     global _active
     before, _active = _active, False
     try:

@@ -1,6 +1,7 @@
 """kernels/cpu_linear.py: the bf16 linear for AVX2 CPUs equals F.linear up to bf16 rounding, at every
 row count, with and without bias and a K that is not a multiple of 8; a row's result does not depend
-on how many rows share the call; it is installed only where it should be, and never under autograd."""
+on how many rows share the call; the fp32 route (oneDNN) equals F.linear up to fp32 summation order;
+each is installed only where it should be, and never under autograd."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from draftsmith.kernels import cpu_linear
 from .conftest import SMOLLM2, tiny_llama
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.wanted(), reason="the kernel is for AVX2 CPUs without a bf16 GEMM")
+needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_wanted(), reason="this torch has no working oneDNN linear")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -83,13 +85,50 @@ def test_autograd_takes_torch_s_linear_and_gets_gradients():
         assert torch.equal(lin(x), cpu_linear.linear(x, lin.weight, lin.bias))
 
 
-def test_nothing_is_installed_in_fp32_or_when_switched_off(monkeypatch):
-    model = tiny_llama(layers=1)  # fp32
-    assert cpu_linear.install(model) == 0 and cpu_linear.installed(model) == 0
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fp32_route_is_the_linear_up_to_summation_order(bias):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 576, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    for m in (1, 2, 3, 5, 8, 33):
+        x = torch.randn(1, m, 576, generator=g)
+        ref = reference(x, w, b)
+        ours = cpu_linear.onednn_linear(x, w, b)
+        assert ours.dtype == torch.float32 and ours.shape == (1, m, 200)
+        # fp32 sums of 576 terms of size ~1: a few 1e-6 relative; a wrong row or a missing bias is off by ~1
+        assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), m
+    view = torch.randn(4, 6, 576, generator=g)[:, 2:]  # not contiguous: copied, not misread
+    assert torch.allclose(cpu_linear.onednn_linear(view, w, b), F.linear(view, w, b), atol=1e-4)
+
+
+@needs_onednn
+def test_install_routes_fp32_linears_and_autograd_still_takes_torch_s():
+    model = tiny_llama(layers=2).eval()  # fp32
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert cpu_linear.install(model) == linears == cpu_linear.installed(model)
+    assert cpu_linear.describe(model).startswith("oneDNN fp32")
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        fast = model(ids).logits
+        with cpu_linear.disabled():
+            slow = model(ids).logits
+            assert cpu_linear.describe(model) == "torch"
+    assert torch.allclose(fast, slow, atol=1e-4, rtol=1e-4) and torch.equal(fast.argmax(-1), slow.argmax(-1))
+    lin = nn.Linear(64, 32)
+    assert cpu_linear.install(lin) == 1
+    x = torch.randn(4, 64, requires_grad=True)
+    lin(x).sum().backward()  # the op has no backward: this must not go through it
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_nothing_is_installed_when_switched_off(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CPU_KERNELS", "0")
-    assert not cpu_linear.wanted()
-    bf = tiny_llama(layers=1).to(torch.bfloat16)
-    assert cpu_linear.install(bf) == 0 and cpu_linear.installed(bf) == 0
+    assert not cpu_linear.wanted() and not cpu_linear.onednn_wanted()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_llama(layers=1).to(dtype)
+        assert cpu_linear.install(model) == 0 and cpu_linear.installed(model) == 0
+        assert cpu_linear.describe(model) == "torch"
 
 
 @needs_kernel
@@ -100,5 +139,11 @@ def test_the_bf16_target_loads_with_the_kernel_and_fp32_without():
     bf16 = load_target(SMOLLM2, dtype="bfloat16", device="cpu")
     linears = sum(isinstance(m, nn.Linear) for m in bf16.model.modules())
     assert cpu_linear.installed(bf16.model) == linears == 30 * 7 + 1  # q k v o gate up down per layer, lm_head
+
+@needs_onednn
+@pytest.mark.e2e
+def test_the_fp32_target_loads_with_oneDNN_linears():
+    from draftsmith.target import load_target
+
     fp32 = load_target(SMOLLM2, dtype="float32", device="cpu")
-    assert cpu_linear.installed(fp32.model) == 0
+    assert cpu_linear.installed(fp32.model) == 30 * 7 + 1 and cpu_linear.describe(fp32.model).startswith("oneDNN")
