@@ -6,10 +6,10 @@ Two routes, chosen per layer by its dtype when :func:`install` runs:
 * **fp32 on any CPU torch built with oneDNN** — oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``,
   the op torch's own compiler uses for CPU linears; dense weights, no copy). torch's fp32 ``F.linear``
   goes to MKL's sgemm, whose small-M kernels are pathological: on the 2-core AVX-512 VM a [49152 × 576]
-  lm_head costs 11 ms for 1 row, 25 ms for 2, 37 ms for 3, 20 ms for 5 rows, where oneDNN takes
-  4.8 / 6.4 / 7.0 / 7.8 ms; a SmolLM2-135M forward over the cache goes 76 → 51 ms for one token
-  and 120 → 64 ms for five (RESULTS.md, "fp32 linears on oneDNN"). oneDNN is as fast or faster for
-  large M too (prefill, feature capture). Numerics: fp32 accumulation in another order than MKL's
+  lm_head costs 12.4 ms for 1 row, 25.5 for 2, 38.2 for 3, where oneDNN takes 5.6 / 8.0 / 8.1 ms; a
+  SmolLM2-135M forward over a 100-token cache goes 72 → 54 ms for one token and 138 → 66 ms for three
+  (RESULTS.md, "fp32 linears on oneDNN"). oneDNN is faster for large M too (256 rows: 1.2–1.6×); only
+  the smallest linears ([192, 576]) lose ~0.02 ms to its call overhead. Numerics: fp32 accumulation in another order than MKL's
   (≈ 1e-6 relative); as with MKL, a row's result may differ in the last bits with the number of rows.
 
 The bf16 kernel: on an AVX2 CPU without AVX-512 (this project's 2-core machine, most laptops), torch's bf16
