@@ -148,14 +148,18 @@ def install(module: nn.Module) -> int:
     return len(linears)
 
 
+def _routed(module: nn.Module) -> list[nn.Linear]:
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
+
+
 def installed(module: nn.Module) -> int:
     """How many linears of ``module`` run through a route of this module."""
-    return sum(1 for m in module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__)
+    return len(_routed(module))
 
 
 def describe(module: nn.Module) -> str:
     """The linear kernel ``module``'s linears run on, for result files."""
-    routed = [m for m in module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
+    routed = _routed(module)
     if not routed or not _active:
         return "torch"
     kind = route(routed[0].weight.dtype)
