@@ -6,7 +6,7 @@
     draftsmith report --config RECIPE [--compare DIR …]  the alignment report: decoding, offline α, prediction, audit
     draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
     draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
-    draftsmith export --check DIR                        load an export back and prove it
+    draftsmith export --check DIR                        load an export back and prove it (gguf: in llama.cpp)
     draftsmith demo  [--size default|full]               the main job: prepare → train EAGLE-3 → eval (speedup)
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
@@ -124,13 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the drafter of SOURCE (a drafter folder, <run_dir>/drafter, or a training "
                                    "checkpoint folder of any ZeRO stage, <run_dir>/checkpoints/step_N) in FORMAT: "
                                    "hf (draft LM: transformers assistant model), eagle3 (SGLang / vLLM), speculators "
-                                   "(vLLM), medusa (reference / TGI), medusa-vllm, eagle1 (refused: the head's semantics "
-                                   "differ from the original layout). --check DIR loads an export back and proves it: "
+                                   "(vLLM), medusa (reference / TGI), medusa-vllm, gguf (llama.cpp: an EAGLE-3 head or a "
+                                   "draft LM, converted by llama.cpp's own converter), eagle1 (refused: the head's "
+                                   "semantics differ from the original layout); --to gguf-target --target T writes the "
+                                   "target itself as a GGUF. --check DIR loads an export back and proves it: "
                                    "static checks against the engines' loaders, proposals equal to the source drafter's "
-                                   "in draftsmith's decoder, and per format transformers' assisted generation or "
-                                   "speculators' own forward.")
+                                   "in draftsmith's decoder, and per format transformers' assisted generation, "
+                                   "speculators' own forward, or (gguf) the export served in llama.cpp: output identical "
+                                   "to llama.cpp's target alone, acceptance by position equal to draftsmith's decoder's.")
     p.add_argument("source", nargs="?", help="drafter folder or training checkpoint folder")
-    p.add_argument("--to", dest="fmt", default=None, help="hf | eagle3 | speculators | medusa | medusa-vllm | eagle1")
+    p.add_argument("--to", dest="fmt", default=None,
+                   help="hf | eagle3 | speculators | medusa | medusa-vllm | gguf | gguf-target | eagle1")
+    p.add_argument("--gguf-type", default=None,
+                   help="GGUF tensor type: for gguf auto (the drafter's dtype) | f32 | bf16 | f16 | q8_0; for "
+                        "gguf-target as-loaded (the GGUF the target came from) | f32 | bf16 | f16 | q8_0")
     p.add_argument("--out", default=None, help="the export folder to write (refused if it exists and is not empty)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--target", default=None,
@@ -242,7 +249,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import time
 
     from .errors import ConfigError
-    from .export import FORMATS, check, export
+    from .export import FORMATS, TARGET_FORMAT, check, export, export_target
 
     if args.check:
         if args.source or args.fmt or args.out:
@@ -252,9 +259,19 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"ok  {line}")
         print(f"export {args.check} checked in {time.perf_counter() - t0:.1f}s")
         return 0
+    if args.fmt == TARGET_FORMAT:
+        if args.source or not (args.target and args.out):
+            raise ConfigError(f"draftsmith export --to {TARGET_FORMAT} takes --target T and --out DIR, and no SOURCE")
+        info = export_target(args.target, args.out, args.gguf_type or "as-loaded", force=args.force)
+        print(f"wrote {args.out}/{info['gguf']['file']}: the target '{args.target}' as a {info['gguf']['type']} GGUF "
+              f"for llama.cpp\nprove it with: draftsmith export --check {args.out}")
+        return 0
     if not (args.source and args.fmt and args.out):
         raise ConfigError(f"draftsmith export needs SOURCE, --to ({' | '.join(FORMATS)}) and --out DIR (or --check DIR)")
-    info = export(args.source, args.fmt, args.out, target=args.target, force=args.force)
+    if args.gguf_type and args.fmt != "gguf":
+        raise ConfigError(f"--gguf-type is for --to gguf or --to {TARGET_FORMAT}, not --to {args.fmt}")
+    info = export(args.source, args.fmt, args.out, target=args.target, force=args.force,
+                  gguf_type=args.gguf_type or "auto")
     print(f"wrote {args.out}: {info['source']['family']} drafter from {info['source']['kind']} {args.source} as {args.fmt} "
           f"for {FORMATS[args.fmt].engines}")
     if "feature_layers" in info:

@@ -14,6 +14,13 @@ engines name the same tensor differently:
   layer, it takes the output of the (i-1)th layer"), so its ids are ours unchanged. Its default
   without ids is the same (2, N//2, N-3) capture points.
 
+ * llama.cpp (``draft-eagle3``) reads the GGUF key ``eagle3.target_layers``, which its converter
+   (``convert_hf_to_gguf.py``, ``conversion/llama.py``) copies from the top-level
+   ``eagle_aux_hidden_state_layer_ids``, and captures the *input* of those target layers
+   (``common/speculative.cpp`` → ``llama_set_embeddings_layer_inp``): vLLM's convention, j = i + 1.
+   It skips an id ≥ the target's layer count, so the output of the last layer (ours N-1) cannot
+   be a llama.cpp feature: :func:`engine_layer_ids` refuses it for ``llamacpp``.
+
 :func:`engine_layer_ids` is the one place that converts; :func:`native_layer_ids` inverts it.
 
 **Draft vocabulary.** ``d2t`` [Vd] int64 holds offsets, ``target_id = draft_id + d2t[draft_id]``;
@@ -32,8 +39,8 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 
-Engine = Literal["vllm", "speculators", "sglang"]
-ENGINE_OFFSET: dict[str, int] = {"vllm": 1, "speculators": 1, "sglang": 0}
+Engine = Literal["vllm", "speculators", "sglang", "llamacpp"]
+ENGINE_OFFSET: dict[str, int] = {"vllm": 1, "speculators": 1, "sglang": 0, "llamacpp": 1}
 """engine id = draftsmith id + offset (see the module docstring for where each engine reads it)."""
 
 
@@ -47,7 +54,11 @@ def engine_layer_ids(ours: Sequence[int], num_layers: int, engine: Engine) -> li
     for i in ours:
         if not 0 <= int(i) < num_layers:
             raise DraftsmithError(f"feature layer {i} is not a layer of a {num_layers}-layer target (0 … {num_layers - 1})")
-    return [int(i) + ENGINE_OFFSET[engine] for i in ours]
+    theirs = [int(i) + ENGINE_OFFSET[engine] for i in ours]
+    if engine == "llamacpp" and max(theirs, default=0) >= num_layers:
+        raise DraftsmithError(f"feature layer {num_layers - 1} (the output of the last layer) cannot be served by llama.cpp, "
+                              f"which captures the inputs of layers 0 … {num_layers - 1} only; train with earlier layers")
+    return theirs
 
 
 def native_layer_ids(theirs: Sequence[int], num_layers: int, engine: Engine) -> list[int]:

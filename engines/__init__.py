@@ -1,0 +1,7 @@
+"""Serving engines as real dependencies, managed in one place.
+
+``llamacpp`` builds llama.cpp once per machine into a cache outside the repository, converts
+drafters and targets to GGUF with llama.cpp's own converter, and runs ``llama-server`` on a
+loopback port, always stopped by its own PID. This folder imports only ``devices``, ``errors``
+and ``files``: data/, export/ and eval/ stand on it.
+"""

