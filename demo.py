@@ -68,6 +68,8 @@ class DemoSize:
     tree: tuple[int, int, int] | None = None
     """(depth, top_k, budget) of an EAGLE-2 dynamic draft tree (``decode.tree=dynamic``), or None for
     chains of k."""
+    engine_k: tuple[int, ...] = (1, 2)
+    """Draft lengths at which the head is served in llama.cpp (chains: llama.cpp drafts no trees)."""
     min_speedup: float = 1.0
     """The size's bar: the trained head's speedup_vs_target (bf16) must exceed it."""
     min_tau: float = 0.0
@@ -143,7 +145,9 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                  "target.dtype=bfloat16",  # speed in bf16; the identity audit reloads the target in fp32
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
                  f"decode.k={size.k}", f"decode.min_confidence={size.min_confidence}",
-                 f"decode.max_new_tokens={size.max_new_tokens}"]
+                 f"decode.max_new_tokens={size.max_new_tokens}",
+                 # the same head served in llama.cpp against llama.cpp's target alone (eval/engine.py)
+                 "eval.engine=llamacpp", f"eval.engine_k={list(size.engine_k)}"]
                 + ([] if size.tree is None else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
                                                  f"decode.tree_top_k={size.tree[1]}", f"decode.tree_budget={size.tree[2]}"]),
     }
@@ -214,8 +218,14 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
                "drafters": rows, "speedup_vs_target": speed["speedup_vs_target"], "passed": passed,
                "note": "tau counts the bonus token; speed in bf16 against the target alone in the same process, "
                        "identity checked token for token against the target's greedy decoding in fp32"}
+    if "engine" in m:  # the verdict stays on the built-in decoder; the engine figure is always printed
+        summary["llamacpp"] = m["engine"]
     write_json(os.path.join(run_dir, "demo_summary.json"), summary)
     _print_table(rows, times, run_dir, speed, ident, passed if check else None, size)
+    if "engine" in m:
+        from .eval.engine import table
+
+        print("\n" + table(m["engine"], title="The same head in llama.cpp, against llama.cpp's target alone"))
     return summary
 
 

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..decode.stats import DecodeStats
 from ..devices import cache_dir
 from ..errors import DraftsmithError
 from ..files import write_json
@@ -405,6 +406,18 @@ class EngineRun:
     """(accepted, drafted) per verification round."""
 
 
+def rounds_stats(runs: Sequence[EngineRun], k: int) -> DecodeStats:
+    """The rounds llama.cpp logged, as draftsmith's decode stats (τ counts the bonus token; k at least the longest
+    draft seen)."""
+    k = max([k, *(n for r in runs for _, n in r.rounds)] or [1])
+    stats = DecodeStats(k=k)
+    for r in runs:
+        for accepted, n in r.rounds:
+            stats.record_round(n, min(accepted, n))
+        stats.new_tokens += len(r.completion.tokens)
+    return stats
+
+
 def decode_prompts(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[EngineRun]:
     """Each prompt greedily through ``server``, one after the other; rounds attributed per prompt."""
     out = []
@@ -416,5 +429,5 @@ def decode_prompts(server: Server, prompts: Sequence[Sequence[int]], max_new_tok
 
 
 __all__ = ["CMAKE_FLAGS", "Completion", "EngineRun", "LLAMA_CPP_BIN", "LlamaCpp", "SPEC_TYPES", "Server", "ServerSpec",
-           "TOOLS", "binaries", "decode_prompts",
+           "TOOLS", "binaries", "decode_prompts", "rounds_stats",
            "convert", "free_port", "home", "quantize", "serving"]

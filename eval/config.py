@@ -115,11 +115,39 @@ class EvalConfig:
     """Model-free drafters (default settings) also run on the same prompts, reported as baseline rows
     under "baselines" in eval_metrics.json (with their speedup against the same run's target-alone timing);
     [] turns them off."""
+    engine: Literal["none", "llamacpp"] = "none"
+    """llamacpp: also serve the drafter (drafter.type=saved) in llama.cpp, exported to GGUF by llama.cpp's own
+    converter, and measure it there against llama.cpp's target alone on the same prompts, beside llama.cpp's
+    n-gram methods (``eval/engine.py``; written under "engine" in eval_metrics.json)."""
+    engine_threads: int = 0
+    """llama.cpp's threads (0 = every core; set 1 on a loaded machine: its spinning threads slow 10-15× there)."""
+    engine_target_type: str = "as-loaded"
+    """The target's GGUF in llama.cpp: as-loaded (the GGUF it came from, e.g. the builtin's Q4_1), f32, bf16, f16, q8_0."""
+    engine_draft_type: str = "auto"
+    """The drafter's GGUF type: auto (its stored dtype), f32, bf16, f16, q8_0."""
+    engine_k: list[int] = field(default_factory=list)
+    """Draft lengths served (one llama-server each); [] = [decode.k]."""
+    engine_ngram: list[str] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
+    """llama.cpp's model-free methods measured beside (ngram-simple, ngram-cache, ngram-mod)."""
 
     def validate(self) -> None:
         if self.num_prompts < 1:
             raise ConfigError(f"eval.num_prompts = {self.num_prompts} must be at least 1")
         if self.repeats < 1:
             raise ConfigError(f"eval.repeats = {self.repeats} must be at least 1")
+        if self.engine not in ("none", "llamacpp"):
+            raise ConfigError(f"eval.engine = {self.engine!r}: choose none or llamacpp")
+        if self.engine_threads < 0:
+            raise ConfigError(f"eval.engine_threads = {self.engine_threads} must be ≥ 0 (0 = every core)")
+        if self.engine_target_type not in ("as-loaded", "f32", "bf16", "f16", "q8_0"):
+            raise ConfigError(f"eval.engine_target_type = {self.engine_target_type!r}: choose as-loaded, f32, bf16, f16 "
+                              f"or q8_0")
+        if self.engine_draft_type not in ("auto", "f32", "bf16", "f16", "q8_0"):
+            raise ConfigError(f"eval.engine_draft_type = {self.engine_draft_type!r}: choose auto, f32, bf16, f16 or q8_0")
+        if any(k < 1 for k in self.engine_k):
+            raise ConfigError(f"eval.engine_k = {self.engine_k}: every draft length must be at least 1")
+        unknown = sorted(set(self.engine_ngram) - {"ngram-simple", "ngram-cache", "ngram-mod"})
+        if unknown:
+            raise ConfigError(f"eval.engine_ngram names {unknown}; choose among ngram-simple, ngram-cache, ngram-mod")
         if len(set(self.baselines)) != len(self.baselines):
             raise ConfigError(f"eval.baselines = {self.baselines} names a drafter twice")

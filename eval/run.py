@@ -318,8 +318,14 @@ def run_eval_recipe(recipe: Any) -> int:
     extra: dict[str, Any] = {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode), "baselines": baselines}
     if identity is not None:
         extra["identity"] = identity
+    if recipe.eval.engine == "llamacpp":
+        from .engine import evaluate_in_llamacpp, table
+
+        extra["engine"] = evaluate_in_llamacpp(recipe, [target.render_chat(q.messages()) for q in questions], target)
     metrics = write_eval(recipe.run_dir, described, result, extra)
     print_eval(metrics)
+    if "engine" in metrics:
+        print(table(metrics["engine"]))
     print("\n".join(baseline_lines(baselines)) or "no baselines (eval.baselines=[])")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     return 0

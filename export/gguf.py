@@ -190,13 +190,10 @@ def engine_check(folder: str, target: Target, source: Any, prompts: list[list[in
                      min(len(a.completion.tokens), len(b.completion.tokens)))
             raise DraftsmithError(f"in llama.cpp the export changes prompt {i}'s greedy output at new token {n} "
                                   f"(F32 target): speculation there is not lossless with this draft")
-    engine = DecodeStats(k=k)
-    for run in drafted:
-        for accepted, n in run.rounds:
-            engine.record_round(min(n, k), min(accepted, n))
-    ours = DecodeStats(k=k)
+    engine = llamacpp.rounds_stats(drafted, k)
+    ours = DecodeStats(k=engine.k)
     for ids, run in zip(prompts, drafted):
-        ours = ours.merge(speculative_decode(target, source.drafter, ids, k=k,
+        ours = ours.merge(speculative_decode(target, source.drafter, ids, k=engine.k,
                                              max_new_tokens=len(run.completion.tokens)).stats)
     a, b = ours.acceptance_at_position, engine.acceptance_at_position
     worst = max((abs((x or 0.0) - (y or 0.0)) for x, y in zip(a, b)), default=0.0)

@@ -1,0 +1,185 @@
+"""A drafter's speedup where it is served: llama.cpp against llama.cpp's target alone.
+
+:func:`measure` decodes a prompt set through several ``llama-server`` configurations of one target GGUF — the
+target alone, the drafter at each draft length k, llama.cpp's own model-free methods (``ngram-simple``,
+``ngram-cache``, ``ngram-mod``) and the drafter mixed with ``ngram-simple`` (llama.cpp lets a draft model and an
+n-gram method run together: the n-gram draft wins where it has one) — greedy, with the same build, the same
+threads and the same prompts, in paired runs as the built-in decoder's evaluation times them
+(``eval.run.paired_runs``: every prompt through every method, the order rotating from run to run, each method's
+fastest run counted, after a warm-up). Per method: τ (bonus token counted, from the server's per-round log),
+acceptance by position, tokens/s, the median of per-prompt speedups against the target alone with its 90 %
+bootstrap interval, and how many outputs are identical to the target alone's.
+
+All servers run at once, each idle while another decodes (an idle ``llama-server`` sleeps: measured 0 % CPU), so
+that one prompt passes through every configuration back to back. ``ngram-mod`` keeps its n-gram pool across
+requests, and a repeated prompt would be drafted from its own earlier answer: it runs on a fresh server, each
+prompt once, no warm-up — first sight only. Time is the client's wall clock per request (prefill included, the
+draft model's too).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..engines import llamacpp
+from .costs import median_interval
+from .run import paired_runs
+
+TARGET = "target"
+NGRAM_METHODS = ("ngram-simple", "ngram-cache", "ngram-mod")
+FIRST_SIGHT = {"ngram-mod"}
+"""Methods whose state outlives a request: measured once per prompt on a fresh server."""
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    spec: llamacpp.ServerSpec
+    k: int = 0
+
+
+def methods(target_gguf: str, draft_gguf: str | None, family: str | None, ks: Sequence[int], threads: int,
+            ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True, n_max_ngram: int = 16) -> list[Method]:
+    """The configurations :func:`measure` compares (the target alone first)."""
+    base = dict(model=target_gguf, threads=threads)
+    out = [Method(TARGET, llamacpp.ServerSpec(**base))]
+    if draft_gguf:
+        kind = llamacpp.SPEC_TYPES[family or "eagle3"]
+        out += [Method(f"drafter k={k}", llamacpp.ServerSpec(**base, draft=draft_gguf, spec_type=kind, n_max=k), k)
+                for k in ks]
+        if hybrid:
+            k = max(ks)
+            out.append(Method(f"drafter+ngram k={k}", llamacpp.ServerSpec(
+                **base, draft=draft_gguf, spec_type=f"{kind},ngram-simple", n_max=k), k))
+    out += [Method(name, llamacpp.ServerSpec(**base, spec_type=name, n_max=n_max_ngram), n_max_ngram) for name in ngram]
+    return out
+
+
+def measure(target_gguf: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_gguf: str | None = None,
+            family: str | None = None, ks: Sequence[int] = (1, 2, 3, 4), threads: int = 1, repeats: int = 2,
+            warmup: int = 1, ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True,
+            progress: Any = None) -> dict[str, Any]:
+    """Every method of :func:`methods` over ``prompts`` (token ids); returns name → its row (module docstring)."""
+    todo = methods(target_gguf, draft_gguf, family, ks, threads, ngram, hybrid)
+    paired = [m for m in todo if m.name not in FIRST_SIGHT]
+    outputs: dict[str, list[llamacpp.EngineRun]] = {m.name: [] for m in todo}
+    seconds: dict[str, list[float]] = {m.name: [] for m in todo}
+    servers: dict[str, llamacpp.Server] = {}
+    try:
+        for m in paired:
+            servers[m.name] = llamacpp.Server(m.spec, trace=m.k > 0).start()
+
+        def runner(name: str):
+            server = servers[name]
+
+            def run(ids: list[int]) -> tuple[llamacpp.EngineRun, float]:
+                got = llamacpp.decode_prompts(server, [ids], max_new_tokens)[0]
+                return got, got.completion.wall_s
+            return run
+
+        calls = {m.name: runner(m.name) for m in paired}
+        for ids in list(prompts)[:warmup]:
+            for run in calls.values():
+                run(list(ids))
+        for i, ids in enumerate(prompts):
+            got = paired_runs(calls, list(ids), repeats, start=i * repeats)
+            for name, ((run, secs), _) in got.items():
+                outputs[name].append(run)
+                seconds[name].append(secs)
+            if progress:
+                progress(i + 1, len(prompts))
+    finally:
+        for server in servers.values():
+            server.stop()
+    for m in todo:
+        if m.name in FIRST_SIGHT:
+            with llamacpp.serving(m.spec, trace=True) as server:
+                for ids in prompts:
+                    run = llamacpp.decode_prompts(server, [list(ids)], max_new_tokens)[0]
+                    outputs[m.name].append(run)
+                    seconds[m.name].append(run.completion.wall_s)
+    rows = {}
+    alone = outputs[TARGET]
+    for m in todo:
+        rows[m.name] = row(m, outputs[m.name], seconds[m.name], alone, seconds[TARGET])
+    return {"methods": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "target_gguf": target_gguf, "draft_gguf": draft_gguf,
+            "llama_cpp": llamacpp.LLAMA_CPP_BIN}
+
+
+def row(m: Method, runs: list[llamacpp.EngineRun], secs: list[float], alone: list[llamacpp.EngineRun],
+        alone_secs: list[float]) -> dict[str, Any]:
+    tokens = sum(len(r.completion.tokens) for r in runs)
+    out: dict[str, Any] = {"new_tokens": tokens, "tokens_per_s": round(tokens / sum(secs), 3),
+                           "identical_to_target": sum(r.completion.tokens == a.completion.tokens
+                                                      for r, a in zip(runs, alone)),
+                           "first_sight_only": m.name in FIRST_SIGHT, "spec_type": m.spec.spec_type}
+    if m.name == TARGET:
+        return out
+    ratios = [(len(r.completion.tokens) / s) / (len(a.completion.tokens) / t)
+              for r, s, a, t in zip(runs, secs, alone, alone_secs)]
+    lo, hi = median_interval(ratios)
+    out.update(speedup=round(statistics.median(ratios), 4), interval=[round(lo, 4), round(hi, 4)],
+               speedup_total=round((tokens / sum(secs)) / (sum(len(a.completion.tokens) for a in alone) / sum(alone_secs)), 4))
+    stats = llamacpp.rounds_stats(runs, m.k)
+    if stats.rounds:
+        out.update(k=m.k, tau=round(stats.tau, 4), rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted,
+                   acceptance_at_position=[None if x is None else round(x, 4) for x in stats.acceptance_at_position])
+    return out
+
+
+def table(result: dict[str, Any], title: str = "in llama.cpp") -> str:
+    """The rows of :func:`measure` as a table that fits 80 columns."""
+    lines = [f"{title} (llama.cpp {result['llama_cpp']}, {result['threads']} thread(s), {result['prompts']} prompts, "
+             f"greedy, paired ×{result['repeats']})",
+             f"{'method':<20} {'tok/s':>7} {'speedup':>8} {'90% interval':>14} {'tau':>5} {'same':>5}"]
+    for name, r in result["methods"].items():
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else "1.00x"
+        iv = f"[{r['interval'][0]:.2f}-{r['interval'][1]:.2f}]" if "interval" in r else ""
+        tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        flag = "*" if r.get("first_sight_only") else ""
+        lines.append(f"{name + flag:<20} {r['tokens_per_s']:>7.1f} {sp:>8} {iv:>14} {tau:>5} "
+                     f"{r['identical_to_target']:>2}/{result['prompts']:<2}")
+    if any(r.get("first_sight_only") for r in result["methods"].values()):
+        lines.append("* first sight of each prompt only (its state outlives a request)")
+    lines.append("tau counts the bonus token; same = outputs identical to llama.cpp's target alone")
+    return "\n".join(lines)
+
+
+def target_gguf_for(target_spec: str, kind: str, target: Any) -> str:
+    """The target's GGUF to serve: the file it was loaded from (``as-loaded``), else a cached conversion."""
+    from ..export import gguf
+
+    if kind == "as-loaded":
+        original = gguf.original_gguf(target_spec)
+        return original if original is not None else gguf.cached_target(target, "f32")
+    return gguf.cached_target(target, kind)
+
+
+def evaluate_in_llamacpp(recipe: Any, prompts: Sequence[Sequence[int]], target: Any) -> dict[str, Any]:
+    """``eval.engine=llamacpp``: the recipe's saved drafter exported to GGUF (``<run_dir>/engine``) and measured in
+    llama.cpp against llama.cpp's target alone (:func:`measure`) on the same prompts and max_new_tokens."""
+    import os
+
+    from ..errors import ConfigError
+    from ..export import export
+
+    path = getattr(recipe.drafter, "path", None)
+    if not path:
+        raise ConfigError("eval.engine=llamacpp serves a saved drafter: set drafter.type=saved and drafter.path")
+    ev = recipe.eval
+    out = os.path.join(recipe.run_dir, "engine", "draft")
+    info = export(path, "gguf", out, target=recipe.target.name, force=True, gguf_type=ev.engine_draft_type)
+    target_file = target_gguf_for(recipe.target.name, ev.engine_target_type, target)
+    threads = ev.engine_threads or (os.cpu_count() or 1)
+    ks = ev.engine_k or [recipe.decode.k]
+    print(f"in llama.cpp: {info['gguf']['spec_type']} draft ({info['gguf']['type']}) on the target "
+          f"{os.path.basename(target_file)} ({ev.engine_target_type}), k = {ks}, {threads} thread(s)", flush=True)
+    result = measure(target_file, prompts, recipe.decode.max_new_tokens, draft_gguf=os.path.join(out, "draft.gguf"),
+                     family=info["source"]["family"], ks=ks, threads=threads, repeats=ev.repeats,
+                     ngram=ev.engine_ngram, hybrid=True)
+    result.update(target_type=ev.engine_target_type, draft_type=info["gguf"]["type"])
+    return result
