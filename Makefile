@@ -19,9 +19,14 @@ export WANDB_DIR ?= $(CURDIR)/.cache
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-unit bench clean
+.PHONY: setup engine demo test test-unit bench clean
 
-setup: $(STAMP)
+# llama.cpp (the serving engine the demo and the engine tests run) is built once per machine into
+# ~/.cache/draftsmith/llama.cpp (or $$DRAFTSMITH_CACHE): ~10 min on 2 cores the first time, a no-op after.
+setup: $(STAMP) engine
+
+engine: $(STAMP)
+	$(VENV)/bin/draftsmith engine build
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -41,7 +46,7 @@ test: setup
 	$(PY) -m pytest -q
 
 test-unit: setup
-	$(PY) -m pytest -q -m "not e2e and not slow"
+	$(PY) -m pytest -q -m "not e2e and not slow and not engine"
 
 bench: setup
 	$(PY) benchmarks/decode.py

