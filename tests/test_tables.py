@@ -29,3 +29,25 @@ def test_rows_of_the_wrong_length_are_refused():
 def test_a_legend_entry_wraps_with_an_indent():
     lines = wrapped("word " * 30, width=24)
     assert all(len(ln) <= 24 for ln in lines) and lines[1].startswith("  word")
+
+
+def test_the_eval_summary_fits_80_columns():
+    """What `draftsmith eval` prints (a gated run of the demo's head, RESULTS.md "demo") wraps within 80 columns
+    and keeps every figure."""
+    from draftsmith.eval.run import eval_lines
+
+    m = {"sequences": 20, "new_tokens": 1920, "k": 4, "tau_with_bonus": 1.4831, "acceptance_rate": 0.2714,
+         "acceptance_at_position": [0.35, 0.105, 0.0284, 0.0054],
+         "conditional_acceptance_at_position": [0.35, 0.3, 0.27, 0.19],
+         "speed": {"dtype": "bfloat16", "device": "cpu", "threads": 2, "tokens_per_s": 16.63,
+                   "target_tokens_per_s": 15.92, "speedup_vs_target": 1.0691, "speedup_interval_90": [1.042, 1.092],
+                   "cost_model": {"predicted_speedup": 1.21, "draft_cost_c": 0.055, "best_k": 3,
+                                  "verify_cost_by_k": {"1": 1.08, "4": 1.13}}},
+         "identity": {"dtype": "float32", "identical": 20, "prompts": 20}}
+    lines = eval_lines(m)
+    assert max(map(len, lines)) <= 80, [ln for ln in lines if len(ln) > 80]
+    text = " ".join(" ".join(lines).split())
+    assert "speedup_vs_target 1.069x [90% interval over prompts 1.042-1.092]" in text
+    assert "predicted 1.21x from c=0.055, v(k)=1.13; best k by the cost model: 3" in text
+    assert "cumulative [0.35, 0.105, 0.0284, 0.0054], conditional [0.35, 0.3, 0.27, 0.19]" in text
+    assert text.endswith("decoding on 20/20 prompts")
