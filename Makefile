@@ -1,6 +1,6 @@
 # The two commands (see README):
 #   make demo   — set up this machine and run the main job on the embedded target and data
-#                 (make demo DEMO=full: the 90-minute size)
+#                 (make demo DEMO=full: the larger size, about an hour on 2 cores)
 #   make test   — set up this machine and run the whole test suite
 # Both create (or reuse) .venv. The venv sees system site-packages so that a GPU
 # machine's own torch is used; torch==2.13.0 (CPU) is installed only where none exists.

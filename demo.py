@@ -13,10 +13,11 @@ target and data, ending with a drafter that makes the target faster, measured.
    per prompt), and every output checked token for token against the target's own greedy
    decoding in **fp32** (where identity is exact).
 
-Two sizes (``--size``): ``default`` fits in about 20 minutes on a 2-core CPU and must end
-faster than the target alone; ``full`` (about 90 minutes) trains on ShareGPT's own answers of
-1,000 conversations (no regeneration: more tokens per minute) for longer. Every stage reuses what a previous run finished (prepare skips done
-stages, training resumes from its last checkpoint), so a killed demo continues where it
+Two sizes (``--size``, :data:`SIZES`): ``default`` is sized for about 20 minutes on a 2-core CPU and
+must end faster than the target alone; ``full`` regenerates the answers of about 4× the conversations, trains
+4× the steps and evaluates on more prompts, with higher bars (about an hour on a 2-core CPU; the measured
+times and figures of both: benchmarks/RESULTS.md, "demo"). Every stage reuses what a previous run finished
+(prepare skips done stages, training resumes from its last checkpoint), so a killed demo continues where it
 stopped. Each stage is the code the CLI runs (``draftsmith prepare | train | eval``) with the
 recipe overrides printed, so every figure can be reproduced stage by stage.
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .files import write_json
+from .tables import WIDTH, text_table, wrapped
 
 
 @dataclass
@@ -39,10 +41,9 @@ class DemoSize:
     regenerate: bool = False
     """True: train on the target's own greedy answers to the first turns (``data.regenerate``); False:
     on ShareGPT's own answers (every turn), with the target's soft labels from the feature cache. A
-    regenerated token costs ~4× a cached one on a 2-core CPU (fp32: 70 vs ~300 tok/s; native bf16: ~140
-    vs ~570), yet both sizes train on-policy: in one quiet run on the same 8 MT-bench prompts, a head from
-    ~17.7k regenerated answer tokens ran 0.956× the target with verified drafts 41 % right, the
-    ShareGPT-answer head from ~55k answer tokens 0.897× and 27 % (benchmarks/RESULTS.md, "demo")."""
+    regenerated token costs several cached ones on a CPU, yet both sizes train on-policy: a head trained on
+    the target's own answers beat one trained on three times as many ShareGPT answer tokens, in the decoder
+    and in acceptance (benchmarks/history/2026.md, "The default size trains on-policy")."""
     answer_tokens: int = 160
     """Longest regenerated answer (new tokens), when regenerating."""
     max_length: int = 512
@@ -76,9 +77,9 @@ class DemoSize:
     """The size's bar on τ (bonus counted): at least this."""
     dtype: str = "auto"
     """The dtype of prepare (regeneration, feature capture) and training: ``auto`` = bf16 where the device
-    computes it natively (``devices.native_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, where bf16 ran
-    regeneration 1.42×, feature capture 1.70× and training 1.70× fp32 on 2 cores), else fp32 (an AVX2-only
-    CPU, where torch's bf16 GEMM is a slow fallback). The evaluation always times in bf16 and audits
+    computes it natively (``devices.native_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, where bf16 is the
+    faster dtype for all three: benchmarks/RESULTS.md, "prepare"), else fp32 (an AVX2-only CPU, where torch's
+    bf16 GEMM is a slow fallback). The evaluation always times in bf16 and audits
     identity in fp32."""
 
 
@@ -90,20 +91,14 @@ SIZES: dict[str, DemoSize] = {
                      min_tau=2.0),
 }
 """``make demo`` runs ``default``; ``make demo DEMO=full`` runs ``full``. Both train on the target's own answers
-(the default size showed on-policy data teaches more per token). Their conversations and steps are sized for
-a device with native bf16 (on a 2-core AVX512-BF16 CPU: 16 min for the default, 64 min for the full size,
-RESULTS.md "demo"); where the pipeline runs in fp32 (an AVX2-only CPU, ~1.6× slower per token) :func:`sized`
-takes ``FP32_SHARE`` of both, which keeps the time (the default then is the 160 conversations / 100 steps
-measured at 17–18 min on such a CPU). Times and figures: RESULTS.md, "demo" and "tree". Both decode with a
-gated dynamic tree: the head's top-3 first
-tokens whose probability is at least 0.1, verified together (depth 1, one head forward per round). With
-``kernels/cpu_linear.py`` a bf16 verification of 2–4 tokens costs ≈ 1.0–1.2 one-token steps on a 2-core
-AVX2 CPU, so two or three siblings cost little more than one draft, and they catch more: in two runs
-side by side (bf16, 6 MT-bench prompts) this tree ran 9 % faster than the gated chain of one draft
-(1.136× / 1.005× the target alone against 1.037× / 0.922× at gate 0.1, and 1.041× at the old default,
-chain k = 1 behind gate 0.2). Depth 2 paid less: its second head forward costs c ≈ 0.07 every round.
-The default trains 100 steps: the same data's 100-step head scores a higher held-out top-1 (0.231 vs 0.199)
-and τ (1.159 vs 1.118 at k = 1, gate 0.2) than the 50-step one."""
+(on-policy data teaches more per token) and decode with a gated dynamic tree: the head's top-3 first tokens
+whose probability is at least 0.1, verified together (depth 1, one head forward per round). Where verifying
+2–4 tokens costs about one target step (a GPU; a CPU with a bf16 GEMM; an AVX2 CPU with ``kernels/cpu_linear.py``)
+three siblings cost little more than one draft and are accepted more often; a second level costs a head forward
+every round for little acceptance (benchmarks/RESULTS.md, "tree"). Conversations and steps are sized for a
+device with native bf16; where the pipeline runs in fp32 (an AVX2-only CPU, slower per token) :func:`sized`
+takes ``FP32_SHARE`` of both, which keeps the time about the same. Measured times and speedups of both sizes:
+benchmarks/RESULTS.md, "demo"."""
 
 
 def pipeline_dtype(size: DemoSize) -> str:
@@ -190,10 +185,10 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     m = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
     speed, ident = m["speed"], m["identity"]
     rows = [
-        {"drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
+        {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
          "acceptance_at_position": [], "tokens_per_s": speed["target_tokens_per_s"], "speedup_vs_target": 1.0,
          "predicted_speedup": None, "identical_to_target": None},
-        {"drafter": f"EAGLE-3 head, trained {size.steps} steps" + (
+        {"name": "eagle3 head", "drafter": f"EAGLE-3 head, trained {size.steps} steps" + (
             "" if size.tree is None else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
          "k": m["k"], "tau_with_bonus": m["tau_with_bonus"],
          "acceptance_at_position": m["acceptance_at_position"], "tokens_per_s": speed["tokens_per_s"],
@@ -203,7 +198,7 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
          "identical_to_target": f"{ident['identical']}/{ident['prompts']}"},
     ]
     for name, b in m.get("baselines", {}).items():  # eval.baselines: prompt lookup by default, same prompts and dtype
-        rows.append({"drafter": f"{name} (model-free baseline)", "k": b["k"], "tau_with_bonus": b["tau_with_bonus"],
+        rows.append({"name": name, "drafter": f"{name} (model-free baseline)", "k": b["k"], "tau_with_bonus": b["tau_with_bonus"],
                      "acceptance_at_position": b["acceptance_at_position"], "tokens_per_s": b["tokens_per_s"],
                      "speedup_vs_target": b.get("speedup_vs_target", 0.0), "predicted_speedup": None,
                      "identical_to_target": None})
@@ -221,17 +216,17 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     if "engine" in m:  # the verdict stays on the built-in decoder; the engine figure is always printed
         summary["llamacpp"] = m["engine"]
     write_json(os.path.join(run_dir, "demo_summary.json"), summary)
-    _print_table(rows, times, run_dir, speed, ident, passed if check else None, size)
+    print("\n".join(format_table(rows, times, run_dir, speed, ident, passed if check else None, size)))
     if "engine" in m:
         from .eval.engine import table
 
-        print("\n" + table(m["engine"], title="The same head in llama.cpp, against llama.cpp's target alone"))
+        print("\n" + table(m["engine"], title="The same head in llama.cpp, vs llama.cpp's target alone"))
     return summary
 
 
 FP32_SHARE = 2 / 3
 """The share of a size's conversations and steps run where its pipeline is fp32 (prepare and training run
-1.4–1.7× slower per token there than in native bf16: RESULTS.md "prepare")."""
+slower per token there than in native bf16: benchmarks/RESULTS.md, "prepare")."""
 
 
 def sized(name: str, **overrides: Any) -> DemoSize:
@@ -248,34 +243,39 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _print_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: str, speed: dict[str, Any],
-                 ident: dict[str, Any], passed: bool | None, size: DemoSize) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def format_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: str, speed: dict[str, Any],
+                 ident: dict[str, Any], passed: bool | None, size: DemoSize, width: int = WIDTH) -> list[str]:
+    """The demo's closing table and its legend, every line at most ``width`` columns: one row per drafter
+    under its short ``name``; what each name stands for, the interval and the verdict below it (the whole
+    rows, with their full descriptions, are in ``demo_summary.json``)."""
+    def f(x: float | None, fmt: str) -> str:
+        return "" if x is None else format(x, fmt)
 
-    table = Table(title=f"draftsmith demo: SmolLM2-135M-Instruct in the built-in decoder, MT-bench first turns, greedy — "
-                        f"speed in {speed['dtype']} on {speed['device']} ({speed['threads']} threads), identity in "
-                        f"{ident['dtype']}")
-    for col in ("drafter", "k", "τ (bonus counted)", "accept @ pos 1..k (cumulative)", "tok/s", "speedup vs target",
-                "predicted", "identical (fp32)"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["drafter"], "" if r["k"] is None else str(r["k"]),
-                      "" if r["tau_with_bonus"] is None else f"{r['tau_with_bonus']:.3f}",
-                      ", ".join(f"{a:.2f}" for a in r["acceptance_at_position"] if a is not None),
-                      f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_target']:.2f}×",
-                      "" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}×",
-                      r["identical_to_target"] or "")
-    console = Console()
-    console.print(table)
-    console.print("stage times: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
+    header = ["drafter", "k", "τ", "accept 1..k", "tok/s", "speedup", "model", "fp32 same"]
+    body = [[r["name"], "" if r["k"] is None else str(r["k"]), f(r["tau_with_bonus"], ".3f"),
+             " ".join(f"{a:.2f}" for a in r["acceptance_at_position"][:3] if a is not None)
+             + (" …" if len(r["acceptance_at_position"]) > 3 else ""),
+             f(r["tokens_per_s"], ".1f"), f(r["speedup_vs_target"], ".2f") + "×",
+             f(r["predicted_speedup"], ".2f") + ("×" if r["predicted_speedup"] is not None else ""),
+             r["identical_to_target"] or ""] for r in rows]
+    lines = wrapped(f"draftsmith demo: SmolLM2-135M-Instruct, MT-bench first turns, greedy; speed in {speed['dtype']} "
+                    f"on {speed['device']} ({speed['threads']} threads), identity in {ident['dtype']}", width)
+    lines += ["", *text_table(header, body, width, left=1), ""]
+    legend = [f"{r['name']}: {r['drafter']}" for r in rows if r["name"] != r["drafter"]]
+    legend += ["τ: tokens per target forward, bonus counted; accept: cumulative acceptance at draft positions 1..k; "
+               "speedup: median over prompts of the per-prompt ratio to the target alone; model: the cost model's "
+               "predicted speedup" + (" over the rounds as decoded (gated)" if size.min_confidence > 0 else "")]
+    head = rows[1]
+    if head.get("speedup_interval_90"):
+        lo, hi = head["speedup_interval_90"]
+        legend.append(f"{head['name']}: the speedup's 90 % interval over prompts is {lo:.3f}–{hi:.3f}× (this "
+                      f"CPU's speed moves per prompt; read the check with it)")
+    legend.append("stage times: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
     if passed is not None:
-        verdict = "PASS" if passed else "FAIL"
         bar = f"speedup_vs_target > {size.min_speedup:g}" + (f" and τ ≥ {size.min_tau:g}" if size.min_tau else "")
-        console.print(f"check: the trained drafter against the target alone ({bar}, {speed['dtype']}) with "
-                      f"fp32-identical outputs: {verdict}")
-        if speed.get("speedup_interval_90"):
-            lo, hi = speed["speedup_interval_90"]
-            console.print(f"  the speedup's 90 % interval over prompts: {lo:.3f}–{hi:.3f}× (this CPU's speed moves per "
-                          f"prompt; read the check with it)")
-    console.print(f"summary: {os.path.join(run_dir, 'demo_summary.json')}")
+        legend.append(f"check: the trained drafter against the target alone ({bar}, {speed['dtype']}) with "
+                      f"fp32-identical outputs: {'PASS' if passed else 'FAIL'}")
+    legend.append(f"summary: {os.path.join(run_dir, 'demo_summary.json')}")
+    for entry in legend:
+        lines += wrapped(entry, width)
+    return lines

@@ -44,10 +44,10 @@ def native_bf16(device: torch.device) -> bool:
     throughput-bound work (regeneration, feature capture, training): a GPU with bf16 support, or a CPU
     whose oneDNN has a bf16 path (AVX512-BF16 / AMX; ``torch.ops.mkldnn._is_mkldnn_bf16_supported``).
 
-    On an AVX2-only CPU torch's bf16 GEMM is a slow fallback (0.09× fp32 training, RESULTS.md "prepare"),
-    so fp32 stays the faster dtype there. On a 2-core AVX-512 BF16 VM bf16 ran regeneration 1.42×,
-    feature capture 1.70× and EAGLE-3 training 1.70× fp32 (RESULTS.md "prepare", "train"). Identity
-    checks stay in fp32 wherever this says True: it only picks a speed."""
+    On an AVX2-only CPU torch's bf16 GEMM is a slow fallback, so fp32 stays the faster dtype there; on a
+    CPU with AVX-512 BF16, bf16 regenerates, captures features and trains faster than fp32 (the figures:
+    benchmarks/RESULTS.md, "prepare"). Identity checks stay in fp32 wherever this says True: it only picks
+    a speed."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or not torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -81,9 +81,9 @@ class RegenerateConfig:
     """Self-distillation: every assistant turn rewritten by the frozen target, turn by turn."""
 
     method: Literal["generate", "speculative"] = "generate"
-    """generate: batched HF generate with left padding (on CPU 1.25–2.0× batch 1 and 3.2–7.8× the speculative
-    decoder with the untrained layer-skip drafter, see benchmarks/RESULTS.md); speculative: the built-in decoder with the
-    recipe's drafter, batch 1 (worth it only with a drafter that is accepted often)."""
+    """generate: batched generation with left padding (faster on CPU than batch 1 and than the speculative
+    decoder with the untrained layer-skip drafter: benchmarks/RESULTS.md, "prepare"); speculative: the built-in
+    decoder with the recipe's drafter, batch 1 (worth it only with a drafter that is accepted often)."""
     max_new_tokens: int = 512
     """Longest regenerated turn; a turn cut here is kept (finish_reason 'length')."""
     max_turns: int = 0
@@ -96,8 +96,8 @@ class RegenerateConfig:
     """Sampling seed; shard i uses seed + i."""
     dtype: Literal["target", "float32", "bfloat16"] = "target"
     """Compute dtype of the regeneration: ``target`` = the recipe's target.dtype. float32 gives the target's exact
-    fp32 greedy answers and is the fast one on a CPU without native bf16 (AVX2 only: batched bf16 generation ran
-    ~6× slower, benchmarks/RESULTS.md "prepare"); bfloat16 is the usual choice on a GPU. Another dtype than
+    fp32 greedy answers and is the fast one on a CPU without native bf16 (AVX2 only: benchmarks/RESULTS.md, "prepare");
+    bfloat16 is the usual choice on a GPU. Another dtype than
     target.dtype loads a second copy of the target for this stage only."""
     batch_size: int = 16
     """Conversations generated together (method=generate), sorted by prompt length within a shard."""

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..errors import DraftsmithError
 from ..files import write_json
+from ..tables import WIDTH, text_table, wrapped
 from .config import STAGE_ORDER, DataConfig
 from .conversations import FORMAT as CONVERSATIONS_FORMAT
 from .conversations import conversations_manifest, load_conversations, write_conversations
@@ -342,30 +343,31 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
-def print_summary(summary: PrepareSummary) -> None:
-    """The summary as tables (rich): one row per stage, then skipped records by reason."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(120, Console().width))
-    table = Table(title=f"draftsmith prepare → {summary.out_dir}")
-    for col in ("stage", "records in", "kept", "skipped", "tokens", "loss tokens", "size", "time", "note"):
-        table.add_column(col, justify="left" if col in ("stage", "note") else "right",
-                         overflow="fold")
+def format_summary(summary: PrepareSummary, width: int = WIDTH) -> list[str]:
+    """The summary as lines of at most ``width`` columns: one row per stage, each stage's note under the
+    table, then skipped records by reason with their meaning and first example (all of it is in
+    ``summary.json`` too)."""
+    lines = wrapped(f"draftsmith prepare → {summary.out_dir}", width)
+    lines += text_table(["stage", "in", "kept", "skipped", "tokens", "loss tok.", "size", "time"],
+                        [[r.stage, _fmt(r.records_in), _fmt(r.kept), _fmt(r.skipped), _fmt(r.tokens),
+                          _fmt(r.loss_tokens), _size(r.size_bytes), f"{r.seconds:.1f}s"] for r in summary.rows], width)
     for r in summary.rows:
-        table.add_row(r.stage, _fmt(r.records_in), _fmt(r.kept), _fmt(r.skipped), _fmt(r.tokens),
-                      _fmt(r.loss_tokens), _size(r.size_bytes), f"{r.seconds:.1f}s", r.note)
-    console.print(table)
+        if r.note:
+            lines += wrapped(f"{r.stage}: {r.note}", width)
     if summary.skipped:
-        skips = Table(title="skipped records by reason")
-        for col in ("reason", "count", "meaning", "first example"):
-            skips.add_column(col, justify="right" if col == "count" else "left", overflow="fold")
+        lines += ["", "skipped records by reason:"]
         for reason, count in summary.skipped.most_common():
-            skips.add_row(reason, f"{count:,}", SKIP_REASONS.get(reason, ""), summary.examples.get(reason, ""))
-        console.print(skips)
+            lines += wrapped(f"{count:,} {reason}: {SKIP_REASONS.get(reason, '')}", width)
+            if summary.examples.get(reason):
+                lines += wrapped(f"first: {summary.examples[reason]}", width, indent="    ")
     for s in summary.sources:
         if s.get("stopped"):
-            console.print(f"source {s['name']} ({s['path']}): read {s['records']:,} records; {s['stopped']}")
+            lines += wrapped(f"source {s['name']} ({s['path']}): read {s['records']:,} records; {s['stopped']}", width)
+    return lines
+
+
+def print_summary(summary: PrepareSummary) -> None:
+    print("\n".join(format_summary(summary)), flush=True)
 
 
 __all__ = ["PrepareSummary", "PreparedPaths", "SourceReport", "run_prepare"]

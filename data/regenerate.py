@@ -15,11 +15,8 @@ Two engines (``method``): batched generation (default) — a shard's prompts sor
 into left-padded batches of ``batch_size`` (the records keep their order), greedy in a loop
 of its own where a row that reached EOS leaves the batch (:func:`greedy_batch`), sampled with
 HF ``generate`` — or the built-in speculative decoder with any drafter (batch size 1,
-lossless). Measured on
-the SmolLM2 target on 2 CPU cores, batch 8 ran 1.25× (one thread) to 2.0× (two threads)
-faster than batch 1 and 3.2× (one thread) to 7.8× (two threads) faster than speculative
-decoding with the untrained layer-skip drafter, all with identical greedy tokens
-(benchmarks/RESULTS.md, "prepare"); batching gains more on a GPU.
+lossless). Batched generation is the faster one on the SmolLM2 target on 2 CPU cores, with
+identical greedy tokens (benchmarks/RESULTS.md, "prepare"); batching gains more on a GPU.
 A conversation whose next prompt no longer fits ``max_length`` keeps the turns already
 answered; one whose first prompt does not fit is skipped as ``prompt_too_long``.
 """

@@ -120,16 +120,15 @@ class HybridConfig:
     (the suffix drafter's own ``min_prob``: whenever it proposes at all): a model-free draft costs tens of
     µs while the model's costs c ≈ 0.07 of a target step, so where verification is nearly free (a GPU; a
     CPU with ``kernels/cpu_linear.py``) a lookup draft right 10 % of the time already pays. At 0.5 the
-    hybrid ran below the suffix drafter alone on MT-bench and copy-heavy prompts, its model drafting 189
-    of 347 rounds on MT-bench (RESULTS.md, "model-free drafters")."""
+    hybrid ran below the suffix drafter alone, its model drafting most rounds on MT-bench
+    (benchmarks/history/2026.md, "model-free drafters")."""
 
     combine: Literal["either", "both"] = "both"
     """either: per round, one part drafts (the rule above). both (the default): greedy tree decoding drafts the
     model's tree every round and grafts the model-free chain onto it when that is confident; sampled decoding
-    and chains keep "either". Measured (bf16, 2-core CPU, the demo's head at model_depth 1 in a depth-3 tree,
-    two runs): both beat the better of its parts on MT-bench (1.17×, 1.21× against the suffix drafter's 1.11×,
-    1.15×) and on copy-heavy prompts (2.16×, 2.10× against 1.82×, 1.86×); either tied the suffix drafter once
-    on MT-bench (RESULTS.md, "model-free drafters")."""
+    and chains keep "either". In two paired runs with the demo's head at model_depth 1 in a depth-3 tree, both beat
+    the better of its parts on MT-bench and on copy-heavy prompts, while either tied the suffix drafter once on
+    MT-bench (benchmarks/RESULTS.md, "model-free drafters")."""
     model_depth: int = 1
     """Tree decoding: the model's tree is at most this deep (each level is one model forward), while the
     model-free chain may reach the decoder's depth; 0 = the decoder's depth. 1 (the default): on a CPU each

@@ -48,8 +48,8 @@ class DecodeConfig:
     """dynamic: drafted tokens verified per round. The defaults (depth 2, top-k 2, 4 nodes) were the CPU's
     before ``kernels/cpu_linear.py``, when verification cost grew with the nodes. With it, and with
     ``min_confidence`` gating the tree's slots, depth 1 / top-k 3 / 3 nodes at gate 0.1 ran fastest with
-    the demo's head, 9 % above the gated chain (bf16, 2-core AVX2 CPU; RESULTS.md, tree): the demo uses
-    that. GPU (EAGLE's reference decoder): depth 5, top-k 8, 63."""
+    the demo's head, ahead of the gated chain (bf16, 2-core CPU; benchmarks/RESULTS.md, "tree"): the demo
+    uses that. GPU (EAGLE's reference decoder): depth 5, top-k 8, 63."""
 
     def validate(self) -> None:
         if self.k < 1:
@@ -105,12 +105,13 @@ class EvalConfig:
     time_target: bool = True
     """Also decode every prompt with the target alone (its greedy ``generate``, same process, dtype and threads,
     interleaved after a warm-up) and report target_tokens_per_s and speedup_vs_target. Speed is meant to be
-    measured in bf16 on CPU (target.dtype=bfloat16: verifying 4–8 tokens costs about one token there)."""
+    measured in bf16 on CPU (target.dtype=bfloat16: verifying a few tokens costs about one token there;
+    benchmarks/RESULTS.md, "cpu_linear" and "ceiling")."""
     repeats: int = 2
     """Timed runs of each prompt per method (the target alone, the drafter, each baseline), in an order that
-    rotates from run to run; each method's fastest run counts. On this project's 2-core CPU one prompt's speed
-    moves by ±20 % between identical runs; the fastest of 2 paired runs is the default (benchmarks/RESULTS.md,
-    "timing"). 1 halves the timed work."""
+    rotates from run to run; each method's fastest run counts. On a small shared CPU one prompt's speed moves
+    a lot between identical runs, and the fastest of 2 paired runs narrowed that most for its cost, hence the
+    default (benchmarks/RESULTS.md, "timing"). 1 halves the timed work."""
     baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])
     """Model-free drafters (default settings) also run on the same prompts, reported as baseline rows
     under "baselines" in eval_metrics.json (with their speedup against the same run's target-alone timing);

@@ -159,8 +159,8 @@ class TimedDrafter:
 def median_interval(ratios: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A percentile-bootstrap ``level`` interval for the median of per-prompt ratios (prompts resampled with
     replacement, a fixed seed: the same ratios give the same interval). On a shared or bursty machine the
-    same work's per-prompt speed ratio spreads by ±20 % (benchmarks/RESULTS.md, demo), so a median over 8
-    prompts is worth reading with its interval."""
+    same work's per-prompt speed ratio spreads widely between identical runs (benchmarks/RESULTS.md,
+    "timing"), so a median over a few prompts is worth reading with its interval."""
     if not ratios:
         raise ValueError("no per-prompt ratios to bootstrap")
     gen = torch.Generator().manual_seed(seed)
@@ -214,8 +214,8 @@ def bench_ceiling(
     its two runs. The oracle's reference is computed untimed before (:func:`oracle_reference`).
     The bound (k+1)/v(k) comes from :func:`verify_costs` measured in the same run.
 
-    The bound counts decoding rounds only, while both sides also pay the prompt's prefill — in bf16
-    on a CPU without bf16 GEMM that is ~10 ms per prompt token, 30–45 % of a 48-token decode. So each
+    The bound counts decoding rounds only, while both sides also pay the prompt's prefill — on a CPU a
+    sizeable share of a short decode (benchmarks/RESULTS.md, "ceiling"). So each
     row also gives the **decode-phase** speedup, (t_alone − P) / (t_oracle − P), with P the prompt's
     prefill (one forward over it into a fresh cache, median of 3, same process), and its share of
     the bound: the loop's own efficiency, which the end-to-end figure dilutes toward 1.

@@ -32,6 +32,7 @@ from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path, write_json
 from ..kernels import cpu_linear
 from ..schema import save_recipe, to_dict
+from ..tables import WIDTH, wrapped
 from ..target import Target, describe, load_target
 from .baselines import baseline_configs, baseline_lines, baseline_rows
 from .config import DecodeConfig
@@ -324,33 +325,42 @@ def run_eval_recipe(recipe: Any) -> int:
         extra["engine"] = evaluate_in_llamacpp(recipe, [target.render_chat(q.messages()) for q in questions], target)
     metrics = write_eval(recipe.run_dir, described, result, extra)
     print_eval(metrics)
+    print("\n".join(line for entry in baseline_lines(baselines) for line in wrapped(entry))
+          or "no baselines (eval.baselines=[])")
     if "engine" in metrics:
         print(table(metrics["engine"]))
-    print("\n".join(baseline_lines(baselines)) or "no baselines (eval.baselines=[])")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     return 0
 
 
-def print_eval(m: dict[str, Any]) -> None:
-    """The figures a user reads first: speed against the target alone, then τ and acceptance, then identity."""
-    print(f"{m['sequences']} prompts, {m['new_tokens']} new tokens, k={m['k']}")
+def eval_lines(m: dict[str, Any], width: int = WIDTH) -> list[str]:
+    """The figures a user reads first, as lines of at most ``width`` columns: speed against the target
+    alone, then τ and acceptance, then identity (everything else is in eval_metrics.json)."""
+    out = [f"{m['sequences']} prompts, {m['new_tokens']} new tokens, k={m['k']}"]
     speed = m.get("speed")
     if speed:
         cm = speed["cost_model"]
-        print(f"speed ({speed['dtype']}, {speed['device']}, {speed['threads']} threads): "
-              f"{speed['tokens_per_s']:.1f} tok/s vs the target alone {speed['target_tokens_per_s']:.1f} tok/s -> "
-              f"speedup_vs_target {speed['speedup_vs_target']:.3f}x" + (
-                  f" [90% interval over prompts {speed['speedup_interval_90'][0]:.3f}-{speed['speedup_interval_90'][1]:.3f}]"
-                  if "speedup_interval_90" in speed else "") + (
-                  f" (predicted {cm['predicted_speedup']}x from c={cm['draft_cost_c']:.3f}, "
-                  f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
-                  f"best k by the cost model: {cm['best_k']})" if cm["predicted_speedup"] is not None else
-                  f" (cost model over the rounds as decoded {cm['as_decoded_speedup']}x, c={cm['draft_cost_c']:.3f})"
-                  if cm.get("as_decoded_speedup") is not None else ""))
-    print(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
-          f"acceptance rate {m['acceptance_rate']:.3f}; by position: cumulative {m['acceptance_at_position']}, "
-          f"conditional {m['conditional_acceptance_at_position']}")
+        out.append(f"speed ({speed['dtype']}, {speed['device']}, {speed['threads']} threads): "
+                   f"{speed['tokens_per_s']:.1f} tok/s vs the target alone {speed['target_tokens_per_s']:.1f} tok/s -> "
+                   f"speedup_vs_target {speed['speedup_vs_target']:.3f}x" + (
+                       f" [90% interval over prompts {speed['speedup_interval_90'][0]:.3f}-"
+                       f"{speed['speedup_interval_90'][1]:.3f}]" if "speedup_interval_90" in speed else ""))
+        if cm["predicted_speedup"] is not None:
+            out.append(f"cost model: predicted {cm['predicted_speedup']}x from c={cm['draft_cost_c']:.3f}, "
+                       f"v(k)={cm['verify_cost_by_k'].get(str(m['k']), cm['verify_cost_by_k'].get(m['k']))}; "
+                       f"best k by the cost model: {cm['best_k']}")
+        elif cm.get("as_decoded_speedup") is not None:
+            out.append(f"cost model over the rounds as decoded: {cm['as_decoded_speedup']}x, "
+                       f"c={cm['draft_cost_c']:.3f}")
+    out.append(f"tau (tokens per target forward, bonus token counted) = {m['tau_with_bonus']:.3f}; "
+               f"acceptance rate {m['acceptance_rate']:.3f}; by position: cumulative {m['acceptance_at_position']}, "
+               f"conditional {m['conditional_acceptance_at_position']}")
     ident = m.get("identity")
     if ident:
-        print(f"identity ({ident['dtype']}): greedy output token-identical to the target's own greedy decoding on "
-              f"{ident['identical']}/{ident['prompts']} prompts")
+        out.append(f"identity ({ident['dtype']}): greedy output token-identical to the target's own greedy "
+                   f"decoding on {ident['identical']}/{ident['prompts']} prompts")
+    return [line for entry in out for line in wrapped(entry, width)]
+
+
+def print_eval(m: dict[str, Any]) -> None:
+    print("\n".join(eval_lines(m)))

@@ -5,18 +5,19 @@ Two routes, chosen per layer by its dtype when :func:`install` runs:
 * **bf16 on an AVX2 CPU without a bf16 GEMM** — draftsmith's own kernel (``bf16_linear.cpp``, below).
 * **fp32 on any CPU torch built with oneDNN** — oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``,
   the op torch's own compiler uses for CPU linears; dense weights, no copy). torch's fp32 ``F.linear``
-  goes to MKL's sgemm, whose small-M kernels are pathological: on the 2-core AVX-512 VM a [49152 × 576]
-  lm_head costs 12.4 ms for 1 row, 25.5 for 2, 38.2 for 3, where oneDNN takes 5.6 / 8.0 / 8.1 ms; a
-  SmolLM2-135M forward over a 100-token cache goes 72 → 54 ms for one token and 138 → 66 ms for three
-  (RESULTS.md, "fp32 linears on oneDNN"). oneDNN is faster for large M too (256 rows: 1.2–1.6×); only
-  the smallest linears ([192, 576]) lose ~0.02 ms to its call overhead. Numerics: fp32 accumulation in another order than MKL's
+  goes to MKL's sgemm, whose small-M kernels are pathological: the lm_head over 2–3 rows costs about as many
+  one-row steps as it has rows there, and a target forward over 2–3 tokens more than one over 5, where oneDNN's cost rises smoothly
+  with the rows and its one-token step is cheaper too (benchmarks/RESULTS.md, "fp32 linears on oneDNN").
+  oneDNN is faster for large M too; only the smallest linears ([192, 576]) lose a little to its call
+  overhead. Numerics: fp32 accumulation in another order than MKL's
   (≈ 1e-6 relative); as with MKL, a row's result may differ in the last bits with the number of rows.
 
 The bf16 kernel: on an AVX2 CPU without AVX-512 (this project's 2-core machine, most laptops), torch's bf16
 ``F.linear`` runs one matrix-vector product per row, so a target forward over k+1 tokens costs
-about k+1 one-token steps in its linears, and speculative verification never pays (RESULTS.md,
-"Why verification is not free here"). ``bf16_linear.cpp`` streams each weight once for every 8 rows
-(fp32 accumulation): ~1× the cost for 1–8 rows, and faster than torch's own kernel at one row too.
+about k+1 one-token steps in its linears, and speculative verification never pays (benchmarks/RESULTS.md,
+"ceiling"). ``bf16_linear.cpp`` streams each weight once for every 8 rows (fp32 accumulation): about one
+row's cost for 1–8 rows, and no slower than torch's own kernel at one row (benchmarks/RESULTS.md,
+"cpu_linear").
 
 When: :func:`install` swaps the forward of every bf16 ``nn.Linear`` of a module on such a CPU —
 ``load_target`` does it for the target and ``drafters.common.place`` for every drafter, so the target
@@ -29,7 +30,7 @@ alone (its own ``generate``) and the speculative decoder run the very same kerne
 * with ``DRAFTSMITH_CPU_KERNELS=0`` in the environment, or inside :func:`disabled` (A/B benchmarks).
 
 The extension is compiled once with the C++ compiler torch uses (``torch.utils.cpp_extension``,
-cached under ``$TORCH_EXTENSIONS_DIR``, ~70 s on 2 cores); without a compiler :func:`install` warns once and
+cached under ``$TORCH_EXTENSIONS_DIR``; about a minute on 2 cores); without a compiler :func:`install` warns once and
 leaves the module as it was. Numerics: fp32 accumulation, one bf16 rounding at the end, as torch's
 bf16 ``F.linear`` — not bit-equal to it (the order of the sums differs), but each row's result is
 the same whether it is computed alone or with 7 others.

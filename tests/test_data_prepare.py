@@ -85,3 +85,27 @@ def test_prepare_end_to_end_on_sharegpt(tmp_path, smollm2, capsys):
     again = {r["stage"]: r for r in json.loads(open(os.path.join(paths.root, "summary.json")).read())["stages"]}
     for stage in ("read", "regenerate", "tokenize", "features"):
         assert again[stage]["note"].startswith("up to date (reused)"), stage
+
+
+def test_the_printed_summary_fits_80_columns():
+    """The ninth session's default-size prepare (RESULTS.md "demo"), with a skip and a long note: one line per
+    stage within 80 columns (rich wrapped each cell into many lines when stdout was not a wide TTY)."""
+    from draftsmith.data.prepare import PrepareSummary, StageRow, format_summary
+
+    s = PrepareSummary("/home/someone/projects/draftsmith/runs/demo/prepare/data")
+    s.rows = [StageRow("read", 281, 240, 41, note="sharegpt: 17,671 complete records recovered from a truncated file"),
+              StageRow("regenerate", 240, 196, 44, 27_914, None, 12_345_678, 201.3,
+                       "greedy, bf16, batch 32, shards of 96; 196 turns (finish: 150 length, 46 eos); 139 new tok/s"),
+              StageRow("tokenize", 196, 196, 0, 48_815, 27_914, 1_234_567, 3.2),
+              StageRow("features", 196, 196, None, 48_815, None, 225_000_000, 85.0),
+              StageRow("vocab", None, None, None, None, 27_914, 98_304, 0.4, "8,192 ids cover 100.0 % of loss tokens")]
+    s.add_skips({"starts_with_assistant": 41, "prompt_too_long": 44},
+                {"starts_with_assistant": "sharegpt record 17 (id 'QWJhY2Rl'): first message from gpt",
+                 "prompt_too_long": "sharegpt record 3: 1,873 prompt tokens > 1,024"})
+    lines = format_summary(s)
+    assert max(map(len, lines)) <= 80, [ln for ln in lines if len(ln) > 80]
+    regen = next(ln for ln in lines if ln.startswith("regenerate "))
+    assert regen.split() == ["regenerate", "240", "196", "44", "27,914", "-", "11.8", "MB", "201.3s"]
+    text = " ".join(" ".join(lines).split())
+    assert "regenerate: greedy, bf16, batch 32, shards of 96; 196 turns (finish: 150 length, 46 eos); 139 new tok/s" in text
+    assert "44 prompt_too_long:" in text and "first: sharegpt record 3: 1,873 prompt tokens > 1,024" in text

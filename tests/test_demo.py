@@ -86,3 +86,47 @@ def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
     lo, hi = head["speedup_interval_90"]  # the median's bootstrap interval over prompts
     assert min(ratios) - 1e-3 <= lo <= head["speedup_vs_target"] <= hi <= max(ratios) + 1e-3
     assert summary["passed"] == (head["speedup_vs_target"] > 1.0)
+
+
+def realistic_rows(size: DemoSize, k: int = 1) -> list[dict]:
+    """The rows run_demo builds, with the ninth session's default-size figures (RESULTS.md "demo")."""
+    acc = [0.37, 0.21, 0.12, 0.06, 0.02][:k]
+    return [
+        {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
+         "acceptance_at_position": [], "tokens_per_s": 20.5, "speedup_vs_target": 1.0, "predicted_speedup": None,
+         "identical_to_target": None},
+        {"name": "eagle3 head", "drafter": f"EAGLE-3 head, trained {size.steps} steps, dynamic tree (depth 1, top-3, "
+         "3 nodes)", "k": k, "tau_with_bonus": 1.279, "acceptance_at_position": acc, "tokens_per_s": 22.7,
+         "speedup_vs_target": 1.109, "speedup_interval_90": [1.073, 1.122], "predicted_speedup": 1.06,
+         "identical_to_target": "20/20"},
+        {"name": "prompt_lookup", "drafter": "prompt_lookup (model-free baseline)", "k": k, "tau_with_bonus": 1.07,
+         "acceptance_at_position": acc, "tokens_per_s": 21.2, "speedup_vs_target": 1.083, "predicted_speedup": None,
+         "identical_to_target": None},
+        {"name": "suffix_with_a_corpus_of_the_targets_own_answers", "drafter": "suffix (model-free baseline)", "k": k,
+         "tau_with_bonus": 1.2, "acceptance_at_position": acc, "tokens_per_s": 1234.5, "speedup_vs_target": 1.2,
+         "predicted_speedup": None, "identical_to_target": None},
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_the_closing_table_fits_80_columns_with_a_legend(k):
+    """Issue 29: every cell wrapped into 5–15 lines when stdout was not a wide TTY (rich's table)."""
+    from draftsmith.demo import format_table
+
+    size = SIZES["full"]
+    speed = {"dtype": "bfloat16", "device": "cpu", "threads": 2}
+    ident = {"dtype": "float32", "identical": 20, "prompts": 20}
+    lines = format_table(realistic_rows(size, k), {"prepare": 1209.4, "train": 1545.2, "eval": 1084.0},
+                         "/a/rather/long/run/folder/of/the/user/runs/demo-full", speed, ident, False, size)
+    too_long = [ln for ln in lines if len(ln) > 80]
+    assert not too_long, too_long
+    rows = {ln.split("  ")[0]: ln for ln in lines if "  " in ln}
+    head = rows["eagle3 head"]  # one line per drafter: its figures on its own row
+    assert head.split()[2:4] == [str(k), "1.279"] and "1.11×" in head and "1.06×" in head and head.endswith("20/20")
+    assert "0.37" in head and ("…" in head) == (k > 3)
+    cut = [name for name in rows if name.startswith("suffix_with")]  # a long name is cut, its row kept whole
+    assert len(cut) == 1 and cut[0].endswith("…") and rows[cut[0]].split()[-1] == "1.20×"
+    legend = " ".join(" ".join(lines).split())  # the legend's wrapped lines joined again
+    assert "eagle3 head: EAGLE-3 head, trained 600 steps, dynamic tree (depth 1, top-3, 3 nodes)" in legend
+    assert "1.073–1.122×" in legend and "stage times: prepare 1209s, train 1545s, eval 1084s" in legend
+    assert "and τ ≥ 2 , bfloat16" not in legend and "and τ ≥ 2, bfloat16) with fp32-identical outputs: FAIL" in legend

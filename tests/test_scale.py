@@ -1,7 +1,7 @@
 """The real-scale recipes (Llama-3.1-8B-Instruct, Qwen3-8B): their drafters built from the targets'
 published config.json alone (tests/archs/, meta device, no weights), parameter counts equal to the
-README's table, feature layer ids in both conventions, and the paper estimates of benchmarks/scale.py
-equal to what the recipes' headers and the README say."""
+table of docs/drafters.md, feature layer ids in both conventions, and the paper estimates of
+benchmarks/scale.py equal to what the recipes' headers and docs/scale.md say."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from draftsmith.drafters.params import TARGETS, VARIANTS, count, meta_module, pa
 
 ROOT = os.path.dirname(CONFIG_DIR)
 ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "archs")
-# recipe → (its target's config.json folder, the README / params label of its drafter)
+# recipe → (its target's config.json folder, the docs / params label of its drafter)
 RECIPES = {
     "llama3.1-8b-eagle3": ("Llama-3.1-8B", "llama-3.1-8b-instruct", "eagle3: draft vocabulary 32,000"),
     "llama3.1-8b-draftlm": ("Llama-3.1-8B", "llama-3.1-8b-instruct", "draft_lm: first 4 layers, frozen embedding/lm_head"),
@@ -33,9 +33,9 @@ def arch(folder: str):
     return AutoConfig.from_pretrained(os.path.join(ARCHS, folder))
 
 
-def readme_rows() -> dict[tuple[str, str], tuple[str, str, str]]:
-    """(target, drafter label) → (trainable, frozen, stored) cells of the README's parameter table."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def docs_rows() -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(target, drafter label) → (trainable, frozen, stored) cells of the parameter table in docs/drafters.md."""
+    with open(os.path.join(ROOT, "docs", "drafters.md"), encoding="utf-8") as f:
         text = f.read()
     rows = {}
     for m in re.finditer(r"^\| ([^|]+?) \| ([^|]+?) \| ([\d,.]+M) \| ([\d,.]+M) \| ([\d,.]+M) \|$", text, re.M):
@@ -60,13 +60,13 @@ def test_embedded_architectures_equal_the_shipped_config_files():
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_drafter_from_the_architecture_alone_matches_the_readme(name):
+def test_recipe_drafter_from_the_architecture_alone_matches_the_docs(name):
     target, folder, label = RECIPES[name]
     recipe = load_recipe(name)
     config = arch(folder)
     counts = count(recipe.drafter, config)
     assert (millions(counts["trainable"]), millions(counts["frozen"]), millions(counts["stored"])) == \
-        readme_rows()[(target, label)]
+        docs_rows()[(target, label)]
     # and draftsmith drafters --params prints the same (from the embedded architecture values)
     row = next(r for r in parameter_rows() if r["target"] == target and r["drafter"] == label.replace("32,000", "32000"))
     assert {k: row[k] for k in counts} == counts
@@ -136,7 +136,7 @@ def test_state_bytes_per_zero_stage(scale):
     assert scale.zero_state_bytes(t, f, 3, n) == 16 * 1000 / 8 + 2 * 500 / 8
 
 
-def test_scale_estimates_match_the_recipes_and_the_readme(scale):
+def test_scale_estimates_match_the_recipes_and_the_docs(scale):
     rows = [scale.estimate(name) for name in scale.RECIPES]
     assert sorted(scale.RECIPES) == sorted(RECIPES)
     by = {r.recipe: r for r in rows}
@@ -148,5 +148,5 @@ def test_scale_estimates_match_the_recipes_and_the_readme(scale):
         with open(os.path.join(CONFIG_DIR, r.recipe + ".yaml"), encoding="utf-8") as f:
             assert scale.memory_line(r) in f.read()
         assert r.total_gib < 80  # every recipe fits an 80 GB GPU at its batch and length
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        assert scale.format_tables(rows) in f.read()  # README kept in sync: python benchmarks/scale.py
+    with open(os.path.join(ROOT, "docs", "scale.md"), encoding="utf-8") as f:
+        assert scale.format_tables(rows) in f.read()  # docs/scale.md kept in sync: python benchmarks/scale.py

@@ -132,9 +132,8 @@ class TrainConfig:
     group_by_length: int = 0
     """Records of similar length share a micro-batch: the order is length-sorted within groups of this
     many optimizer steps (``data.BatchOrder``); 0 = random batches (the default). On the default demo's
-    data, 16 made a step 4.4 → 3.3 s, but the demo's head trained so (one run) verified 29 % of its
-    drafts right against 44 % with random batches, so it stays opt-in until measured side by side
-    (benchmarks/RESULTS.md, train)."""
+    data, 16 made a step faster, but the demo's head trained so (one run) came out weaker than with random
+    batches, so it stays opt-in until measured side by side (benchmarks/RESULTS.md, "train")."""
     seed: int = 0
     """Seeds the drafter's init, the data order and the held-out split."""
     max_bad_steps: int = 10

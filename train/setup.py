@@ -1,15 +1,22 @@
 """Run setup for the training recipes: the run folder, seeds, the frozen target, the data, the engine.
 
-A recipe reads top to bottom (see ``eagle3.py``)::
+A recipe reads top to bottom (``draft_lm.py`` and ``eagle1.py`` as written; ``medusa.py`` and ``eagle3.py``
+build their module in a few lines between ``start`` and ``build_engine``)::
 
-    run = setup.start(recipe, world)                  # run folder, seeds, frozen target, data   (this file)
-    engine = setup.build_engine(run, module)          # DeepSpeed around the drafter only        (this file)
-    setup.restore(run, engine, resume)                # latest checkpoint of the run folder      (this file)
-    save.baseline(run, engine, evaluate)              # held-out metrics of the untrained drafter (save.py)
-    for batch in setup.micro_batches(run):            # from the saved data position on          (this file)
-        if step.optimizer_step(run, engine, lambda: my_loss(batch), batch.tokens):  # backward, skip (step.py)
-            step.after_step(run, engine, evaluate)    # logging, evaluation, checkpoint cadence   (step.py)
-    save.finish(run, engine, evaluate)                # final checkpoint, drafter folders, summary (save.py)
+    config = setup.trainable(recipe)                  # the recipe's trainable drafter config       (this file)
+    run = setup.start(recipe, world)                  # run folder, seeds, frozen target, data      (this file)
+    engine = setup.build_engine(run, config.build_module(run.target))  # DeepSpeed, drafter only (this file)
+    setup.restore(run, engine, resume)                # latest checkpoint of the run folder         (this file)
+    save.baseline(run, engine, evaluate)              # held-out metrics of the untrained drafter   (save.py)
+    for micro in step.step_batches(run, rows):        # one optimizer step's micro-batches, from the
+                                                      # saved data position, valid rows counted     (step.py)
+        step.optimizer_step(run, engine, micro, loss_of)  # backward on each, the step; a bad loss
+                                                          # skipped and replaced                    (step.py)
+        step.after_step(run, engine, evaluate)        # logging, evaluation, checkpoint cadence     (step.py)
+    return save.finish(run, engine, evaluate)         # final checkpoint, drafter folders, summary  (save.py)
+
+``rows(batch)`` marks the positions whose loss counts and ``loss_of(batch)`` returns the summed loss and its
+parts; :func:`micro_batches` (this file) is the data source ``step_batches`` draws from.
 
 The target's side of a batch (one forward online, or the feature cache) is in ``target_side.py``.
 """
