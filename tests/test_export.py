@@ -250,7 +250,7 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, s
     _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "does not record the drafter")
     (incomplete / "trainer_state.json").write_text(json.dumps({"step": 3, "zero_stage": 3, "identity": {
         "drafter": {"type": "eagle3"}, "target": "x"}}))
-    _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "incomplete")
+    _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "has no checksums.json")
     other = tmp_path / "other_target"
     tiny_llama(layers=4, seed=7).save_pretrained(other)
     smollm2_tokenizer.save_pretrained(other)
@@ -290,7 +290,7 @@ def test_export_from_a_checkpoint_equals_export_from_the_saved_drafter(tmp_path,
     summary = run_training(recipe)
     ckpt = run / "checkpoints" / "step_00000002"
     if engine == "zero3":
-        states = torch.load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+        states = torch.load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
         assert states["module"]["drafter.fc.weight"].numel() == 0  # partitioned: the module file holds no weights
     export(str(ckpt), "eagle3", str(tmp_path / "from_ckpt"))
     export(summary["drafter"], "eagle3", str(tmp_path / "from_drafter"))
