@@ -263,6 +263,23 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, s
     assert "keep" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
 
 
+def test_an_out_that_is_holds_or_lies_inside_the_source_is_refused_even_with_force(tmp_path, sources, capsys):
+    """--force replaces --out as a whole: on the source itself, a folder above it (here through a
+    link) or one inside it, that would delete the drafter being exported."""
+    source = tmp_path / "run" / "drafter"
+    shutil.copytree(sources["eagle3"], source)
+    files = sorted(os.listdir(source))
+    os.symlink(tmp_path / "run", tmp_path / "link")
+    for out, where in ((source, "is the source folder"), (tmp_path / "link", "holds the source folder"),
+                       (tmp_path, "holds the source folder"), (source / "export", "lies inside the source folder")):
+        assert main(["export", str(source), "--to", "eagle3", "--out", str(out), "--force"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"draftsmith: error: --out '{out}' {where} '{source}': the export replaces --out as a whole and "
+                       f"would destroy its own source; choose a folder outside it")
+        assert sorted(os.listdir(source)) == files
+    assert main(["export", str(source), "--to", "eagle3", "--out", str(tmp_path / "run" / "eagle3"), "--force"]) == 0
+
+
 # ---------------------------------------------------------------- straight from a ZeRO-3 checkpoint
 
 
