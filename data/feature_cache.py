@@ -72,8 +72,9 @@ def write_feature_cache(
     """Run ``target`` over ``tokenized`` (rows with input_ids, loss_mask) and write the cache to ``folder``.
 
     Resumable, and extended when samples are added (:class:`~draftsmith.data.shards.ShardedJob`; ``restart``
-    lets it discard finished shards that changed settings or samples invalidate); returns the manifest. ``layer_ids`` empty = :func:`default_layer_ids`. With
-    several ``workers`` each process computes its share of the shards; the manifest's
+    lets it discard finished shards that changed settings or samples invalidate); returns the manifest.
+    ``layer_ids`` empty = :func:`default_layer_ids`. With several ``workers`` each process computes its
+    share of the shards; the manifest's
     ``target_tokens_per_s`` is then the sum of the processes' rates.
     """
     ids = [target.layer_index(i) for i in layer_ids] or default_layer_ids(target.num_layers)
