@@ -187,10 +187,10 @@ class ShardedJob:
             why = (f"the inputs of shard {lost[0]} are no longer the records it was made from (data.sources, "
                    f"data.max_conversations, data.render or an earlier stage's output changed)") if lost else ""
         if lost and not restart:
-            records = sum(int(whole[i].get("records", 0)) for i in lost)
-            raise DraftsmithError(f"'{self.folder}': {why}; going on would discard {len(lost)} finished shard(s) "
-                                  f"({records} input records). Restore what changed, or re-run with --restart to "
-                                  f"discard them")
+            sizes = [whole[i].get("records") for i in lost]  # unknown in an older draftsmith's shards
+            records = f" ({sum(sizes)} input records)" if all(isinstance(n, int) for n in sizes) else ""
+            raise DraftsmithError(f"'{self.folder}': {why}; going on would discard {len(lost)} finished shard(s)"
+                                  f"{records}. Restore what changed, or re-run prepare with --restart to discard them")
         for i in lost:
             for path in (self.shard_path(i), self._meta_path(i)):
                 if os.path.exists(path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import types
 
@@ -120,6 +121,13 @@ def test_finished_cache_is_reused_and_a_new_spec_stops_unless_restart(tmp_path, 
     other = write_feature_cache(data, path, tiny_target, layer_ids=[2], shard_size=4, progress=False, restart=True)
     assert other["note"].startswith("--restart: 2 finished shard(s) discarded (data.features.layer_ids")
     assert FeatureCache.open(path, tiny_target)[0]["hidden"].shape[-1] == 64
+    # shards of an older draftsmith (job.json is the bare spec, no input digests): what they hold is unknown
+    with open(os.path.join(path, "job.json"), "w") as f:
+        json.dump({**other["spec"], "shard_size": 4}, f)
+    os.remove(os.path.join(path, "manifest.json"))  # it held that older spec too
+    with pytest.raises(DraftsmithError, match=r"settings the finished shards were made with are unknown \(no job.json, "
+                                              r"or an older draftsmith's\); going on would discard 2 finished shard\(s\)"):
+        write_feature_cache(data, path, tiny_target, layer_ids=[2], shard_size=4, progress=False)
 
 
 def _mtimes(path: str) -> dict[str, float]:
