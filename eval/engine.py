@@ -8,7 +8,9 @@ threads and the same prompts, in paired runs as the built-in decoder's evaluatio
 (``eval.run.paired_runs``: every prompt through every method, the order rotating from run to run, each method's
 fastest run counted, after a warm-up). Per method: τ (bonus token counted, from the server's per-round log),
 acceptance by position, tokens/s, the median of per-prompt speedups against the target alone with its 90 %
-bootstrap interval, and how many outputs are identical to the target alone's.
+bootstrap interval, how many outputs are identical to the target alone's, and the engine's cost of one round
+(drafting + verification, from llama.cpp's decode timings) in target-alone steps — the τ at which the method
+breaks even there.
 
 All servers run at once, each idle while another decodes (an idle ``llama-server`` sleeps: measured 0 % CPU), so
 that one prompt passes through every configuration back to back. ``ngram-mod`` keeps its n-gram pool across
@@ -126,8 +128,15 @@ def row(m: Method, runs: list[llamacpp.EngineRun], secs: list[float], alone: lis
                speedup_total=round((tokens / sum(secs)) / (sum(len(a.completion.tokens) for a in alone) / sum(alone_secs)), 4))
     stats = llamacpp.rounds_stats(runs, m.k)
     if stats.rounds:
+        # the engine's cost of a round (drafting + verifying) in target-alone decode steps, from llama.cpp's own
+        # decode timings: the τ at which this method breaks even (speedup ≈ τ / round cost)
+        step = sum(a.completion.predicted_ms for a in alone) / max(1, sum(a.completion.predicted_n for a in alone))
+        decode_ms = sum(r.completion.predicted_ms for r in runs)
+        cost = decode_ms / stats.rounds / step if step > 0 else None
         out.update(k=m.k, tau=round(stats.tau, 4), rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted,
-                   acceptance_at_position=[None if x is None else round(x, 4) for x in stats.acceptance_at_position])
+                   acceptance_at_position=[None if x is None else round(x, 4) for x in stats.acceptance_at_position],
+                   round_cost_steps=None if cost is None else round(cost, 4),
+                   break_even_tau=None if cost is None else round(cost, 4))
     return out
 
 

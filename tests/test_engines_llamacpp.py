@@ -1,0 +1,224 @@
+"""llama.cpp as a real engine: built once into the cache (the first test builds it), served on loopback, stopped
+by PID; drafters exported to GGUF by llama.cpp's own converter decode in llama.cpp exactly as the target alone does
+and accept what draftsmith's decoder accepts; a shifted layer id fails ``export --check``.
+
+The tiny target (4 layers, SmolLM2's tokenizer, peaked distributions) is converted to an F32 GGUF; llama.cpp runs
+on one thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from draftsmith import drafters
+from draftsmith.cli import main
+from draftsmith.drafters import DraftLMConfig, Eagle3Config
+from draftsmith.engines import llamacpp
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.reference import target_greedy
+from draftsmith.export import check, export, export_target
+from draftsmith.export import gguf
+from draftsmith.target import load_target
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("one_thread")]
+
+LAYERS = [0, 1, 2]
+"""Three feature layers of the 4-layer tiny target that llama.cpp can capture (it reads layer inputs, and the
+output of the last layer is no layer's input)."""
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llamacpp.binaries()  # builds llama.cpp into the cache the first time (~10 min on 2 cores)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def target_gguf(llama, tmp_path_factory, tiny_target_dir):
+    out = tmp_path_factory.mktemp("target_gguf") / "t"
+    export_target(tiny_target_dir, str(out), "f32")
+    return str(out / gguf.TARGET_FILE)
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(100, 600, (n,), generator=g).tolist() for n in (6, 9, 12)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for every purpose but the process table
+        return f.read().split()[2] != "Z"
+
+
+def test_the_server_is_stopped_by_its_pid_when_the_block_raises(target_gguf):
+    with pytest.raises(RuntimeError, match="boom"):
+        with llamacpp.serving(llamacpp.ServerSpec(model=target_gguf)) as server:
+            pid = server.pid
+            assert alive(pid) and server.url.startswith("http://127.0.0.1:")
+            raise RuntimeError("boom")
+    assert not alive(pid)
+
+
+def test_a_missing_model_is_one_clear_error(llama, tmp_path):
+    with pytest.raises(DraftsmithError, match="no GGUF file"):
+        llamacpp.Server(llamacpp.ServerSpec(model=str(tmp_path / "none.gguf"))).start()
+
+
+def test_llamacpps_f32_target_decodes_as_draftsmiths_fp32_target(target, target_gguf, prompts):
+    with llamacpp.serving(llamacpp.ServerSpec(model=target_gguf)) as server:
+        runs = llamacpp.decode_prompts(server, prompts, 24)
+    for ids, run in zip(prompts, runs):
+        assert run.completion.tokens == target_greedy(target, ids, 24)
+        assert run.completion.prompt_n == len(ids)  # the prompt went in as our ids, with nothing added
+
+
+def perturb(module: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="module")
+def draft_lm(tmp_path_factory, target) -> str:
+    """A draft LM for the tiny target: a copy of all 4 of its layers (LoRA at its init), accepted nearly always, so
+    that llama.cpp's acceptance has something to agree with (a random or perturbed draft is accepted ~never on this
+    peaked target, and 0 = 0 proves nothing). LoRA merging is proven by tests/test_export.py."""
+    config = DraftLMConfig(num_layers=4, lora_rank=4)
+    module = config.build_module(target)
+    path = str(tmp_path_factory.mktemp("draft_lm") / "draft_lm")
+    drafters.save(config.runtime(module, target), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, target) -> str:
+    config = Eagle3Config(feature_layers=LAYERS)
+    module = config.build_module(target)
+    perturb(module)
+    path = str(tmp_path_factory.mktemp("eagle3") / "eagle3")
+    drafters.save(config.runtime(module, target), path)
+    return path
+
+
+def test_a_draft_lm_in_gguf_decodes_as_the_target_alone_and_accepts_what_draftsmith_accepts(llama, draft_lm, tmp_path,
+                                                                                           capsys, target_gguf):
+    out = tmp_path / "gguf"
+    assert main(["export", draft_lm, "--to", "gguf", "--out", str(out)]) == 0
+    info = json.loads((out / "draftsmith_export.json").read_text())
+    assert info["gguf"]["type"] == "f32" and info["gguf"]["spec_type"] == "draft-simple"
+    assert gguf.read_metadata(str(out / gguf.DRAFT_FILE))["general.architecture"] == "llama"
+    capsys.readouterr()
+    assert main(["export", "--check", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "llama.cpp with the export = llama.cpp's F32 target alone on 2 prompts" in printed
+    line = next(x for x in printed.splitlines() if "acceptance by position" in x)
+    assert "max |Δ| 0.000" in line  # a faithful conversion agrees exactly on this peaked target
+    accepted = int(re.search(r"llama.cpp \[[^]]*\] \((\d+)/\d+ drafts", line).group(1))
+    assert accepted > 0  # …and there was acceptance to agree on
+
+
+def test_the_engine_check_fails_a_gguf_that_drafts_otherwise(llama, draft_lm, tmp_path, target):
+    """The engine check's acceptance comparison is what catches a conversion that changed the drafter (a wrong layer
+    id or norm flag of a trained head): here the GGUF holds another draft LM than the one the export records."""
+    other = DraftLMConfig(num_layers=2, lora_rank=4)
+    module = other.build_module(target)
+    perturb(module, seed=7, scale=1.0)
+    other_path = str(tmp_path / "other")
+    drafters.save(other.runtime(module, target), other_path)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    export(draft_lm, "gguf", str(ours))
+    export(other_path, "gguf", str(theirs))
+    os.replace(theirs / gguf.DRAFT_FILE, ours / gguf.DRAFT_FILE)
+    with pytest.raises(DraftsmithError, match="another acceptance than draftsmith's decoder"):
+        check(str(ours))
+
+
+def test_an_eagle3_head_in_gguf_carries_the_engines_layer_ids_and_passes_the_check(llama, random_head, tmp_path, capsys):
+    out = tmp_path / "gguf"
+    assert main(["export", random_head, "--to", "gguf", "--out", str(out)]) == 0
+    meta = gguf.read_metadata(str(out / gguf.DRAFT_FILE))
+    assert meta["general.architecture"] == "eagle3"
+    assert [int(x) for x in meta["eagle3.target_layers"]] == [1, 2, 3]  # the inputs of layers 1..3 = our outputs 0..2
+    assert not meta.get("eagle3.norm_before_residual") and not meta.get("eagle3.norm_before_fc")
+    capsys.readouterr()
+    assert main(["export", "--check", str(out)]) == 0
+    assert "eagle3.target_layers = [1, 2, 3]" in capsys.readouterr().out
+
+
+def test_a_shifted_layer_id_fails_the_check(llama, random_head, tmp_path, monkeypatch):
+    from draftsmith.export import eagle3 as eagle3_export
+
+    real = eagle3_export.engine_layer_ids
+    monkeypatch.setattr(eagle3_export, "engine_layer_ids",
+                        lambda ours, n, engine: [i - 1 for i in real(ours, n, engine)])  # the old off-by-one
+    out = tmp_path / "gguf"
+    export(random_head, "gguf", str(out))
+    monkeypatch.undo()
+    with pytest.raises(DraftsmithError, match=r"eagle3.target_layers = \[0, 1, 2\], but the head reads"):
+        check(str(out))
+
+
+def test_a_head_on_the_last_layer_is_refused_for_llamacpp(llama, tmp_path, target):
+    config = Eagle3Config(feature_layers=[0, 1, 3])
+    path = str(tmp_path / "eagle3")
+    drafters.save(config.runtime(config.build_module(target), target), path)
+    with pytest.raises(DraftsmithError, match="cannot be served by llama.cpp"):
+        export(path, "gguf", str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_server_dies_with_a_killed_client(llama, target_gguf, tmp_path):
+    """No stray llama-server when the Python process that started it is killed (SIGKILL: no finally, no atexit)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (f"from draftsmith.engines import llamacpp\n"
+              f"s = llamacpp.Server(llamacpp.ServerSpec(model={target_gguf!r})).start()\n"
+              f"print(s.pid, flush=True)\nimport time\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    assert alive(pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        if not alive(pid):
+            break
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+def test_eval_serves_the_drafter_in_llamacpp_beside_its_ngram_methods(llama, draft_lm, tiny_target_dir, tmp_path):
+    from draftsmith.config import load_recipe
+    from draftsmith.eval.run import run_eval_recipe
+
+    recipe = load_recipe(None, [
+        f"target.name={tiny_target_dir}", "target.dtype=float32", "drafter.type=saved", f"drafter.path={draft_lm}",
+        "eval.num_prompts=2", "eval.repeats=1", "eval.baselines=[]", "decode.k=2", "decode.max_new_tokens=16",
+        "eval.engine=llamacpp", "eval.engine_threads=1", "eval.engine_k=[1,2]", f"run_dir={tmp_path}"])
+    run_eval_recipe(recipe)
+    m = json.loads((tmp_path / "eval_metrics.json").read_text())["engine"]
+    rows = m["methods"]
+    assert list(rows) == ["target", "drafter k=1", "drafter k=2", "drafter+ngram k=2", "ngram-simple", "ngram-mod"]
+    for name in ("drafter k=1", "drafter k=2"):
+        r = rows[name]
+        assert r["identical_to_target"] == 2 and r["tau"] >= 1.0 and len(r["acceptance_at_position"]) == r["k"]
+        assert r["speedup"] > 0 and r["interval"][0] <= r["speedup"] <= r["interval"][1]
+        assert r["drafted"] == sum(1 for _ in range(r["rounds"])) * r["k"] or r["drafted"] <= r["rounds"] * r["k"]
+    assert rows["ngram-mod"]["first_sight_only"] and not rows["ngram-simple"]["first_sight_only"]
