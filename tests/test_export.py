@@ -129,9 +129,9 @@ def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators", "medusa", "medusa-vllm", "hf"])
 def test_export_then_check_proves_every_format(tmp_path, sources, target, fmt, capsys):
     out = str(tmp_path / fmt)
-    assert main(["export", sources[FORMATS[fmt].family], "--to", fmt, "--out", out]) == 0
+    assert main(["export", sources[FORMATS[fmt].families[0]], "--to", fmt, "--out", out]) == 0
     info = json.load(open(os.path.join(out, "draftsmith_export.json")))
-    assert info["target"]["fingerprint"] == target.fingerprint and info["source"]["path"] == sources[FORMATS[fmt].family]
+    assert info["target"]["fingerprint"] == target.fingerprint and info["source"]["path"] == sources[FORMATS[fmt].families[0]]
     assert info["draftsmith_version"] and info["to"] == fmt
     capsys.readouterr()
     assert main(["export", "--check", out]) == 0
