@@ -220,7 +220,7 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
 
     r = cfg.regenerate
     target = env.target()
-    if r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
+    if r.method != "server" and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
         from ..target import load_target
 
         target = load_target(env.recipe.target.name, r.dtype, str(target.device),
@@ -237,6 +237,8 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
             manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
+    if report.render_back.get("differs"):
+        finish += f"; {report.render_back['differs']} answer(s) do not render back to their ids"
     rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
     summary.rows.append(StageRow("regenerate", report.conversations_in, report.kept, sum(report.skipped.values()),
                                  tokens=report.new_tokens, seconds=report.seconds + time.perf_counter() - start,

@@ -1,0 +1,278 @@
+"""Regeneration through an OpenAI-compatible server (data.regenerate.method: server), against a real
+llama-server on an F32 GGUF of the tiny target (marker ``engine``): the same records as in-process greedy
+regeneration, a launched server started and stopped, a SIGKILLed client resuming without re-asking an
+answered turn, a dying server stopping the job with its shards kept, a failed request counted, and a
+server with another tokenizer refused before any request."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import datasets
+import pytest
+import yaml
+
+from draftsmith.data.config import RegenerateConfig, ServerConfig
+from draftsmith.data.conversations import conversation_features
+from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
+from draftsmith.data.regenerate_server import _read_journal, request_seed
+from draftsmith.engines import llamacpp
+from draftsmith.engines.openai_client import CompletionsClient
+from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.target import Target, load_target
+
+NEW = 12
+USERS = [[f"Question {i}: what do you know about the number {i}?", "Tell me more."] for i in range(8)]
+
+
+def _messages(turns):
+    return [{"role": r, "content": c} for u in turns for r, c in (("user", u), ("assistant", "(original answer)"))]
+
+
+def _conversations(users):
+    return datasets.Dataset.from_list([{"conv_id": f"c{i}", "source": "test", "messages": _messages(t),
+                                        "truncated_turns": []} for i, t in enumerate(users)],
+                                      features=conversation_features())
+
+
+def _run(folder, target, server=None, users=USERS, max_length=256, **kw):
+    cfg = RegenerateConfig(**{"max_new_tokens": NEW, "batch_size": 4, "shard_size": 4, **kw},
+                           **({"method": "server", "server": server} if server else {}))
+    report = regenerate_conversations(_conversations(users), str(folder), target, cfg, max_length=max_length,
+                                      inputs_hash="h", progress=False)
+    return report, list(regenerated_records(str(folder)))
+
+
+class _Counting:
+    """Counts the completion requests a client sends (monkeypatched onto CompletionsClient)."""
+
+    def __init__(self, monkeypatch):
+        self.prompts: list[list[int]] = []
+        real = CompletionsClient.complete
+
+        def complete(client, prompt, *args, **kwargs):
+            self.prompts.append(list(prompt))
+            return real(client, prompt, *args, **kwargs)
+
+        monkeypatch.setattr(CompletionsClient, "complete", complete)
+
+
+# ---------------------------------------------------------------- without a server
+
+
+def test_server_settings_are_validated_with_one_line_errors():
+    with pytest.raises(ConfigError, match="needs data.regenerate.server.url"):
+        RegenerateConfig(method="server").validate()
+    with pytest.raises(ConfigError, match="a launched server picks its own loopback port"):
+        ServerConfig(url="http://x:1", launch="llamacpp").validate()
+    with pytest.raises(ConfigError, match="must start with http"):
+        ServerConfig(url="localhost:8000").validate()
+    with pytest.raises(ConfigError, match="concurrency must be at least 1"):
+        ServerConfig(url="http://x:1", concurrency=0).validate()
+    RegenerateConfig(method="server", server=ServerConfig(launch="llamacpp")).validate()
+
+
+def test_the_gguf_types_of_the_config_are_those_the_engine_serves():
+    from typing import get_args, get_type_hints
+
+    from draftsmith.engines.targets import TARGET_TYPES
+
+    assert get_args(get_type_hints(ServerConfig)["gguf_type"]) == TARGET_TYPES
+
+
+def test_a_torn_journal_line_is_dropped_and_the_file_cut_back(tmp_path):
+    path = tmp_path / "shard-00000.partial.jsonl"
+    whole = json.dumps({"conv": 0, "turn": 0, "finish": "eos", "tokens": [5, 2], "text": "x", "renders_back": True})
+    path.write_text(whole + "\n" + '{"conv": 1, "turn": 0, "fin')
+    assert list(_read_journal(str(path))) == [(0, 0)]
+    assert path.read_text() == whole + "\n"  # the next append starts on a clean line
+
+
+def test_request_seeds_are_fixed_per_record_and_differ_between_records():
+    assert request_seed(7, 3, 1) == request_seed(7, 3, 1)
+    assert len({request_seed(s, c, t) for s in range(3) for c in range(50) for t in range(3)}) == 450
+
+
+def test_as_loaded_needs_a_target_loaded_from_a_gguf(tiny_target_dir):
+    from draftsmith.engines.targets import target_gguf
+
+    target = load_target(tiny_target_dir, dtype="float32", device="cpu")
+    with pytest.raises(DraftsmithError, match="was not loaded from a GGUF file.*f32, bf16, f16, q8_0"):
+        target_gguf(target, "as-loaded")
+
+
+# ---------------------------------------------------------------- against a real llama-server
+
+engine = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def gguf(target):
+    from draftsmith.engines.targets import cached_target
+
+    return cached_target(target, "f32")  # llama.cpp's own converter, once per fingerprint
+
+
+@pytest.fixture(scope="module")
+def server(gguf):
+    with llamacpp.serving(llamacpp.ServerSpec(model=gguf, threads=1, slots=2, ctx=512)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory, target):
+    return _run(tmp_path_factory.mktemp("generate"), target)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, target, server):
+    return _run(tmp_path_factory.mktemp("server"), target, ServerConfig(url=server.url, concurrency=4))
+
+
+@engine
+def test_f32_server_gives_the_records_of_in_process_greedy_regeneration(in_process, served):
+    (ref_report, ref), (report, got) = in_process, served
+    same = sum(a == b for a, b in zip(ref, got))
+    print(f"identical records: {same} of {len(ref)}")
+    assert got == ref
+    assert (report.turns, report.new_tokens, dict(report.finish)) == (
+        ref_report.turns, ref_report.new_tokens, dict(ref_report.finish))
+    assert report.turns == 16 and sum(report.render_back.values()) == 16
+
+
+@engine
+def test_launch_llamacpp_serves_the_targets_gguf_and_stops_it(tmp_path, target, gguf, served):
+    started: list[llamacpp.Server] = []
+    real_start = llamacpp.Server.start
+
+    def start(self):
+        started.append(self)
+        return real_start(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llamacpp.Server, "start", start)
+        report, got = _run(tmp_path, target, ServerConfig(launch="llamacpp", gguf_type="f32", slots=2, threads=1,
+                                                          concurrency=2))
+    assert got == served[1]
+    assert len(started) == 1 and started[0].proc.poll() is not None  # started once, stopped at the end
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{started[0].url}/health", timeout=5)
+
+
+@engine
+def test_a_server_with_another_tokenizer_is_refused_before_any_request(tmp_path, target, server, monkeypatch):
+    """A fine-tune that added a token: the probe's ids differ, and nothing is requested."""
+    import copy
+
+    tokenizer = copy.deepcopy(target.tokenizer)
+    tokenizer.add_tokens(["café"])
+    other = Target(target.model, tokenizer, name=target.name, fingerprint=target.fingerprint)
+    counting = _Counting(monkeypatch)
+    with pytest.raises(DraftsmithError, match=r"tokenizes differently from the target .*probe ids differ from position"):
+        _run(tmp_path, other, ServerConfig(url=server.url))
+    assert counting.prompts == []
+
+
+@engine
+def test_a_failed_request_is_counted_and_ends_its_conversation(tmp_path, target, gguf, monkeypatch):
+    """A server whose context (256 tokens) holds the short prompts but not the long ones: HTTP 400, not retried.
+    A conversation keeps the answers it had; one that had none is skipped as request_failed; all are counted."""
+    long = "Tell me more. " * 60  # ~300 tokens: over the context, within the target's 512 positions
+    users = [[u, long] for u, _ in USERS[:3]] + [[long]]
+    counting = _Counting(monkeypatch)
+    with llamacpp.serving(llamacpp.ServerSpec(model=gguf, threads=1, slots=1, ctx=256)) as small:
+        report, got = _run(tmp_path, target, ServerConfig(url=small.url, retries=2, backoff_s=0.0), users=users,
+                           max_length=2048)
+    assert dict(report.finish)["failed"] == 4 and report.turns == 3
+    assert len(counting.prompts) == 7  # a refused request is not retried
+    assert [len(r["messages"]) for r in got] == [2] * 3  # each kept its first answer
+    assert dict(report.skipped) == {"request_failed": 1} and report.kept == 3
+    assert report.examples["request_failed"] == "test:c3"
+    assert report.examples["failed"].startswith("test:c1 (http_400: ") and "exceeds the available context" in \
+        report.examples["failed"]  # the first failed request, with the server's reason
+
+
+def _recipe(tmp_path, tiny_target_dir, url, out):
+    src = tmp_path / "convs.jsonl"
+    if not src.exists():
+        src.write_text("".join(json.dumps({"id": f"q{i}", "messages": _messages(t)}) + "\n" for i, t in enumerate(USERS)))
+    path = tmp_path / f"{os.path.basename(out)}.yaml"
+    path.write_text(yaml.safe_dump({
+        "target": {"name": tiny_target_dir, "dtype": "float32", "device": "cpu"},
+        "data": {"sources": [{"path": str(src)}], "stages": ["regenerate"], "out_dir": str(out),
+                 "render": {"max_length": 256},
+                 "regenerate": {"method": "server", "max_new_tokens": 48, "shard_size": 8,
+                                "server": {"url": url, "concurrency": 1}}},
+        "run_dir": str(tmp_path / "run"),
+    }))
+    return str(path)
+
+
+@engine
+def test_a_killed_client_resumes_without_requesting_an_answered_turn(tmp_path, tiny_target_dir, server, monkeypatch):
+    """A real SIGKILL to `draftsmith prepare` mid-shard (one shard of 8 conversations); the re-run requests
+    exactly the turns its journal does not hold, and writes the records of an uninterrupted run."""
+    from draftsmith.config import load_recipe
+    from draftsmith.data import run_prepare
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "prepare", "--config",
+                             _recipe(tmp_path, tiny_target_dir, server.url, killed)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = killed / "regenerate" / "shard-00000.partial.jsonl"
+    deadline = time.time() + 240
+    while not (journal.exists() and journal.read_text().count("\n") >= 5):
+        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    answered = len(_read_journal(str(journal)))
+    print(f"killed with {answered} of 16 turns answered")
+    assert answered >= 5 and not (killed / "regenerate" / "manifest.json").exists()
+
+    counting = _Counting(monkeypatch)
+    run_prepare(load_recipe(_recipe(tmp_path, tiny_target_dir, server.url, killed)), progress=False)
+    records = list(regenerated_records(str(killed / "regenerate")))
+    turns = sum(len(r["messages"]) // 2 for r in records)
+    assert len(counting.prompts) == turns - answered == 16 - answered
+    assert not journal.exists()
+
+    clean = tmp_path / "clean"
+    run_prepare(load_recipe(_recipe(tmp_path, tiny_target_dir, server.url, clean)), progress=False)
+    assert records == list(regenerated_records(str(clean / "regenerate")))
+
+
+@engine
+def test_a_server_that_dies_mid_run_stops_the_job_and_keeps_its_shards(tmp_path, target, gguf, server):
+    folder = tmp_path / "job"
+    with llamacpp.serving(llamacpp.ServerSpec(model=gguf, threads=1, slots=1, ctx=512)) as dying:
+        def kill_after_first_shard():
+            deadline = time.time() + 120
+            while not (folder / "shard-00000.json").exists() and time.time() < deadline:
+                time.sleep(0.005)
+            dying.proc.kill()  # the llama-server this test started, by its PID
+
+        killer = threading.Thread(target=kill_after_first_shard)
+        killer.start()
+        with pytest.raises(DraftsmithError, match=r"stopped answering .*finished shards .* are kept .* resume") as e:
+            _run(folder, target, ServerConfig(url=dying.url, concurrency=1, retries=1, backoff_s=0.0))
+        killer.join()
+    print(e.value)
+    assert (folder / "shard-00000.jsonl").exists() and not (folder / "shard-00001.jsonl").exists()
+    report, got = _run(folder, target, ServerConfig(url=server.url, concurrency=1))  # another server, same model
+    assert report.note == "resuming: 1 finished shard(s) kept"
+    assert len(got) == 8 and report.turns == 16
