@@ -92,6 +92,9 @@ def main(argv: list[str]) -> int:
             for t in args.threads.split(",")]
     ggufs = {kind: target_gguf(target, kind) for kind in args.types.split(",")}
 
+    from draftsmith.data.regenerate import greedy_batch
+
+    greedy_batch(target, [target.render_chat([{"role": "user", "content": "Hi"}])], 4)  # warm-up, as the servers get
     rates: dict[str, list[float]] = {}
     answers: dict[str, list[str]] = {}
     tokens: dict[str, int] = {}

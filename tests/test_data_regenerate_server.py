@@ -25,7 +25,7 @@ from draftsmith.data.conversations import conversation_features
 from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
 from draftsmith.data.regenerate_server import _read_journal, request_seed
 from draftsmith.engines import llamacpp
-from draftsmith.engines.openai_client import CompletionsClient
+from draftsmith.engines.openai_client import CompletionsClient, RequestFailed, ServerDown
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.target import Target, load_target
 
@@ -80,12 +80,78 @@ def test_server_settings_are_validated_with_one_line_errors():
     RegenerateConfig(method="server", server=ServerConfig(launch="llamacpp")).validate()
 
 
+@pytest.mark.parametrize("name", ["llama3.1-8b-prepare", "qwen3-8b-prepare", "smollm2-135m-prepare"])
+def test_prepare_recipes_switch_to_the_server_method_with_one_override(name):
+    from draftsmith.config import CONFIG_DIR, load_recipe
+
+    recipe = load_recipe(name, ["data.regenerate.method=server"])
+    assert recipe.data.regenerate.method == "server"
+    assert bool(recipe.data.regenerate.server.url) != (recipe.data.regenerate.server.launch == "llamacpp")
+    with pytest.raises(ConfigError, match="unknown config key 'data.regenerate.server.slotz'; valid keys here: "
+                                          "backoff_s, check_tokenizer, concurrency, gguf_type, launch, model"):
+        load_recipe(name, ["data.regenerate.server.slotz=3"])
+    if "8b" in name:  # the cluster launch lines, data parallel, pointed at by server.url
+        with open(os.path.join(CONFIG_DIR, f"{name}.yaml")) as f:
+            header = f.read().split("\ntarget:")[0]
+        assert "vllm serve" in header and "--data-parallel-size 8" in header
+        assert "python -m sglang.launch_server" in header and "--dp-size 8" in header
+        assert "data.regenerate.server.url=" in header
+
+
 def test_the_gguf_types_of_the_config_are_those_the_engine_serves():
     from typing import get_args, get_type_hints
 
     from draftsmith.engines.targets import TARGET_TYPES
 
     assert get_args(get_type_hints(ServerConfig)["gguf_type"]) == TARGET_TYPES
+
+
+class _Flaky:
+    """A local HTTP server that answers /v1/completions with 503 ``fail`` times, then with a fixed completion."""
+
+    def __init__(self, fail: int):
+        import http.server
+
+        self.posts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the http.server API
+                outer.posts += 1
+                self.rfile.read(int(self.headers["Content-Length"]))
+                ok = outer.posts > fail
+                body = json.dumps({"choices": [{"text": "hi", "finish_reason": "stop", "token_ids": [5, 2]}]} if ok
+                                  else {"error": "busy"}).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_transient_errors_are_retried_with_exponential_backoff(monkeypatch):
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    flaky = _Flaky(fail=2)
+    try:
+        answer = CompletionsClient(flaky.url, "m", retries=3, backoff_s=0.5).complete([1, 2, 3], 4)
+        assert (answer.text, answer.tokens, answer.finish) == ("hi", [5, 2], "stop")
+        assert flaky.posts == 3 and waits == [0.5, 1.0]
+        flaky.posts, waits[:] = 0, []
+        with pytest.raises(RequestFailed, match="http_503"):  # the server is up: a failed request, not a dead server
+            CompletionsClient(flaky.url, "m", retries=1, backoff_s=0.5).complete([1], 4)
+        assert flaky.posts == 2 and waits == [0.5]
+    finally:
+        flaky.httpd.shutdown()
+        flaky.httpd.server_close()
+    with pytest.raises(ServerDown, match=r"stopped answering \(connection: .*after 2 retries"):
+        CompletionsClient(flaky.url, "m", retries=2, backoff_s=0.0).complete([1], 4)
 
 
 def test_a_torn_journal_line_is_dropped_and_the_file_cut_back(tmp_path):
@@ -151,6 +217,35 @@ def test_f32_server_gives_the_records_of_in_process_greedy_regeneration(in_proce
     assert (report.turns, report.new_tokens, dict(report.finish)) == (
         ref_report.turns, ref_report.new_tokens, dict(ref_report.finish))
     assert report.turns == 16 and sum(report.render_back.values()) == 16
+
+
+@engine
+def test_a_text_only_server_gives_the_same_records_through_the_targets_tokenizer(tmp_path, target, server, served,
+                                                                                 monkeypatch):
+    """Servers that return no ids (text only): the answers are re-tokenized with the target's tokenizer."""
+    real = CompletionsClient.complete
+
+    def text_only(client, *args, **kwargs):
+        answer = real(client, *args, **kwargs)
+        answer.tokens = None
+        return answer
+
+    monkeypatch.setattr(CompletionsClient, "complete", text_only)
+    report, got = _run(tmp_path, target, ServerConfig(url=server.url, concurrency=4))
+    same = sum(a == b for a, b in zip(got, served[1]))
+    print(f"text-only: identical records {same} of {len(got)}; render back {dict(report.render_back)}")
+    assert got == served[1]
+    assert dict(report.finish) == dict(served[0].finish)
+
+
+@engine
+def test_sampling_is_seeded_per_record(tmp_path, target, server, served):
+    sampled = ServerConfig(url=server.url, concurrency=4)
+    _, first = _run(tmp_path / "a", target, sampled, temperature=1.0, seed=7)
+    _, again = _run(tmp_path / "b", target, sampled, temperature=1.0, seed=7)
+    _, other = _run(tmp_path / "c", target, sampled, temperature=1.0, seed=8)
+    assert first == again
+    assert other != first and first != served[1]
 
 
 @engine
