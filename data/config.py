@@ -116,7 +116,8 @@ class ServerConfig:
     def validate(self) -> None:
         if self.launch != "none" and self.url:
             raise ConfigError(f"data.regenerate.server.url = {self.url!r} and launch = {self.launch!r}: a launched "
-                              f"server picks its own loopback port; give one or the other")
+                              f"server picks its own loopback port; give one or the other (launch=none to use the "
+                              f"server at url)")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"data.regenerate.server.url = {self.url!r} must start with http:// or https://")
         if min(self.slots, self.threads, self.concurrency) < 1:

@@ -177,6 +177,9 @@ def regenerate_through_server(
     if not shards:
         return
     with server_for(target, st, max_length) as (client, launched):
+        if not client.healthy():
+            raise DraftsmithError(f"no server answers at {client.root}: start it (the 8B prepare recipes' headers give "
+                                  f"the vLLM and SGLang commands), or set data.regenerate.server.launch: llamacpp")
         if st.server.check_tokenizer:
             check_tokenizer(client, target)
         try:
