@@ -263,33 +263,60 @@ def test_sampling_is_seeded_per_record(tmp_path, target, server, served):
     assert other != first and first != served[1]
 
 
-@engine
-def test_launch_llamacpp_serves_the_targets_gguf_and_stops_it(tmp_path, target, gguf, served):
-    started: list[llamacpp.Server] = []
+@pytest.fixture
+def started(monkeypatch):
+    """The llama-servers started during a test (Server.start recorded)."""
+    servers: list[llamacpp.Server] = []
     real_start = llamacpp.Server.start
 
     def start(self):
-        started.append(self)
+        servers.append(self)
         return real_start(self)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llamacpp.Server, "start", start)
-        report, got = _run(tmp_path, target, ServerConfig(launch="llamacpp", gguf_type="f32", slots=2, threads=1,
-                                                          concurrency=2))
+    monkeypatch.setattr(llamacpp.Server, "start", start)
+    return servers
+
+
+def _stopped(server: llamacpp.Server) -> bool:
+    try:
+        urllib.request.urlopen(f"{server.url}/health", timeout=5)
+    except urllib.error.URLError:
+        return server.proc.poll() is not None
+    return False
+
+
+@engine
+def test_launch_llamacpp_serves_the_targets_gguf_and_stops_it(tmp_path, target, served, started):
+    report, got = _run(tmp_path, target, ServerConfig(launch="llamacpp", gguf_type="f32", slots=2, threads=1,
+                                                      concurrency=2))
     assert got == served[1]
-    assert len(started) == 1 and started[0].proc.poll() is not None  # started once, stopped at the end
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"{started[0].url}/health", timeout=5)
+    assert len(started) == 1 and _stopped(started[0])  # started once, stopped at the end
+    assert started[0].spec.args()[:10] == ["-m", started[0].spec.model, "-t", "1", "-tb", "1", "-c", str(2 * (256 + NEW)),
+                                           "-np", "2"]
+
+
+@engine
+def test_a_launched_server_is_stopped_on_error_too(tmp_path, target, started):
+    tokenizer = _with_an_added_token(target)
+    with pytest.raises(DraftsmithError, match="tokenizes differently"):
+        _run(tmp_path, Target(target.model, tokenizer, name=target.name, fingerprint=target.fingerprint),
+             ServerConfig(launch="llamacpp", gguf_type="f32", slots=1, threads=1))
+    assert len(started) == 1 and _stopped(started[0])
+
+
+def _with_an_added_token(target):
+    """The target's tokenizer after a fine-tune added a token that the probe text contains."""
+    import copy
+
+    tokenizer = copy.deepcopy(target.tokenizer)
+    tokenizer.add_tokens(["café"])
+    return tokenizer
 
 
 @engine
 def test_a_server_with_another_tokenizer_is_refused_before_any_request(tmp_path, target, server, monkeypatch):
     """A fine-tune that added a token: the probe's ids differ, and nothing is requested."""
-    import copy
-
-    tokenizer = copy.deepcopy(target.tokenizer)
-    tokenizer.add_tokens(["café"])
-    other = Target(target.model, tokenizer, name=target.name, fingerprint=target.fingerprint)
+    other = Target(target.model, _with_an_added_token(target), name=target.name, fingerprint=target.fingerprint)
     counting = _Counting(monkeypatch)
     with pytest.raises(DraftsmithError, match=r"tokenizes differently from the target .*probe ids differ from position"):
         _run(tmp_path, other, ServerConfig(url=server.url))
