@@ -290,14 +290,12 @@ class _Run:
     def answer_tokens(self, answer: ServedAnswer) -> tuple[list[int], str]:
         """(the answer's ids, cut after the target's first end-of-turn token and at max_new_tokens; finish)."""
         eos = self.target.eos_token_ids
-        if answer.tokens is not None:
-            ids = answer.tokens
-        else:  # a text-only server: re-tokenize with the target's tokenizer; its stop token is not in the text
-            ids = self.target.tokenizer.encode(answer.text, add_special_tokens=False)
-            if answer.finish == "stop" and self.eos:
-                ids = ids + [self.eos[0]]
-        end = next((k + 1 for k, t in enumerate(ids) if t in eos), len(ids))
-        ids = ids[: min(end, self.st.max_new_tokens)]
+        ids = (answer.tokens if answer.tokens is not None  # a text-only server: re-tokenized with the target's
+               else self.target.tokenizer.encode(answer.text, add_special_tokens=False))
+        end = next((k + 1 for k, t in enumerate(ids) if t in eos), None)
+        if end is None and answer.finish == "stop" and self.eos:
+            ids, end = [*ids, self.eos[0]], len(ids) + 1  # stopped at end-of-turn without listing it (text, or ids)
+        ids = ids[: min(end or len(ids), self.st.max_new_tokens)]
         return ids, "eos" if ids and ids[-1] in eos else "length"
 
     def renders_back(self, conv: Conversation, prompt: list[int], tokens: list[int]) -> bool:

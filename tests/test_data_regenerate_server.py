@@ -169,6 +169,23 @@ def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_
     assert f"draftsmith: error: no server answers at {url}: start it" in err
 
 
+def test_answers_are_cut_at_the_targets_end_of_turn_and_at_max_new_tokens(tiny_target_dir):
+    from draftsmith.data.regenerate_server import _Run
+    from draftsmith.engines.openai_client import ServedAnswer
+
+    target = load_target(tiny_target_dir, dtype="float32", device="cpu")
+    eos = min(target.eos_token_ids)
+    run = _Run(None, "", target, RegenerateConfig(max_new_tokens=4), 256, None, None)
+    cut = lambda tokens, finish="stop", text="": run.answer_tokens(ServedAnswer(text, finish, tokens, 0, 0, 0.0))  # noqa: E731
+    assert cut([5, 7, eos]) == ([5, 7, eos], "eos")
+    assert cut([5, eos, 9]) == ([5, eos], "eos")  # the server ran past the target's end of turn
+    assert cut([5, 7]) == ([5, 7, eos], "eos")  # stopped at end-of-turn without listing it
+    assert cut([5, 7, 8, 9, 10], "length") == ([5, 7, 8, 9], "length")  # llama-server may overshoot n_predict
+    hello = target.tokenizer.encode("Hello there", add_special_tokens=False)
+    assert cut(None, "stop", "Hello there") == ([*hello, eos], "eos")  # a text-only server, re-tokenized
+    assert cut(None, "length", "Hello there") == (hello, "length")
+
+
 def test_a_torn_journal_line_is_dropped_and_the_file_cut_back(tmp_path):
     path = tmp_path / "shard-00000.partial.jsonl"
     whole = json.dumps({"conv": 0, "turn": 0, "finish": "eos", "tokens": [5, 2], "text": "x", "renders_back": True})
