@@ -218,11 +218,16 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
                       summary: PrepareSummary, progress: bool, workers: Workers) -> tuple[str, str]:
     from .regenerate import regenerate_conversations, regenerated_records
 
-    r = cfg.regenerate
-    target = env.target()
-    if r.method != "server" and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
-        from ..target import load_target
+    from ..target import load_target
 
+    r = cfg.regenerate
+    if r.method == "server":
+        # the client needs the tokenizer, the template and the fingerprint, not a device: a bf16 copy on the CPU
+        # leaves every GPU of the node to the server (vLLM, SGLang) that answers
+        target = load_target(env.recipe.target.name, "bfloat16", "cpu", env.recipe.target.chat_template)
+    else:
+        target = env.target()
+    if r.method != "server" and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
         target = load_target(env.recipe.target.name, r.dtype, str(target.device),
                              env.recipe.target.chat_template)  # this stage only
     drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None

@@ -155,8 +155,14 @@ def test_transient_errors_are_retried_with_exponential_backoff(monkeypatch):
         CompletionsClient(flaky.url, "m", retries=2, backoff_s=0.0).complete([1], 4)
 
 
-def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_target_dir):
+def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_target_dir, monkeypatch):
+    """... having loaded the target's client copy on the CPU in bf16 (the node's GPUs are the server's)."""
+    import draftsmith.target
     from draftsmith.cli import main
+
+    loads = []
+    real_load = draftsmith.target.load_target
+    monkeypatch.setattr(draftsmith.target, "load_target", lambda *a, **k: loads.append(a[1:3]) or real_load(*a, **k))
 
     src = tmp_path / "convs.jsonl"
     src.write_text(json.dumps({"id": "q", "messages": _messages(["Hi"])}) + "\n")
@@ -167,6 +173,7 @@ def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"draftsmith: error: no server answers at {url}: start it" in err
+    assert loads == [("bfloat16", "cpu")]
 
 
 def test_answers_are_cut_at_the_targets_end_of_turn_and_at_max_new_tokens(tiny_target_dir):
