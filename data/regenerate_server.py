@@ -23,7 +23,10 @@ completion probe could only compare texts, which two tokenizers can agree on whi
 **Scheduling.** ``server.concurrency`` requests are in flight at once from a thread pool; the main
 thread owns all state. Conversations open in order across this process's unfinished shards (a shard
 commits as soon as its last conversation ends), so the pool never drains at a shard's end. Each
-conversation has at most one request in flight (its turns are sequential).
+conversation has at most one request in flight (its turns are sequential). Sampling is seeded per
+request (shard, conversation, turn); a server that batches several requests may still round a logit
+differently with what shares the batch, so a resumed sampled run is the same job, not always the same
+tokens (greedy F32 answers were identical in every test run).
 
 **Resume without re-asking.** Every answered turn is appended (and flushed to disk) to the shard's
 journal, ``shard-NNNNN.partial.jsonl``, before anything else is done with it; a re-run replays the
@@ -69,6 +72,18 @@ PROBE = [
     {"role": "user", "content": "Compute 1234567 * 89 = ?\n\n```python\ndef f(x):\n\treturn x  # tab\n```   \n"},
 ]
 """A conversation whose rendered text exercises what tokenizers disagree on."""
+
+
+def check_model(client: CompletionsClient) -> None:
+    """Refuse a ``model`` name the server does not serve (vLLM and SGLang would answer every request 404; a
+    llama-server serves its one model whatever the name)."""
+    served = client.models()
+    if not served or any(m.get("id") == client.model for m in served):
+        return
+    if all(m.get("owned_by") == "llamacpp" for m in served):
+        return
+    raise DraftsmithError(f"the server at {client.root} serves {', '.join(str(m.get('id')) for m in served)}, not "
+                          f"'{client.model}': set data.regenerate.server.model to the name it serves the target under")
 
 
 def check_tokenizer(client: CompletionsClient, target: Target) -> None:
@@ -180,6 +195,7 @@ def regenerate_through_server(
         if not client.healthy():
             raise DraftsmithError(f"no server answers at {client.root}: start it (the 8B prepare recipes' headers give "
                                   f"the vLLM and SGLang commands), or set data.regenerate.server.launch: llamacpp")
+        check_model(client)
         if st.server.check_tokenizer:
             check_tokenizer(client, target)
         try:

@@ -146,6 +146,15 @@ class CompletionsClient:
                             prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
                             completion_tokens=int(usage.get("completion_tokens", 0)), seconds=seconds)
 
+    def models(self) -> list[dict[str, Any]] | None:
+        """The models the server lists at ``/v1/models`` (each with its ``id`` and ``owned_by``), None if it lists none."""
+        try:
+            with urllib.request.urlopen(self.root + "/v1/models", timeout=self.timeout_s) as r:
+                data = json.loads(r.read()).get("data")
+        except (urllib.error.URLError, OSError, json.JSONDecodeError, AttributeError):
+            return None
+        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else None
+
     def tokenize(self, text: str) -> list[int] | None:
         """The server's token ids of ``text`` (special tokens parsed, no BOS) via ``/tokenize`` (llama-server,
         vLLM), or None when the server has no such endpoint."""

@@ -128,6 +128,13 @@ class _Flaky:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def do_GET(self):  # noqa: N802
+                body = json.dumps({"data": [{"id": "served-name", "owned_by": "vllm"}]}).encode()
+                self.send_response(200 if self.path == "/v1/models" else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def log_message(self, *args):
                 pass
 
@@ -191,6 +198,18 @@ def test_answers_are_cut_at_the_targets_end_of_turn_and_at_max_new_tokens(tiny_t
     hello = target.tokenizer.encode("Hello there", add_special_tokens=False)
     assert cut(None, "stop", "Hello there") == ([*hello, eos], "eos")  # a text-only server, re-tokenized
     assert cut(None, "length", "Hello there") == (hello, "length")
+
+
+def test_a_model_name_the_server_does_not_serve_is_refused(tmp_path, tiny_target_dir):
+    target = load_target(tiny_target_dir, dtype="float32", device="cpu")
+    flaky = _Flaky(fail=0)
+    try:
+        with pytest.raises(DraftsmithError, match="serves served-name, not 'llama-8b': set data.regenerate.server.model"):
+            _run(tmp_path, target, ServerConfig(url=flaky.url, model="llama-8b"))
+        assert flaky.posts == 0
+    finally:
+        flaky.httpd.shutdown()
+        flaky.httpd.server_close()
 
 
 def test_a_torn_journal_line_is_dropped_and_the_file_cut_back(tmp_path):
@@ -279,7 +298,9 @@ def test_a_text_only_server_gives_the_same_records_through_the_targets_tokenizer
 
 @engine
 def test_sampling_is_seeded_per_record(tmp_path, target, server, served):
-    sampled = ServerConfig(url=server.url, concurrency=4)
+    """One request at a time: with several in one batch, llama.cpp's logits may round differently with what shares
+    the batch, and a sampled token near a boundary of the seeded draw can change (greedy answers did not, F32)."""
+    sampled = ServerConfig(url=server.url, concurrency=1)
     _, first = _run(tmp_path / "a", target, sampled, temperature=1.0, seed=7)
     _, again = _run(tmp_path / "b", target, sampled, temperature=1.0, seed=7)
     _, other = _run(tmp_path / "c", target, sampled, temperature=1.0, seed=8)
