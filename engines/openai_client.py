@@ -19,6 +19,9 @@ text, which the caller re-tokenizes with the target's tokenizer.
 tokens), and ``cache_prompt: false`` (llama-server: each prompt is prefilled whole, so an answer does not
 depend on which slot served the previous turn). Fields a server does not know are ignored by all three.
 
+**Authentication.** A server started with an API key (``vllm serve --api-key``, ``llama-server --api-key``)
+gets ``$OPENAI_API_KEY`` as a bearer token, as the ``openai`` package sends it; the key stays out of configs.
+
 **Failures.** A connection error, a timeout or an HTTP 429/5xx is retried ``retries`` times with exponential
 backoff. What still fails raises :class:`RequestFailed` (the caller skips and counts it) — unless the server
 no longer answers at all (``/health`` unreachable), which raises :class:`ServerDown`: a long job must stop
@@ -28,6 +31,7 @@ there with a clear message rather than skip every remaining record.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -79,11 +83,12 @@ class CompletionsClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self._auth = f"Bearer {os.environ.get('OPENAI_API_KEY') or 'none'}"  # a server started with --api-key
 
     # ---- plumbing
     def _post(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         req = urllib.request.Request(self.root + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "Authorization": "Bearer none"})
+                                     headers={"Content-Type": "application/json", "Authorization": self._auth})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
@@ -149,7 +154,8 @@ class CompletionsClient:
     def models(self) -> list[dict[str, Any]] | None:
         """The models the server lists at ``/v1/models`` (each with its ``id`` and ``owned_by``), None if it lists none."""
         try:
-            with urllib.request.urlopen(self.root + "/v1/models", timeout=self.timeout_s) as r:
+            req = urllib.request.Request(self.root + "/v1/models", headers={"Authorization": self._auth})
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 data = json.loads(r.read()).get("data")
         except (urllib.error.URLError, OSError, json.JSONDecodeError, AttributeError):
             return None

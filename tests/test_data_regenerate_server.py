@@ -119,6 +119,7 @@ class _Flaky:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - the http.server API
                 outer.posts += 1
+                outer.auth = self.headers["Authorization"]
                 self.rfile.read(int(self.headers["Content-Length"]))
                 ok = outer.posts > fail
                 body = json.dumps({"choices": [{"text": "hi", "finish_reason": "stop", "token_ids": [5, 2]}]} if ok
@@ -144,13 +145,14 @@ class _Flaky:
 
 
 def test_transient_errors_are_retried_with_exponential_backoff(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")  # sent as a bearer token, as the openai package does
     waits: list[float] = []
     monkeypatch.setattr(time, "sleep", waits.append)
     flaky = _Flaky(fail=2)
     try:
         answer = CompletionsClient(flaky.url, "m", retries=3, backoff_s=0.5).complete([1, 2, 3], 4)
         assert (answer.text, answer.tokens, answer.finish) == ("hi", [5, 2], "stop")
-        assert flaky.posts == 3 and waits == [0.5, 1.0]
+        assert flaky.posts == 3 and waits == [0.5, 1.0] and flaky.auth == "Bearer sk-test"
         flaky.posts, waits[:] = 0, []
         with pytest.raises(RequestFailed, match="http_503"):  # the server is up: a failed request, not a dead server
             CompletionsClient(flaky.url, "m", retries=1, backoff_s=0.5).complete([1], 4)
