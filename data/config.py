@@ -77,13 +77,64 @@ class RenderConfig:
 
 
 @dataclass
+class ServerConfig:
+    """An OpenAI-compatible completions server that answers regeneration requests (``method: server``).
+
+    Either ``url`` names a running server (vLLM, SGLang or llama-server on a cluster; see the 8B prepare
+    recipes' headers for their launch commands), or ``launch: llamacpp`` starts a local ``llama-server``
+    on the target's GGUF for the run and stops it at the end.
+    """
+
+    url: str = ""
+    """Base URL of a running server, e.g. http://node0:8000 (``/v1/completions`` is appended); empty with
+    ``launch: llamacpp``."""
+    model: str = ""
+    """The ``model`` field of each request: the name the server serves the target under (vLLM: the
+    ``--served-model-name`` or path). Empty: the target's name."""
+    launch: Literal["none", "llamacpp"] = "none"
+    """llamacpp: start a local llama-server (built once, engines/llamacpp.py) on the target's GGUF."""
+    gguf_type: Literal["as-loaded", "f32", "bf16", "f16", "q8_0"] = "as-loaded"
+    """launch=llamacpp: the target's own GGUF file (as-loaded; a GGUF target only), or one converted once by
+    llama.cpp's converter: f32 (the fp32 target's answers), bf16, f16 or q8_0."""
+    slots: int = 8
+    """launch=llamacpp: parallel sequences (``-np``) decoded together in one batch."""
+    threads: int = 1
+    """launch=llamacpp: CPU threads (``-t``/``-tb``); always explicit, llama.cpp's default spins on a busy machine."""
+    concurrency: int = 8
+    """Requests in flight at once (a thread pool); at least the server's slots to keep them all busy."""
+    timeout_s: float = 600.0
+    """Seconds one request may take before it is retried."""
+    retries: int = 3
+    """Retries of a failed request (connection error, timeout, HTTP 429/5xx), with exponential backoff; a
+    request that still fails is skipped and counted (``finish: failed``), unless the server is down."""
+    backoff_s: float = 1.0
+    """First retry's wait; doubled at each retry."""
+    check_tokenizer: bool = True
+    """Refuse a server whose tokenizer differs from the target's (a probe through its ``/tokenize``). Turn
+    off only for a server without ``/tokenize`` whose tokenizer you know is the target's."""
+
+    def validate(self) -> None:
+        if self.launch != "none" and self.url:
+            raise ConfigError(f"data.regenerate.server.url = {self.url!r} and launch = {self.launch!r}: a launched "
+                              f"server picks its own loopback port; give one or the other (launch=none to use the "
+                              f"server at url)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"data.regenerate.server.url = {self.url!r} must start with http:// or https://")
+        if min(self.slots, self.threads, self.concurrency) < 1:
+            raise ConfigError("data.regenerate.server.slots, threads and concurrency must be at least 1")
+        if self.timeout_s <= 0 or self.retries < 0 or self.backoff_s < 0:
+            raise ConfigError("data.regenerate.server.timeout_s must be > 0, retries and backoff_s ≥ 0")
+
+
+@dataclass
 class RegenerateConfig:
     """Self-distillation: every assistant turn rewritten by the frozen target, turn by turn."""
 
-    method: Literal["generate", "speculative"] = "generate"
+    method: Literal["generate", "speculative", "server"] = "generate"
     """generate: batched generation with left padding (faster on CPU than batch 1 and than the speculative
     decoder with the untrained layer-skip drafter: benchmarks/RESULTS.md, "prepare"); speculative: the built-in
-    decoder with the recipe's drafter, batch 1 (worth it only with a drafter that is accepted often)."""
+    decoder with the recipe's drafter, batch 1 (worth it only with a drafter that is accepted often); server:
+    requests to an OpenAI-compatible server (``server``: vLLM / SGLang at scale, a local llama-server on CPU)."""
     max_new_tokens: int = 512
     """Longest regenerated turn; a turn cut here is kept (finish_reason 'length')."""
     max_turns: int = 0
@@ -105,6 +156,8 @@ class RegenerateConfig:
     """Conversations per shard file; a kill loses at most the shard in progress."""
     k: int = 4
     """Draft tokens per round (method=speculative)."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """method=server: where the answers come from (ignored otherwise)."""
 
     def validate(self) -> None:
         if self.max_turns < 0:
@@ -115,6 +168,9 @@ class RegenerateConfig:
             raise ConfigError(f"data.regenerate.temperature = {self.temperature} must be ≥ 0 (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"data.regenerate.top_p = {self.top_p} must be in (0, 1]")
+        if self.method == "server" and not self.server.url and self.server.launch == "none":
+            raise ConfigError("data.regenerate.method = server needs data.regenerate.server.url (a running "
+                              "OpenAI-compatible server, e.g. http://localhost:8000) or server.launch: llamacpp")
 
 
 @dataclass

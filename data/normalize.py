@@ -41,6 +41,7 @@ SKIP_REASONS: dict[str, str] = {
     "no_loss_tokens_in_max_length": "no assistant token left within data.render.max_length",
     # regeneration (regenerate.py)
     "prompt_too_long": "the first prompt alone does not fit max_length for regeneration",
+    "request_failed": "method=server: the first turn's request failed after its retries (see the 'failed' example)",
 }
 
 _FIELDS = {"sharegpt": ("conversations",), "messages": ("messages",), "auto": ("conversations", "messages")}

@@ -223,11 +223,16 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
                       progress: bool, workers: Workers, restart: bool) -> tuple[str, str]:
     from .regenerate import regenerate_conversations, regenerated_records
 
-    r = cfg.regenerate
-    target = env.target()
-    if r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
-        from ..target import load_target
+    from ..target import load_target
 
+    r = cfg.regenerate
+    if r.method == "server":
+        # the client needs the tokenizer, the template and the fingerprint, not a device: a bf16 copy on the CPU
+        # leaves every GPU of the node to the server (vLLM, SGLang) that answers
+        target = load_target(env.recipe.target.name, "bfloat16", "cpu", env.recipe.target.chat_template)
+    else:
+        target = env.target()
+    if r.method != "server" and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
         target = load_target(env.recipe.target.name, r.dtype, str(target.device),
                              env.recipe.target.chat_template)  # this stage only
     drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
@@ -242,6 +247,8 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
             manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
+    if report.render_back.get("differs"):
+        finish += f"; {report.render_back['differs']} answer(s) do not render back to their ids"
     rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
     summary.rows.append(StageRow("regenerate", report.conversations_in, report.kept, sum(report.skipped.values()),
                                  tokens=report.new_tokens, seconds=report.seconds + time.perf_counter() - start,

@@ -12,12 +12,15 @@ shard seeds its sampler with ``seed + shard`` and batches the same conversations
 the result is exactly the set an uninterrupted run writes. More conversations extend the
 job; settings that do not change a record (batch and shard sizes) keep every shard.
 
-Two engines (``method``): batched generation (default) — a shard's prompts sorted by length
+Three engines (``method``): batched generation (default) — a shard's prompts sorted by length
 into left-padded batches of ``batch_size`` (the records keep their order), greedy in a loop
 of its own where a row that reached EOS leaves the batch (:func:`greedy_batch`), sampled with
 HF ``generate`` — or the built-in speculative decoder with any drafter (batch size 1,
 lossless). Batched generation is the faster one on the SmolLM2 target on 2 CPU cores, with
 identical greedy tokens (benchmarks/RESULTS.md, "prepare"); batching gains more on a GPU.
+The third, ``server``, sends the same prompts to an OpenAI-compatible server (vLLM, SGLang, or a
+llama-server started for the run) and writes the same shards; see :mod:`~draftsmith.data.regenerate_server`
+(it also journals every answered turn, so a killed run re-asks none of them).
 A conversation whose next prompt no longer fits ``max_length`` keeps the turns already
 answered; one whose first prompt does not fit is skipped as ``prompt_too_long``.
 """
@@ -48,6 +51,8 @@ class RegenReport:
     turns: int = 0
     new_tokens: int = 0
     finish: Counter = field(default_factory=Counter)
+    render_back: Counter = field(default_factory=Counter)
+    """method=server: answers whose text, rendered back in the conversation, gives their ids (``ok``) or not."""
     skipped: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
     """The first skipped conversation per reason (source:conv_id)."""
@@ -72,9 +77,8 @@ def regenerate_conversations(
     ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
     each process answers its share of the shards (see :mod:`~draftsmith.data.shards`, which also says what
     a re-run keeps; ``restart`` lets it discard finished shards that changed settings or inputs invalidate)."""
-    spec = {"target": target.fingerprint, "tokenizer": target.tokenizer_hash, "dtype": str(target.dtype),
-            "data.render.max_length": max_length,
-            **{f"data.regenerate.{k}": v for k, v in asdict(settings).items() if k in _changes_records(settings)}}
+    spec = {"target": target.fingerprint, "tokenizer": target.tokenizer_hash, "data.render.max_length": max_length,
+            **_answer_settings(settings, target)}
     records = [record_digest([c, src, m]) for c, src, m in
                zip(conversations["conv_id"], conversations["source"], conversations["messages"])]
     job = ShardedJob(folder, spec, ".jsonl", records, settings.shard_size)
@@ -89,20 +93,34 @@ def regenerate_conversations(
                disable=not progress or not workers.is_main, dynamic_ncols=True)
     new_tokens = 0
     start = time.perf_counter()
+    by_index = {shard.index: shard for shard in mine}
+
+    def rows(s: int) -> list[dict[str, Any]]:
+        part = conversations[by_index[s].start: by_index[s].stop]
+        return [dict(conv_id=c, source=src, messages=m) for c, src, m in
+                zip(part["conv_id"], part["source"], part["messages"])]
+
+    def commit(s: int, out: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+        nonlocal new_tokens
+        payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
+        new_tokens += job.commit(by_index[s], payload, {**stats, "process": workers.rank})["new_tokens"]
+        bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} new tok/s")
+
+    todo = []
     for shard in mine:
         meta = job.done(shard)
         if meta is None:
-            rows = conversations[shard.start: shard.stop]
-            convs = [dict(conv_id=c, source=src, messages=m) for c, src, m in
-                     zip(rows["conv_id"], rows["source"], rows["messages"])]
-            out, stats = _regenerate_shard(convs, target, settings, max_length, settings.seed + shard.index, drafter,
-                                           bar)
-            payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
-            meta = job.commit(shard, payload, {**stats, "process": workers.rank})
+            todo.append(shard.index)
         else:
             bar.update(meta["turns_in"])
-        new_tokens += meta["new_tokens"]
-        bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} new tok/s")
+    if settings.method == "server":
+        from .regenerate_server import regenerate_through_server
+
+        regenerate_through_server(todo, rows, commit, job.folder, target, settings, max_length, bar,
+                                  tags={i: by_index[i].inputs for i in todo})
+    else:
+        for s in todo:
+            commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, drafter, bar))
     bar.close()
     shards = job.collect(workers)
     report.seconds = time.perf_counter() - start
@@ -110,12 +128,23 @@ def regenerate_conversations(
     return _report_from(shards, report, note=report.note)
 
 
-def _changes_records(settings: RegenerateConfig) -> set[str]:
-    """The settings that change a regenerated record. Not: batch and shard sizes, ``dtype`` (the dtype it
-    resolves to is in the spec), and ``k`` unless the speculative decoder samples with it. A record
-    sampled in another batch is another draw from the same distribution, as valid as this one."""
-    out = {"method", "max_new_tokens", "max_turns", "temperature", "top_p", "seed"}
-    return out | {"k"} if settings.method == "speculative" else out
+def _answer_settings(st: RegenerateConfig, target: Target) -> dict[str, Any]:
+    """The settings that change a regenerated record, recorded in the job's spec (a change keeps no shard
+    it invalidates; see :mod:`~draftsmith.data.shards`). Not: batch and shard sizes, ``dtype`` (the dtype it
+    resolves to is recorded instead), and ``k`` unless the speculative decoder samples with it — a record
+    sampled in another batch is another draw from the same distribution, as valid as this one. For the server
+    method, the server's address and its transport (concurrency, timeouts, slots, threads) are left out, so a
+    job resumes against another server of the same model (a launched llama-server's port changes every run);
+    the model name and the GGUF type stay in."""
+    keep = {"method", "max_new_tokens", "max_turns", "temperature", "top_p", "seed"}
+    if st.method == "speculative":
+        keep.add("k")
+    out = {f"data.regenerate.{k}": v for k, v in asdict(st).items() if k in keep}
+    if st.method != "server":
+        return {**out, "dtype": str(target.dtype)}  # the dtype it runs in
+    out["data.regenerate.server"] = {"model": st.server.model or target.name, "launch": st.server.launch,
+                                     **({"gguf_type": st.server.gguf_type} if st.server.launch == "llamacpp" else {})}
+    return out
 
 
 def regenerated_records(folder: str) -> Iterator[dict[str, Any]]:
@@ -136,6 +165,7 @@ def _report_from(shards: list[dict[str, Any]], report: RegenReport, note: str) -
         report.turns += m["turns"]
         report.new_tokens += m["new_tokens"]
         report.finish.update(m["finish"])
+        report.render_back.update(m.get("render_back", {}))
         report.skipped.update(m["skipped"])
         for reason, where in m["examples"].items():
             report.examples.setdefault(reason, where)
@@ -146,61 +176,105 @@ def _count_turns(conversations: Any) -> int:
     return sum(sum(1 for m in msgs if m["role"] == "assistant") for msgs in conversations["messages"])
 
 
+class Conversation:
+    """One conversation answered turn by turn, as every method walks it: the user turns and the target's own
+    answers so far (``done``), the turns still to answer (``todo``), and the answers cut at max_new_tokens."""
+
+    def __init__(self, conv: dict[str, Any]):
+        self.conv = conv
+        self.done: list[dict[str, str]] = []
+        self.todo: list[dict[str, str]] = list(conv["messages"])
+        self.open = True
+        self.cut: list[int] = []
+        self.ended_by = "prompt_too_long"
+        """Why a conversation left with no answer is skipped."""
+
+    @property
+    def answered(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.done)
+
+    def next_prompt(self, target: Target, st: RegenerateConfig, max_length: int) -> list[int] | None:
+        """The prompt ids of the next turn to answer, or None when the conversation ends here (no turn left,
+        ``max_turns`` reached, or no room for an answer within ``max_length`` / the target's positions)."""
+        while self.todo and self.todo[0]["role"] != "assistant":
+            self.done.append(self.todo.pop(0))
+        if self.todo and not (st.max_turns and self.answered >= st.max_turns):
+            prompt = target.render_chat(self.done, add_generation_prompt=True)
+            if len(prompt) < max_length and len(prompt) + st.max_new_tokens <= target.max_positions:
+                return prompt
+        return None
+
+    def close(self) -> int:
+        """End the conversation with the turns answered so far; return how many assistant turns it drops."""
+        dropped = sum(m["role"] == "assistant" for m in self.todo)
+        self.open, self.todo = False, []
+        return dropped
+
+    def answer(self, text: str, finish: str) -> None:
+        self.todo.pop(0)
+        if finish == "length":
+            self.cut.append(len(self.done))
+        self.done.append({"role": "assistant", "content": text})
+
+    def record(self, stats: dict[str, Any]) -> dict[str, Any] | None:
+        """The regenerated record, or None (counted in ``stats``) when no turn was answered."""
+        while self.done and self.done[-1]["role"] != "assistant":
+            self.done.pop()
+        if not self.done:
+            stats["skipped"][self.ended_by] += 1
+            stats["examples"].setdefault(self.ended_by, f"{self.conv['source']}:{self.conv['conv_id']}")
+            return None
+        return {"conv_id": self.conv["conv_id"], "source": self.conv["source"], "messages": self.done,
+                "truncated_turns": self.cut}
+
+
+def new_stats(convs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A shard's counters (its ``.json`` record adds the file's size and hash)."""
+    return {"turns_in": sum(sum(m["role"] == "assistant" for m in c["messages"]) for c in convs),
+            "turns": 0, "new_tokens": 0, "finish": Counter(), "skipped": Counter(), "examples": {}}
+
+
+def answer_text(target: Target, tokens: list[int]) -> str:
+    """The text stored for an answer's ids: decoded without its EOS and special tokens."""
+    return target.tokenizer.decode([t for t in tokens if t not in target.eos_token_ids], skip_special_tokens=True)
+
+
+def finish_shard(convs: list[Conversation], stats: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The shard's records in conversation order, and its counters as plain JSON."""
+    out = [r for r in (c.record(stats) for c in convs) if r is not None]
+    stats["kept"] = len(out)
+    stats["finish"] = dict(stats["finish"])
+    stats["skipped"] = dict(stats["skipped"])
+    return out, stats
+
+
 def _regenerate_shard(
     convs: list[dict[str, Any]], target: Target, st: RegenerateConfig, max_length: int, seed: int, drafter: Any,
     bar: tqdm,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Answer every assistant turn of ``convs``, turn by turn, batched across conversations."""
     torch.manual_seed(seed)  # generate() samples from the global generator: one fixed stream per shard
-    tok = target.tokenizer
-    state = [{"done": [], "todo": list(c["messages"]), "open": True, "cut": []} for c in convs]
-    stats: dict[str, Any] = {"turns_in": sum(sum(m["role"] == "assistant" for m in c["messages"]) for c in convs),
-                             "turns": 0, "new_tokens": 0, "finish": Counter(), "skipped": Counter(), "examples": {}}
+    state = [Conversation(c) for c in convs]
+    stats = new_stats(convs)
     while True:
         asks: list[tuple[int, list[int]]] = []  # (conversation, prompt ids)
         for j, s in enumerate(state):
-            if not s["open"]:
+            if not s.open:
                 continue
-            while s["todo"] and s["todo"][0]["role"] != "assistant":
-                s["done"].append(s["todo"].pop(0))
-            answered = sum(m["role"] == "assistant" for m in s["done"])
-            prompt = None
-            if s["todo"] and not (st.max_turns and answered >= st.max_turns):
-                prompt = target.render_chat(s["done"], add_generation_prompt=True)
-                if len(prompt) >= max_length or len(prompt) + st.max_new_tokens > target.max_positions:
-                    prompt = None  # no room for an answer: the conversation ends with the turns answered so far
+            prompt = s.next_prompt(target, st, max_length)
             if prompt is None:
-                bar.update(sum(m["role"] == "assistant" for m in s["todo"]))
-                s["open"], s["todo"] = False, []
+                bar.update(s.close())
                 continue
             asks.append((j, prompt))
         if not asks:
             break
         for j, tokens, finish in _answer(asks, target, st, seed, drafter):
-            s = state[j]
-            s["todo"].pop(0)
-            text = tok.decode([t for t in tokens if t not in target.eos_token_ids], skip_special_tokens=True)
-            if finish == "length":
-                s["cut"].append(len(s["done"]))
-            s["done"].append({"role": "assistant", "content": text})
+            state[j].answer(answer_text(target, tokens), finish)
             stats["turns"] += 1
             stats["new_tokens"] += len(tokens)
             stats["finish"][finish] += 1
             bar.update(1)
-    out = []
-    for c, s in zip(convs, state):
-        while s["done"] and s["done"][-1]["role"] != "assistant":
-            s["done"].pop()
-        if not s["done"]:
-            stats["skipped"]["prompt_too_long"] += 1
-            stats["examples"].setdefault("prompt_too_long", f"{c['source']}:{c['conv_id']}")
-            continue
-        out.append({"conv_id": c["conv_id"], "source": c["source"], "messages": s["done"],
-                    "truncated_turns": s["cut"]})
-    stats["kept"] = len(out)
-    stats["finish"] = dict(stats["finish"])
-    stats["skipped"] = dict(stats["skipped"])
-    return out, stats
+    return finish_shard(state, stats)
 
 
 def _answer(

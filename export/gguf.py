@@ -27,8 +27,9 @@ import tempfile
 from typing import Any
 
 from ..engines import llamacpp
+from ..engines.targets import TARGET_TYPES, cached_target, original_gguf
 from ..errors import DraftsmithError
-from ..target import BUILTINS, Target, resolve_target_folder
+from ..target import Target, resolve_target_folder
 from . import eagle3, hf
 from .conventions import engine_layer_ids
 
@@ -36,7 +37,6 @@ DRAFT_FILE = "draft.gguf"
 TARGET_FILE = "target.gguf"
 GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
 """What the converter writes; ``auto`` = the drafter's stored dtype (f32 or bf16)."""
-TARGET_TYPES = ("as-loaded", "f32", "bf16", "f16", "q8_0")
 ARCH = {"eagle3": "eagle3", "draft_lm": "llama"}
 """general.architecture of each family's GGUF (a draft LM keeps its own, Llama for SmolLM2-style ones)."""
 
@@ -79,28 +79,6 @@ def write_target(target_spec: str, out: str, kind: str = "as-loaded") -> str:
         shutil.copyfile(original, path)
         return path
     return llamacpp.convert(resolve_target_folder(target_spec), path, kind)
-
-
-def original_gguf(target_spec: str) -> str | None:
-    """The GGUF file a target spec was loaded from (a builtin alias's packaged file, or the path), else None."""
-    if target_spec in BUILTINS:
-        from ..target import _builtin_gguf
-
-        return _builtin_gguf(target_spec)
-    return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
-
-
-def cached_target(target: Target, kind: str = "f32") -> str:
-    """A GGUF of ``target`` for checks (converted once per fingerprint into the cache)."""
-    from ..devices import cache_dir
-    from ..files import atomic_path
-
-    path = os.path.join(cache_dir(), "gguf", f"{target.fingerprint}-{kind}.gguf")
-    if not os.path.isfile(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with atomic_path(path) as tmp:
-            llamacpp.convert(resolve_target_folder(target.name), tmp, kind)
-    return path
 
 
 # ---------------------------------------------------------------- reading back

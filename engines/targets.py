@@ -1,0 +1,51 @@
+"""The target as a GGUF file for llama.cpp: the file it was loaded from, or a conversion made once.
+
+Below both ``export/`` (``--to gguf-target``, ``export --check``) and ``data/`` (regeneration through a
+local ``llama-server``), which both serve the target in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..devices import cache_dir
+from ..errors import DraftsmithError
+from ..files import atomic_path
+from ..target import BUILTINS, Target, resolve_target_folder
+from . import llamacpp
+
+TARGET_TYPES = ("as-loaded", "f32", "bf16", "f16", "q8_0")
+"""``as-loaded``: the GGUF file a GGUF target was loaded from (the builtin SmolLM2: Q4_1); the others are
+what llama.cpp's converter writes from the target's HF folder."""
+
+
+def original_gguf(target_spec: str) -> str | None:
+    """The GGUF file a target spec was loaded from (a builtin alias's packaged file, or the path), else None."""
+    if target_spec in BUILTINS:
+        from ..target import _builtin_gguf
+
+        return _builtin_gguf(target_spec)
+    return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
+
+
+def cached_target(target: Target, kind: str = "f32") -> str:
+    """A GGUF of ``target`` converted by llama.cpp's converter (once per fingerprint and kind, into the cache)."""
+    path = os.path.join(cache_dir(), "gguf", f"{target.fingerprint}-{kind}.gguf")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_path(path) as tmp:
+            llamacpp.convert(resolve_target_folder(target.name), tmp, kind)
+    return path
+
+
+def target_gguf(target: Target, kind: str) -> str:
+    """The GGUF of ``target`` of type ``kind`` (:data:`TARGET_TYPES`) to serve in llama.cpp."""
+    if kind not in TARGET_TYPES:
+        raise DraftsmithError(f"GGUF type {kind!r} is not one of: {', '.join(TARGET_TYPES)}")
+    if kind != "as-loaded":
+        return cached_target(target, kind)
+    original = original_gguf(target.name)
+    if original is None:
+        raise DraftsmithError(f"the target '{target.name}' was not loaded from a GGUF file, so it has no as-loaded "
+                              f"GGUF; choose a converted one: {', '.join(TARGET_TYPES[1:])}")
+    return original
