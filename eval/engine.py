@@ -159,13 +159,11 @@ def table(result: dict[str, Any], title: str = "in llama.cpp") -> str:
 
 
 def target_gguf_for(target_spec: str, kind: str, target: Any) -> str:
-    """The target's GGUF to serve: the file it was loaded from (``as-loaded``), else a cached conversion."""
-    from ..export import gguf
+    """The target's GGUF to serve: the file it was loaded from (``as-loaded``; an F32 conversion for a target that
+    came as an HF folder), else a conversion cached once per fingerprint."""
+    from ..engines.targets import original_gguf, target_gguf
 
-    if kind == "as-loaded":
-        original = gguf.original_gguf(target_spec)
-        return original if original is not None else gguf.cached_target(target, "f32")
-    return gguf.cached_target(target, kind)
+    return target_gguf(target, "f32" if kind == "as-loaded" and original_gguf(target_spec) is None else kind)
 
 
 def evaluate_in_llamacpp(recipe: Any, prompts: Sequence[Sequence[int]], target: Any) -> dict[str, Any]:
