@@ -163,6 +163,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
 
     size = size or DemoSize()
     stages = demo_stages(run_dir, size)
+    # every stage's recipe is validated before the first one runs: a bad --steps fails now, not after prepare
+    recipes = {name: load_recipe(STAGE_RECIPES[name], overrides) for name, overrides in stages.items()}
     times: dict[str, float] = {}
 
     def banner(name: str) -> float:
@@ -170,17 +172,16 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         return time.perf_counter()
 
     t = banner("prepare")
-    recipe = load_recipe(STAGE_RECIPES["prepare"], stages["prepare"])
-    save_recipe(recipe)
-    run_prepare(recipe)
+    save_recipe(recipes["prepare"])
+    run_prepare(recipes["prepare"])
     times["prepare"] = time.perf_counter() - t
 
     t = banner("train")
-    train_summary = run_training(load_recipe(STAGE_RECIPES["train"], stages["train"]))
+    train_summary = run_training(recipes["train"])
     times["train"] = time.perf_counter() - t
 
     t = banner("eval")
-    recipe = load_recipe(STAGE_RECIPES["eval"], stages["eval"])
+    recipe = recipes["eval"]
     run_eval_recipe(recipe)
     times["eval"] = time.perf_counter() - t
     m = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
