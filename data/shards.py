@@ -100,7 +100,7 @@ class ShardedJob:
     def finished(self) -> dict[str, Any] | None:
         """The manifest when this exact job already ran to the end and every shard is still whole, else None."""
         manifest = read_json(os.path.join(self.folder, MANIFEST))
-        if manifest is None or manifest.get("spec") != self.spec:
+        if not isinstance(manifest, dict) or manifest.get("spec") != self.spec:
             return None
         if any(self.done(i) is None for i in range(len(manifest["shards"]))):
             return None  # a shard was deleted (e.g. after a checksum error): resume recomputes it
