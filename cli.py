@@ -255,13 +255,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     import time
 
     from .errors import ConfigError
-    from .export import FORMATS, check, export
+    from .export import FORMATS, CheckFailed, check, export
 
     if args.check:
         if args.source or args.fmt or args.out:
             raise ConfigError("draftsmith export --check DIR takes no SOURCE, --to or --out")
         t0 = time.perf_counter()
-        for line in check(args.check, args.target):
+        try:
+            lines = check(args.check, args.target)
+        except CheckFailed as e:  # what passed before the failure, then the failure
+            for line in e.passed:
+                print(f"ok  {line}")
+            print(f"FAILED after {len(e.passed)} passed check(s)")
+            raise
+        for line in lines:
             print(f"ok  {line}")
         print(f"export {args.check} checked in {time.perf_counter() - t0:.1f}s")
         return 0

@@ -7,6 +7,6 @@ format) (``adapters.py``); the layer-id and vocabulary conventions written once
 nothing imports it but the CLI.
 """
 
-from .run import FORMATS, check, export
+from .run import FORMATS, CheckFailed, check, export
 
-__all__ = ["FORMATS", "check", "export"]
+__all__ = ["FORMATS", "CheckFailed", "check", "export"]

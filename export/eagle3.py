@@ -139,6 +139,24 @@ def write(source: Any, fmt: str, out: str) -> None:
     write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
 
 
+def as_exported(source: Any, fmt: str) -> None:
+    """Make ``source`` (rebuilt for ``--check`` on the fp32 target) hold what the export holds, so the check
+    compares like with like.
+
+    speculators stores ``embed_tokens.weight`` (vLLM reads the file's own embedding when it has one) in the
+    head's dtype, like every other tensor; the source copies the target's embedding, fp32 here. For a
+    bf16-trained head the stored embedding is that copy rounded to bf16 — what the head was trained on (a bf16
+    target's embedding) and what a bf16 vLLM serves, so it is right as stored: an fp32 copy would double the
+    file's largest tensor (V·H) for a precision no bf16 engine keeps. The comparison rounds the source's copy
+    the same way. The eagle3 layout stores no embedding (the engine shares the target's), so nothing changes.
+    """
+    if fmt != "speculators":
+        return
+    embed = source.drafter.module.embed_tokens.weight
+    with torch.no_grad():
+        embed.copy_(embed.to(source.dtype).to(embed.dtype))
+
+
 # ---------------------------------------------------------------- reading back
 
 
