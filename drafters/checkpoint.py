@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from ..chat import template_mismatch
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_dir
 from ..schema import from_dict, to_dict
-from ..target import Target
+from ..target import Target, describe
 
 FORMAT = "draftsmith-drafter"
 FORMAT_VERSION = 1
@@ -155,6 +157,9 @@ def load(path: str, target: Target) -> Any:
             f"but the target loaded now, '{target.name}', has fingerprint {target.fingerprint}. A drafter only fits "
             f"the exact target it was trained with: load that target (target.name) or train a drafter for this one."
         )
+    mismatch = template_mismatch(saved.get("chat_template"), describe(target)["chat_template"], path)
+    if mismatch:
+        print(f"draftsmith: warning: {mismatch}", file=sys.stderr)
     section = meta.get("drafter", {})
     kind = section.get("type")
     fams = trainable_families()
