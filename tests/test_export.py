@@ -281,6 +281,34 @@ def test_a_failing_check_prints_the_checks_that_passed_before_it(tmp_path, sourc
     assert "draftsmith: error: the export" in captured.err and "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("norms", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+def test_eagle31_options_are_exported_true_and_proven_by_speculators(tmp_path, target, vocab, norms):
+    """The flags a head uses are written true, their norms stored, loaded back into the same head, and
+    speculators' own forward (which reads the flags) equals draftsmith's; the original layout refuses them."""
+    from safetensors.torch import load_file
+
+    config = Eagle3Config(feature_layers=EAGLE3_LAYERS, **norms)
+    module = config.build_module(target, vocab)
+    perturb(module)  # the norm scales too: a dropped norm changes the proposals
+    source, out = str(tmp_path / "head"), str(tmp_path / "spec")
+    drafters.save(config.runtime(module, target), source)
+    export(source, "speculators", out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert {flag: cfg[flag] for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")} == {
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False, **norms}
+    stored = load_file(os.path.join(out, "model.safetensors"))
+    norm_tensors = {k for k in stored if k.startswith(("fc_norm.", "input_norm."))}
+    assert norm_tensors == ({"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} if "fc_norm" in norms
+                            else {"input_norm.weight"})
+    lines = check(out)
+    assert any("speculators' forward on the same hidden states" in line for line in lines)
+    assert any(f"loads all {16 + len(norm_tensors)} tensors" in line for line in lines)
+    assert any("proposes the source drafter's 4 tokens" in line for line in lines)
+    with pytest.raises(DraftsmithError, match=r"uses .*EAGLE-3.1.*export it with --to speculators"):
+        export(source, "eagle3", str(tmp_path / "eagle3"))
+    assert not os.path.exists(tmp_path / "eagle3")
+
+
 def test_eagle1_is_refused_naming_where_the_semantics_differ(tmp_path, sources, capsys):
     out = tmp_path / "e1"
     assert main(["export", sources["eagle1"], "--to", "eagle1", "--out", str(out)]) == 2
