@@ -42,8 +42,8 @@ from ..errors import DraftsmithError
 from ..target import Target, describe
 from .adapters import adapter
 from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
-from .tensors import DTYPES, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
-    write_safetensors
+from .tensors import DTYPES, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
+    write_json_file, write_safetensors
 
 WEIGHTS = "model.safetensors"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -231,7 +231,7 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
 
     def need(ok: bool, what: str) -> None:
         if not ok:
-            raise DraftsmithError(f"{where}: {what}")
+            raise CheckFailed(f"{where}: {what}", done)
         done.append(what)
 
     arch = ["Eagle3Speculator"] if fmt == "speculators" else ["LlamaForCausalLMEagle3"]

@@ -33,7 +33,7 @@ from ..target import Target, describe, load_target
 from . import eagle1, eagle3, hf, medusa
 from .conventions import engine_layer_ids
 from .source import Source, open_source, source_family
-from .tensors import read_json, write_json_file
+from .tensors import CheckFailed, read_json, write_json_file
 
 INFO_FILE = "draftsmith_export.json"
 INFO_FORMAT = "draftsmith-export"
@@ -124,24 +124,14 @@ def read_info(folder: str) -> dict[str, Any]:
     return info
 
 
-class CheckFailed(DraftsmithError):
-    """A check of ``check`` failed; ``passed`` holds the lines of the checks that passed before it."""
-
-    def __init__(self, message: str, passed: list[str]):
-        super().__init__(message)
-        self.passed = passed
-
-
 def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] | None = None) -> list[str]:
     """Prove the export in ``folder``; one line per check (:class:`CheckFailed` at the first failure, with
     the lines of the checks that passed before it)."""
     lines: list[str] = []
     try:
         _check(folder, target_spec, prompts, lines)
-    except CheckFailed:
-        raise
-    except DraftsmithError as e:
-        raise CheckFailed(str(e), lines) from e
+    except DraftsmithError as e:  # a static check that fails part-way says what of it passed (e.passed)
+        raise CheckFailed(str(e), lines + getattr(e, "passed", [])) from e
     return lines
 
 

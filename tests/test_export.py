@@ -279,6 +279,13 @@ def test_a_failing_check_prints_the_checks_that_passed_before_it(tmp_path, sourc
     assert any("tensors: every name, shape and dtype the loader reads" in line for line in passed)  # static checks passed
     assert captured.out.splitlines()[-1] == f"FAILED after {len(passed)} passed check(s)"
     assert "draftsmith: error: the export" in captured.err and "Traceback" not in captured.err
+    # a static check that fails part-way: the static checks before it are listed too
+    _tamper_config(out, norm_before_residual=None)
+    assert main(["export", "--check", out]) == 2
+    captured = capsys.readouterr()
+    assert "ok  architectures = ['LlamaForCausalLMEagle3']" in captured.out.splitlines()
+    assert "norm_before_residual = false" in captured.err
+    assert captured.out.splitlines()[-1] == "FAILED after 7 passed check(s)"  # the header and 6 static checks
 
 
 @pytest.mark.parametrize("norms", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
