@@ -12,10 +12,17 @@
 
 The template in use becomes the tokenizer's ``chat_template``, so it enters the tokenizer
 fingerprint: data rendered with one template is refused by a run that uses another.
+
+A drafter records the template its target rendered with (:func:`template_record`: the option and a hash of
+the text, in ``config.json``'s ``target``), and loading it where the target renders with another prints a
+warning (:func:`template_mismatch`) rather than refusing: decoding stays lossless whatever the template —
+the target verifies every draft — so only acceptance suffers, and evaluating a head on prompts of another
+form (raw completions, say) is a measurement a user may want; the warning makes sure it is never unnoticed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -87,3 +94,27 @@ def render_prompt(
     if len(messages) != 1 or messages[0]["role"] != "user" or not add_generation_prompt:
         raise missing_template(target_name or getattr(tokenizer, "name_or_path", "?"), f"rendering {len(messages)} messages")
     return list(tokenizer(messages[0]["content"])["input_ids"])  # raw, with the tokenizer's own BOS if any
+
+
+def template_record(tokenizer: Any, option: str | None = None) -> dict[str, Any]:
+    """The chat template a tokenizer renders with: ``option`` (``target.chat_template`` as given, when known;
+    else ``none`` / ``plain`` / ``custom`` read from the text) and the sha256 of its text (16 hex; None: prompts
+    are rendered raw)."""
+    text = getattr(tokenizer, "chat_template", None) or None
+    if option is None:
+        option = "none" if text is None else "plain" if text == PLAIN_TEMPLATE else "custom"
+    return {"option": option, "sha256": hashlib.sha256(str(text).encode()).hexdigest()[:16] if text else None}
+
+
+def template_mismatch(trained: dict[str, Any] | None, now: dict[str, Any], drafter: str) -> str | None:
+    """One line when a drafter trained with the template ``trained`` is used with ``now`` (None: the same, or
+    a drafter saved before templates were recorded)."""
+    if not isinstance(trained, dict) or trained.get("sha256") == now.get("sha256"):
+        return None
+
+    def name(record: dict[str, Any]) -> str:
+        return f"'{record.get('option')}' (" + (f"sha256 {record['sha256']}" if record.get("sha256") else "raw prompts") + ")"
+
+    return (f"drafter '{drafter}' was trained on prompts rendered with chat template {name(trained)}, but the target "
+            f"now renders with {name(now)}: its drafts will be accepted less often (the output is unchanged, decoding "
+            f"stays lossless); set {OPTION} as in training to use it as trained")

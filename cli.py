@@ -21,7 +21,7 @@ import os
 import sys
 
 from .demo import SIZES
-from .errors import DraftsmithError
+from .errors import DraftsmithError, write_refusal, writing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
+    except OSError as e:  # a write the system refused outside a stage's run folder (each stage names its own)
+        message = write_refusal(e, None) if e.errno is not None else None
+        if message is None:
+            raise
+        print(f"draftsmith: error: {message}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("draftsmith: interrupted", file=sys.stderr)
         return 130
@@ -179,7 +185,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .config import load_recipe
     from .eval.run import run_eval_recipe
 
-    return run_eval_recipe(load_recipe(args.config, args.overrides))
+    recipe = load_recipe(args.config, args.overrides)
+    with writing(recipe.run_dir):
+        return run_eval_recipe(recipe)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -190,7 +198,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     # here unless it exists
     compare = [c for c in args.compare if "=" not in c or os.path.isdir(c)]
     overrides = args.overrides + [c for c in args.compare if c not in compare]
-    run_report(load_recipe(args.config, overrides), compare)
+    recipe = load_recipe(args.config, overrides)
+    with writing(recipe.run_dir):
+        run_report(recipe, compare)
     return 0
 
 
@@ -201,14 +211,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        save_recipe(recipe)
-        run_prepare(recipe, restart=args.restart)
+        with writing(recipe.data.resolve_out_dir(recipe.run_dir)):
+            save_recipe(recipe)
+            run_prepare(recipe, restart=args.restart)
         return 0
     # under torchrun / the deepspeed launcher: the processes split regenerate and features
     from .data.shards import Workers
     from .train import distributed
 
-    with distributed.process_group() as world:
+    with distributed.process_group() as world, writing(recipe.data.resolve_out_dir(recipe.run_dir)):
         if world.is_main:
             save_recipe(recipe)
         run_prepare(recipe, workers=Workers(world.rank, world.world_size, distributed.barrier, distributed.all_sum),
@@ -221,7 +232,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.run import run_training
 
     recipe = load_recipe(args.config, args.overrides)
-    summary = run_training(recipe, resume=args.resume)
+    with writing(recipe.run_dir):
+        summary = run_training(recipe, resume=args.resume)
     if summary["rank"] == 0:
         heldout = ", ".join(f"{k} {v:.4f}" for k, v in summary["heldout"].items())
         print(f"trained {summary['method']} for {summary['steps']} steps on {summary['world_size']} process(es) "
@@ -236,7 +248,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     size = sized(args.size, conversations=args.conversations, steps=args.steps, prompts=args.prompts,
                  max_new_tokens=args.max_new_tokens, k=args.k)
     run_dir = args.run_dir or ("runs/demo" if args.size == "default" else f"runs/demo-{args.size}")
-    summary = run_demo(run_dir, size, check=True)
+    with writing(run_dir):
+        summary = run_demo(run_dir, size, check=True)
     return 0 if summary["passed"] else 1
 
 
@@ -263,13 +276,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     import time
 
     from .errors import ConfigError
-    from .export import FORMATS, TARGET_FORMAT, check, export, export_target
+    from .export import FORMATS, TARGET_FORMAT, CheckFailed, check, export, export_target
 
     if args.check:
         if args.source or args.fmt or args.out:
             raise ConfigError("draftsmith export --check DIR takes no SOURCE, --to or --out")
         t0 = time.perf_counter()
-        for line in check(args.check, args.target):
+        try:
+            lines = check(args.check, args.target)
+        except CheckFailed as e:  # what passed before the failure, then the failure
+            for line in e.passed:
+                print(f"ok  {line}")
+            print(f"FAILED after {len(e.passed)} passed check(s)")
+            raise
+        for line in lines:
             print(f"ok  {line}")
         print(f"export {args.check} checked in {time.perf_counter() - t0:.1f}s")
         return 0
@@ -284,8 +304,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"draftsmith export needs SOURCE, --to ({' | '.join(FORMATS)}) and --out DIR (or --check DIR)")
     if args.gguf_type and args.fmt != "gguf":
         raise ConfigError(f"--gguf-type is for --to gguf or --to {TARGET_FORMAT}, not --to {args.fmt}")
-    info = export(args.source, args.fmt, args.out, target=args.target, force=args.force,
-                  gguf_type=args.gguf_type or "auto")
+    with writing(args.out):
+        info = export(args.source, args.fmt, args.out, target=args.target, force=args.force,
+                      gguf_type=args.gguf_type or "auto")
     print(f"wrote {args.out}: {info['source']['family']} drafter from {info['source']['kind']} {args.source} as {args.fmt} "
           f"for {FORMATS[args.fmt].engines}")
     if "feature_layers" in info:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .data.config import DataConfig
 from .drafters import DrafterConfig
+from .errors import ConfigError
 from .drafters.layer_skip import LayerSkipConfig
 from .eval.config import DecodeConfig, EvalConfig
 from .report.config import ReportConfig
@@ -35,6 +36,10 @@ class Recipe:
     report: ReportConfig = field(default_factory=ReportConfig)
     run_dir: str = "runs/default"
     """Where this run writes its outputs (resolved config, metrics, checkpoints)."""
+
+    def validate(self) -> None:
+        if not self.run_dir.strip():
+            raise ConfigError("run_dir is empty; name the folder this run writes to, e.g. run_dir=runs/mine")
 
 
 def resolve_config_path(path: str) -> str:

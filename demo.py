@@ -8,7 +8,8 @@ target and data, ending with a drafter that makes the target faster, measured.
    ``smollm2-135m-prepare``);
 2. **train** — an EAGLE-3 head distilled from SmolLM2-135M-Instruct through the DeepSpeed
    engine, offline from the feature cache (recipe ``smollm2-135m-eagle3``);
-3. **eval** — the trained head in the built-in decoder on MT-bench first turns, greedy: speed
+3. **eval** — the head training kept as best (``eagle3/drafter-best``: the highest held-out ``sim_tau``, which
+   may be the last step's) in the built-in decoder on MT-bench first turns, greedy: speed
    in **bf16** against the target alone (its own greedy ``generate``, same process, interleaved
    per prompt), and every output checked token for token against the target's own greedy
    decoding in **fp32** (where identity is exact).
@@ -112,6 +113,7 @@ def pipeline_dtype(size: DemoSize) -> str:
 
 def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
     """The recipe overrides of each stage (what ``draftsmith <stage> --config … <overrides>`` would take)."""
+    from .train.save import BEST  # here: the CLI imports this module on every command
     data = os.path.join(run_dir, "prepare", "data")
     dtype = pipeline_dtype(size)  # the target's, hence regeneration's, feature capture's and the engine's
     return {
@@ -136,7 +138,8 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
             f"train.eval.heldout={8 if size.conversations >= 64 else 1}",  # held-out records for Σ min(p, q)
             "train.eval.decoder_at_end=false",
         ],
-        "eval": [f"run_dir={run_dir}/eval-eagle3", "drafter.type=saved", f"drafter.path={run_dir}/eagle3/drafter",
+        # the head training kept as best (highest held-out sim_tau, ``train/save.py``), not the last one
+        "eval": [f"run_dir={run_dir}/eval-eagle3", "drafter.type=saved", f"drafter.path={run_dir}/eagle3/{BEST}",
                  "target.dtype=bfloat16",  # speed in bf16; the identity audit reloads the target in fp32
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
                  f"decode.k={size.k}", f"decode.min_confidence={size.min_confidence}",
@@ -162,6 +165,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
 
     size = size or DemoSize()
     stages = demo_stages(run_dir, size)
+    # every stage's recipe is validated before the first one runs: a bad --steps fails now, not after prepare
+    recipes = {name: load_recipe(STAGE_RECIPES[name], overrides) for name, overrides in stages.items()}
     times: dict[str, float] = {}
 
     def banner(name: str) -> float:
@@ -169,17 +174,16 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         return time.perf_counter()
 
     t = banner("prepare")
-    recipe = load_recipe(STAGE_RECIPES["prepare"], stages["prepare"])
-    save_recipe(recipe)
-    run_prepare(recipe)
+    save_recipe(recipes["prepare"])
+    run_prepare(recipes["prepare"])
     times["prepare"] = time.perf_counter() - t
 
     t = banner("train")
-    train_summary = run_training(load_recipe(STAGE_RECIPES["train"], stages["train"]))
+    train_summary = run_training(recipes["train"])
     times["train"] = time.perf_counter() - t
 
     t = banner("eval")
-    recipe = load_recipe(STAGE_RECIPES["eval"], stages["eval"])
+    recipe = recipes["eval"]
     run_eval_recipe(recipe)
     times["eval"] = time.perf_counter() - t
     m = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
@@ -188,7 +192,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
          "acceptance_at_position": [], "tokens_per_s": speed["target_tokens_per_s"], "speedup_vs_target": 1.0,
          "predicted_speedup": None, "identical_to_target": None},
-        {"name": "eagle3 head", "drafter": f"EAGLE-3 head, trained {size.steps} steps" + (
+        {"name": "eagle3 head", "drafter": f"EAGLE-3 head, trained {size.steps} steps, "
+                                           f"{os.path.basename(recipe.drafter.path)} (step {_best_step(train_summary)})" + (
             "" if size.tree is None else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
          "k": m["k"], "tau_with_bonus": m["tau_with_bonus"],
          "acceptance_at_position": m["acceptance_at_position"], "tokens_per_s": speed["tokens_per_s"],
@@ -236,6 +241,11 @@ def sized(name: str, **overrides: Any) -> DemoSize:
     if size.dtype == "auto" and pipeline_dtype(size) == "float32":
         size = replace(size, conversations=round(size.conversations * FP32_SHARE), steps=round(size.steps * FP32_SHARE))
     return replace(size, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _best_step(train_summary: dict[str, Any]) -> Any:
+    """The step of the drafter training kept as best (``drafter-best``), or "?" when the summary lacks it."""
+    return (train_summary.get("best") or {}).get("step", "?")
 
 
 def _read_json(path: str) -> dict[str, Any]:

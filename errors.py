@@ -6,6 +6,14 @@ message says what is wrong *and what to do*. The CLI prints these without a
 traceback; everything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+
 
 class DraftsmithError(Exception):
     """An error caused by the user's input, with a message naming the fix."""
@@ -13,3 +21,55 @@ class DraftsmithError(Exception):
 
 class ConfigError(DraftsmithError):
     """A config key, value or combination that is not valid."""
+
+
+# ---------------------------------------------------------------- writes the system refused
+
+FULL_DISK_BYTES = 1 << 20
+"""A failed write with less than this free (for this user) on the folder's file system is taken as a full
+disk: torch.save's C++ stream and safetensors' Rust writer do not pass the OS's errno on ("basic_ios::clear",
+"unexpected pos …"), so the free space right after the failure is what tells."""
+
+
+def write_refusal(e: BaseException, folder: str | None) -> str | None:
+    """A one-line message when ``e`` is the system refusing a write under ``folder`` (a full disk, a
+    read-only file system, no permission); None when it is anything else."""
+    if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+        return None
+    code = getattr(e, "errno", None)
+    folder = getattr(e, "filename", None) or folder
+    where = os.path.dirname(os.path.abspath(folder)) if folder and not os.path.isdir(folder) else folder
+    if code in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e) or (code is None and where and _nearly_full(where)):
+        return f"no space left on {where or 'the disk'}: free some space (or write elsewhere: run_dir, --out) and rerun"
+    if code == errno.EROFS:
+        return f"'{folder}' is on a read-only file system: choose a writable folder (run_dir, data.out_dir, --out)"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied on '{folder}': choose a folder you can write (run_dir, data.out_dir, --out)"
+    return None
+
+
+@contextlib.contextmanager
+def writing(folder: str, cleanup: str | None = None) -> Iterator[None]:
+    """Run work that writes under ``folder``; a write the system refuses becomes a :class:`DraftsmithError`
+    that names the folder (:func:`write_refusal`) instead of a library's traceback. On any failure the
+    folder ``cleanup`` (a half-written temporary one) is removed — after the failure is classified, since
+    removing it frees the space that tells a full disk."""
+    try:
+        yield
+    except BaseException as e:
+        message = None if isinstance(e, DraftsmithError) else write_refusal(e, folder)
+        if cleanup:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        if message is None:
+            raise
+        raise DraftsmithError(message) from e
+
+
+def _nearly_full(folder: str) -> bool:
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free < FULL_DISK_BYTES
+    except OSError:
+        return False

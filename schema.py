@@ -13,6 +13,7 @@ Rules every config class follows (torchtune/litgpt style):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -73,7 +74,12 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            reason = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({reason}); "
+                              "quote a string, close a list with ]") from e
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -99,11 +105,18 @@ def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file '{path}' is a folder; give a recipe YAML file or a name from `draftsmith configs`")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError as e:
         raise ConfigError(f"config file '{path}' does not exist") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                          "save it as UTF-8") from e
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -189,6 +202,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             value = _yaml11_float(value)  # PyYAML reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"'{where}' must be a number, got {value!r}")
+        if not math.isfinite(value):  # no setting means anything at nan or inf, and nan passes every `<` check
+            raise ConfigError(f"'{where}' must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):

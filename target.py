@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .chat import apply_option, check_option, render_prompt
+from .chat import apply_option, check_option, render_prompt, template_record
 from .devices import cache_dir, detect_device, resolve_dtype
 from .errors import DraftsmithError
 from .files import atomic_dir
@@ -80,7 +80,10 @@ class TargetOutput:
 class Target:
     """A frozen causal LM with its tokenizer and fingerprint. Holds no config object."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None,
+                 chat_option: str | None = None):
+        """chat_option: the ``target.chat_template`` the tokenizer's template came from, when known (drafters
+        record it, ``describe``)."""
         check_architecture(model, name, need="decode")
         freeze(model)
         self.model = model
@@ -88,6 +91,7 @@ class Target:
         self.name = name
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.tokenizer_hash = tokenizer_fingerprint(tokenizer)
+        self.chat_option = chat_option
 
     # ---- facts about the model
     @property
@@ -352,7 +356,7 @@ def load_target(
         ) from e
     model.to(dev)
     cpu_linear.install(model)  # CPU: fp32 on oneDNN, bf16 on an AVX2 CPU on our kernel (flat cost for 1-8 tokens)
-    return Target(model, apply_option(tokenizer, chat_template), name=spec)
+    return Target(model, apply_option(tokenizer, chat_template), name=spec, chat_option=chat_template)
 
 
 def resolve_target_folder(spec: str) -> str:
@@ -426,6 +430,7 @@ def describe(target: Target) -> dict[str, Any]:
         "name": target.name,
         "fingerprint": target.fingerprint,
         "tokenizer_hash": target.tokenizer_hash,
+        "chat_template": template_record(target.tokenizer, target.chat_option),
         "layers": target.num_layers,
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from ..errors import ConfigError
 
@@ -229,6 +229,8 @@ class DataConfig:
             raise ConfigError("data.sources is empty; add at least one source, e.g. {path: sharegpt}")
         if self.max_conversations < 0:
             raise ConfigError(f"data.max_conversations = {self.max_conversations} must be ≥ 0 (0 = all)")
+        if not self.stages:
+            raise ConfigError("data.stages is empty: nothing to prepare; choose from: " + ", ".join(get_args(Stage)))
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError(f"data.stages = {self.stages} lists a stage twice")
 

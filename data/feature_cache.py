@@ -178,6 +178,27 @@ def _shard_tensors(
     return tensors
 
 
+_MANIFEST_FIELDS = {"target": dict, "tokenizer_hash": str, "shards": list, "layer_ids": list, "hidden_size": int,
+                    "topk": int, "num_tokens": int, "num_samples": int, "source_data_hash": str}
+_SHARD_FIELDS = {"file": str, "bytes": int, "first_index": int}
+_JSON_NAMES = {dict: "object", list: "array", str: "string", int: "integer"}
+
+
+def _manifest_damage(manifest: dict[str, Any]) -> str:
+    """What is missing or mistyped in a manifest of the current format ("" when nothing): a hand-edited or
+    foreign one is refused at open, not as a KeyError mid-training."""
+    for key, kind in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            return f"'{key}' should be a JSON {_JSON_NAMES[kind]}, got {manifest.get(key)!r:.60}"
+    if not isinstance(manifest["target"].get("fingerprint"), str):
+        return "'target.fingerprint' is missing"
+    for i, shard in enumerate(manifest["shards"]):
+        bad = [k for k, kind in _SHARD_FIELDS.items() if not isinstance(shard, dict) or not isinstance(shard.get(k), kind)]
+        if bad:
+            return f"shards[{i}] lacks {', '.join(bad)}"
+    return ""
+
+
 def _length_batches(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Consecutive groups of ``order`` (longest first) whose padded size fits ``batch_tokens`` (≥ 1 sample)."""
     batches: list[list[int]] = []
@@ -216,9 +237,15 @@ class FeatureCache:
                    f"(finished shards that are intact are kept)")
         if manifest is None:
             raise DraftsmithError(f"'{path}' is not a finished feature cache (no {MANIFEST}); {rebuild}")
+        if not isinstance(manifest, dict):
+            raise DraftsmithError(f"feature cache '{path}': {MANIFEST} holds a JSON {type(manifest).__name__}, not the "
+                                  f"manifest's object; {rebuild}")
         if manifest.get("format") != FORMAT:
             raise DraftsmithError(f"feature cache '{path}' has format {manifest.get('format')!r}, expected {FORMAT}; "
                                   f"{rebuild}")
+        damaged = _manifest_damage(manifest)
+        if damaged:
+            raise DraftsmithError(f"feature cache '{path}': {MANIFEST} is damaged ({damaged}); {rebuild}")
         made_for = manifest["target"]
         if made_for["fingerprint"] != target.fingerprint:
             raise DraftsmithError(

@@ -152,7 +152,7 @@ class ShardedJob:
     def finished(self) -> dict[str, Any] | None:
         """The manifest when this exact job already ran to the end and every shard is still whole, else None."""
         manifest = read_json(os.path.join(self.folder, MANIFEST))
-        if manifest is None or manifest.get("spec") != self.spec:
+        if not isinstance(manifest, dict) or manifest.get("spec") != self.spec:
             return None
         shards = self.plan()
         if len(manifest["shards"]) != len(shards) or any(self.done(s) is None for s in shards):

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from ..chat import template_mismatch
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_dir
 from ..schema import from_dict, to_dict
-from ..target import Target
+from ..target import Target, describe
 
 FORMAT = "draftsmith-drafter"
 FORMAT_VERSION = 1
@@ -117,8 +119,11 @@ def read_meta(path: str) -> dict[str, Any]:
     try:
         with open(file, encoding="utf-8") as f:
             meta = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DraftsmithError(f"{file} is not valid JSON ({e}); the folder is damaged — re-save the drafter") from e
+    if not isinstance(meta, dict):
+        raise DraftsmithError(f"{file} holds a JSON {type(meta).__name__}, not a draftsmith drafter config (an object "
+                              f"with format, drafter, target); the folder is damaged — re-save the drafter")
     if meta.get("format") != FORMAT:
         raise DraftsmithError(f"{file} is not a draftsmith drafter config (format = {meta.get('format')!r})")
     if meta.get("format_version", 0) > FORMAT_VERSION:
@@ -126,6 +131,15 @@ def read_meta(path: str) -> dict[str, Any]:
             f"{file} has format_version {meta['format_version']}, newer than this draftsmith reads ({FORMAT_VERSION}); "
             f"upgrade draftsmith"
         )
+    # every reader relies on these: a hand-edited or damaged file is refused here, in one line
+    target, drafter = meta.get("target"), meta.get("drafter")
+    if not isinstance(target, dict) or not isinstance(target.get("fingerprint"), str):
+        raise DraftsmithError(f"{file} does not record the target the drafter was trained for ('target' = {target!r:.80}, "
+                              f"needs its name and fingerprint), so it cannot be checked against one; the folder is "
+                              f"damaged — re-save the drafter")
+    if not isinstance(drafter, dict) or not isinstance(drafter.get("type"), str):
+        raise DraftsmithError(f"{file} does not record the drafter's config ('drafter' = {drafter!r:.80}, needs its "
+                              f"type); the folder is damaged — re-save the drafter")
     return meta
 
 
@@ -143,6 +157,9 @@ def load(path: str, target: Target) -> Any:
             f"but the target loaded now, '{target.name}', has fingerprint {target.fingerprint}. A drafter only fits "
             f"the exact target it was trained with: load that target (target.name) or train a drafter for this one."
         )
+    mismatch = template_mismatch(saved.get("chat_template"), describe(target)["chat_template"], path)
+    if mismatch:
+        print(f"draftsmith: warning: {mismatch}", file=sys.stderr)
     section = meta.get("drafter", {})
     kind = section.get("type")
     fams = trainable_families()

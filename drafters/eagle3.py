@@ -40,6 +40,15 @@ Parameter names follow EAGLE-3 / SGLang checkpoints (``fc``, ``midlayer.*``, ``n
 ``lm_head``, ``d2t``, ``t2d``); ``embed_tokens`` is a frozen copy of the target's, not stored.
 Trainable: fc, midlayer, norm, lm_head. ``norm`` and ``lm_head`` start from the target's
 final norm and the target's lm_head rows of the draft vocabulary.
+
+EAGLE-3.1 options (speculators 0.9.0's names and semantics; all off by default, as in EAGLE-3):
+``fc_norm`` — an RMSNorm per fused target layer, ``concat(norm_a(f_a), norm_b(f_b), norm_c(f_c))``
+before ``fc`` (parameters ``fc_norm.{0,1,2}.weight``); ``norm_before_fc`` — one RMSNorm over the
+concatenation, ``input_norm(concat(f_a, f_b, f_c))`` (``input_norm.weight``; the two exclude each
+other); ``norm_output`` — the hidden state a step passes on (to the next unrolled step, or the next
+draft) is ``norm(out)``, the same tensor the lm_head reads, instead of the pre-norm ``out``. They are
+for targets whose features reach the head unnormalized at a large scale (Gemma-3's RMS ~850 against
+SmolLM2's ~50): a norm makes fc see features of one scale whatever the layer.
 """
 
 from __future__ import annotations
@@ -191,15 +200,23 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3Head(nn.Module):
     """The EAGLE-3 draft model. Shapes and alignment in the module docstring."""
 
-    def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int):
-        """embed: frozen copy of the target's embedding; layer_config: a one-layer LlamaConfig."""
+    def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int,
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False):
+        """embed: frozen copy of the target's embedding; layer_config: a one-layer LlamaConfig; fc_norm,
+        norm_before_fc, norm_output: the EAGLE-3.1 options (module docstring)."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-        h = int(layer_config.hidden_size)
+        if fc_norm and norm_before_fc:
+            raise DraftsmithError("fc_norm and norm_before_fc exclude each other: one norm per layer, or one over all")
+        h, eps = int(layer_config.hidden_size), float(layer_config.rms_norm_eps)
         self.hidden_size = h
         self.layer_config = layer_config
         self.embed_tokens = embed
+        self.norm_output = norm_output
+        # created only when on, so that a head without them has EAGLE-3's tensors and no others
+        self.fc_norm = nn.ModuleList([LlamaRMSNorm(h, eps=eps) for _ in range(3)]) if fc_norm else None
+        self.input_norm = LlamaRMSNorm(3 * h, eps=eps) if norm_before_fc else None
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(layer_config)
         self.norm = LlamaRMSNorm(h, eps=float(layer_config.rms_norm_eps))
@@ -238,7 +255,7 @@ class Eagle3Head(nn.Module):
         logits_rows: [B, S] bool: logits of those rows only, [N, Vd] in row-major order (training: the
         rows a loss reads)."""
         if hidden.shape[-1] == 3 * self.hidden_size:
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))  # [B, S, H]
+            hidden = self.fc(self.fuse(hidden.to(self.fc.weight.dtype)))  # [B, S, H]
         elif hidden.shape[-1] != self.hidden_size:
             raise DraftsmithError(
                 f"EAGLE-3 head got hidden states of width {hidden.shape[-1]}; expected 3×{self.hidden_size} "
@@ -251,8 +268,19 @@ class Eagle3Head(nn.Module):
             position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
         out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
+        if self.norm_output:  # the next step reads the normed state, which the lm_head reads as is
+            out = self.norm(out)
         kept = out[logits_rows] if logits_rows is not None else out[:, -logits_to_keep:]
-        return out, self.lm_head(self.norm(kept))
+        return out, self.lm_head(kept if self.norm_output else self.norm(kept))
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """[..., 3H] target features → [..., 3H] as fc reads them: as they are, or normed (fc_norm: each
+        layer's H; norm_before_fc: all 3H together)."""
+        if self.fc_norm is not None:
+            return torch.cat([norm(f) for norm, f in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+        if self.input_norm is not None:
+            return self.input_norm(features)
+        return features
 
     def unroll(
         self,
@@ -336,11 +364,13 @@ def check_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int) -> None:
 # ---------------------------------------------------------------- builder and config
 
 
-def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0) -> Eagle3Head:
-    """An EAGLE-3 head for a target with HF config ``arch`` around ``embed``; seeded-random, full-vocab mapping."""
+def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0, **norms: bool) -> Eagle3Head:
+    """An EAGLE-3 head for a target with HF config ``arch`` around ``embed``; seeded-random, full-vocab mapping.
+    norms: the EAGLE-3.1 options of :class:`Eagle3Head` (their RMSNorms start at 1 and draw no random numbers,
+    so the other weights are the same with or without them)."""
     vocab = int(text_config(arch).vocab_size)
     with seeded(seed):
-        return Eagle3Head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab)
+        return Eagle3Head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab, **norms)
 
 
 @dataclass
@@ -357,6 +387,14 @@ class Eagle3Config:
     """A safetensors file with d2t [Vd] and t2d [V] (made by draftsmith prepare); empty = the full vocabulary."""
     seed: int = 0
     """Seed of the random initialization of fc and the decoder layer."""
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm of each fused target layer's features before fc (exported as ``fc_norm: true``;
+    the speculators format holds it, the original eagle3 layout does not)."""
+    norm_before_fc: bool = False
+    """EAGLE-3.1 (gpt-oss style): one RMSNorm over the three layers' concatenated features before fc; excludes
+    fc_norm."""
+    norm_output: bool = False
+    """EAGLE-3.1: pass the normed hidden state (what the lm_head reads) on to the next step, not the pre-norm one."""
 
     target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.",)
     """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
@@ -369,6 +407,14 @@ class Eagle3Config:
             )
         if self.draft_vocab_size < 0:
             raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} must be ≥ 0 (0 = full vocabulary)")
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError("drafter.fc_norm and drafter.norm_before_fc exclude each other: choose one norm per "
+                              "layer (fc_norm) or one over the concatenation (norm_before_fc)")
+
+    @property
+    def norms(self) -> dict[str, bool]:
+        """The EAGLE-3.1 options, as :class:`Eagle3Head` takes them."""
+        return {"fc_norm": self.fc_norm, "norm_before_fc": self.norm_before_fc, "norm_output": self.norm_output}
 
     def resolve(self, target: Target) -> Eagle3Config:
         """This config checked against ``target``, with feature_layers made explicit (0-based)."""
@@ -398,7 +444,7 @@ class Eagle3Config:
         cfg = self.resolve(target)
         d2t, t2d = cfg._vocab(target, vocab)
         own = target_parts(target.model)
-        head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed)
+        head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed, **cfg.norms)
         head = place(head, target.device, target.dtype)
         head.set_vocab(d2t.to(target.device), t2d.to(target.device))
         with torch.no_grad():
@@ -428,7 +474,8 @@ class Eagle3Config:
     def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> Eagle3Head:
         """The head's structure for loading (d2t/t2d come from the checkpoint)."""
         cfg = self.resolve(target)
-        head = build_eagle3(target.config, frozen_copy(target_parts(target.model).embed), cfg.draft_vocab_size, cfg.seed)
+        head = build_eagle3(target.config, frozen_copy(target_parts(target.model).embed), cfg.draft_vocab_size, cfg.seed,
+                            **cfg.norms)
         return place(head, target.device, target.dtype)
 
     def runtime(self, module: Eagle3Head, target: Target) -> EagleDrafter:

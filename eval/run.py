@@ -37,7 +37,7 @@ from ..target import Target, describe, load_target
 from .baselines import baseline_configs, baseline_lines, baseline_rows
 from .config import DecodeConfig
 from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs
-from .prompts import Question, load_questions
+from .prompts import Question, fields_note, load_questions
 from .reference import target_greedy
 
 
@@ -295,6 +295,7 @@ def run_eval_recipe(recipe: Any) -> int:
     print(f"target {target.name} ({target.num_layers} layers, {dtype}, {target.device}) loaded in "
           f"{time.perf_counter() - t0:.1f}s; drafter {recipe.drafter.type}")
     questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
+    print(fields_note(recipe.eval.prompts, questions))
     exact = target.dtype == torch.float32
     configs = baseline_configs(recipe.eval.baselines)
     result = evaluate(target, drafter, questions, recipe.decode, recipe.eval.check_identity and exact,

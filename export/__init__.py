@@ -7,6 +7,6 @@ format) (``adapters.py``); the layer-id and vocabulary conventions written once
 nothing imports it but the CLI.
 """
 
-from .run import FORMATS, TARGET_FORMAT, check, export, export_target
+from .run import FORMATS, TARGET_FORMAT, CheckFailed, check, export, export_target
 
-__all__ = ["FORMATS", "TARGET_FORMAT", "check", "export", "export_target"]
+__all__ = ["FORMATS", "TARGET_FORMAT", "CheckFailed", "check", "export", "export_target"]

@@ -88,8 +88,10 @@ class StateDictAdapter:
 EAGLE3 = [Rule("fc.{p}", "fc.{p}"), Rule("midlayer.{p}", "midlayer.{p}"), Rule("norm.{p}", "norm.{p}"),
           Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
 # speculators 0.9.0 Eagle3DraftModel: embed_tokens, fc, layers.0 (LlamaDecoderEagle3FirstLayer), norm,
-# lm_head, d2t, t2d; verifier_norm / verifier_lm_head are training-only and not stored.
+# lm_head, d2t, t2d, and with the EAGLE-3.1 flags input_norm (norm_before_fc) and fc_norm.{0,1,2};
+# verifier_norm / verifier_lm_head are training-only and not stored.
 SPECULATORS = [Rule("embed_tokens.{p}", "embed_tokens.{p}"), Rule("fc.{p}", "fc.{p}"),
+               Rule("input_norm.{p}", "input_norm.{p}"), Rule("fc_norm.{l}.{p}", "fc_norm.{l}.{p}"),
                Rule("midlayer.{p}", "layers.0.{p}"), Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"),
                Rule("d2t", "d2t"), Rule("t2d", "t2d")]
 # Medusa reference (FasterDecoding/Medusa, TGI): medusa_lm_head.safetensors holds head h's residual

@@ -20,9 +20,12 @@ speculators 0.9.0 from PyPI):
   silently), ``draft_vocab_size``, ``target_hidden_size``, ``num_hidden_layers: 1``.
 * norm flags, all written: ``norm_before_residual: false`` (our residual is the fc output before
   ``hidden_norm``, as in EAGLE-3 and SGLang; vLLM defaults a missing flag to false on the
-  ``LlamaForCausalLMEagle3`` path but to TRUE on the speculators path), ``norm_before_fc``,
-  ``fc_norm``, ``norm_output`` false (no norm of the fused features; the pre-norm output feeds
-  the next step).
+  ``LlamaForCausalLMEagle3`` path but to TRUE on the speculators path); ``norm_before_fc``,
+  ``fc_norm``, ``norm_output`` as the head has them (the EAGLE-3.1 options of ``drafters/eagle3.py``,
+  false by default). speculators holds them (``input_norm.weight`` [3H], ``fc_norm.{0,1,2}.weight``
+  [H]); the original layout's loaders (vLLM's and SGLang's ``LlamaForCausalLMEagle3`` at the commits
+  above) have no such tensors and feed the pre-norm state on, so a head that uses one is refused
+  ``--to eagle3`` and exported ``--to speculators``.
 * layer ids: top-level ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention and
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's (``conventions.engine_layer_ids``).
 """
@@ -39,11 +42,13 @@ from ..errors import DraftsmithError
 from ..target import Target, describe
 from .adapters import adapter
 from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
-from .tensors import DTYPES, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
-    write_safetensors
+from .tensors import DTYPES, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
+    write_json_file, write_safetensors
 
 WEIGHTS = "model.safetensors"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+EAGLE31_FLAGS = NORM_FLAGS[1:]
+"""The EAGLE-3.1 options a head may use (``drafters/eagle3.py``); norm_before_residual is always false."""
 SPECULATIVE_TOKENS = 3
 """speculators_config.proposal_methods[0].speculative_tokens: vLLM's default num_speculative_tokens."""
 
@@ -79,6 +84,12 @@ def _ids(source: Any) -> tuple[list[int], list[int]]:
     return engine_layer_ids(ours, n, "vllm"), engine_layer_ids(ours, n, "sglang")
 
 
+def norm_flags(head: Any) -> dict[str, bool]:
+    """The four norm flags as the head has them (see the module docstring)."""
+    return {"norm_before_residual": False, "norm_before_fc": head.input_norm is not None,
+            "fc_norm": head.fc_norm is not None, "norm_output": bool(head.norm_output)}
+
+
 def eagle3_config(source: Any) -> dict[str, Any]:
     head = source.drafter.module
     vllm_ids, sglang_ids = _ids(source)
@@ -89,7 +100,7 @@ def eagle3_config(source: Any) -> dict[str, Any]:
         "target_hidden_size": int(source.target.hidden_size),
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
-        **{flag: False for flag in NORM_FLAGS},
+        **norm_flags(head),
         "torch_dtype": dtype_name(source.dtype),
         "dtype": dtype_name(source.dtype),
     }
@@ -113,7 +124,7 @@ def speculators_config(source: Any) -> dict[str, Any]:
         "draft_vocab_size": int(head.d2t.shape[0]),
         "target_hidden_size": int(source.target.hidden_size),
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
-        **{flag: False for flag in NORM_FLAGS},
+        **norm_flags(head),
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -131,12 +142,35 @@ def write(source: Any, fmt: str, out: str) -> None:
     """Write the head of ``source`` into the folder ``out`` in ``fmt`` (eagle3 | speculators)."""
     from .tensors import cast_floats
 
+    used = [flag for flag in EAGLE31_FLAGS if norm_flags(source.drafter.module)[flag]]
+    if fmt == "eagle3" and used:
+        raise DraftsmithError(f"this head uses {', '.join(used)} (EAGLE-3.1), which the original eagle3 layout's "
+                              f"loaders (vLLM's and SGLang's LlamaForCausalLMEagle3) do not have: export it with "
+                              f"--to speculators")
     state = {k: v for k, v in source.drafter.module.state_dict().items() if not k.startswith("rotary_emb.")}
     if fmt == "speculators" and not _reduced(source.drafter.module.d2t.shape[0], source.target.vocab_size):
         del state["d2t"], state["t2d"]  # speculators has no such buffers for a full vocabulary (they would be unexpected)
     tensors = cast_floats(adapter("eagle3", fmt).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
     write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
+
+
+def as_exported(source: Any, fmt: str) -> None:
+    """Make ``source`` (rebuilt for ``--check`` on the fp32 target) hold what the export holds, so the check
+    compares like with like.
+
+    speculators stores ``embed_tokens.weight`` (vLLM reads the file's own embedding when it has one) in the
+    head's dtype, like every other tensor; the source copies the target's embedding, fp32 here. For a
+    bf16-trained head the stored embedding is that copy rounded to bf16 — what the head was trained on (a bf16
+    target's embedding) and what a bf16 vLLM serves, so it is right as stored: an fp32 copy would double the
+    file's largest tensor (V·H) for a precision no bf16 engine keeps. The comparison rounds the source's copy
+    the same way. The eagle3 layout stores no embedding (the engine shares the target's), so nothing changes.
+    """
+    if fmt != "speculators":
+        return
+    embed = source.drafter.module.embed_tokens.weight
+    with torch.no_grad():
+        embed.copy_(embed.to(source.dtype).to(embed.dtype))
 
 
 # ---------------------------------------------------------------- reading back
@@ -178,6 +212,10 @@ def expected_tensors(cfg: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
     }
     if fmt == "speculators":
         out["embed_tokens.weight"] = ((v, h), f)
+    if cfg.get("norm_before_fc") is True:
+        out["input_norm.weight"] = ((3 * h,), f)
+    if cfg.get("fc_norm") is True:
+        out.update({f"fc_norm.{i}.weight": ((h,), f) for i in range(3)})
     if _has_vocab_map(cfg, fmt):
         out.update({"d2t": ((vd,), torch.int64), "t2d": ((v,), torch.bool)})
     return out
@@ -193,7 +231,7 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
 
     def need(ok: bool, what: str) -> None:
         if not ok:
-            raise DraftsmithError(f"{where}: {what}")
+            raise CheckFailed(f"{where}: {what}", done)
         done.append(what)
 
     arch = ["Eagle3Speculator"] if fmt == "speculators" else ["LlamaForCausalLMEagle3"]
@@ -210,8 +248,14 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
     need(int(cfg.get("target_hidden_size", -1)) == target.hidden_size, f"target_hidden_size = {target.hidden_size}")
     need(lc.get("tie_word_embeddings") is False, "tie_word_embeddings = false (SGLang would tie lm_head to the embedding)")
     need(lc.get("attention_bias") is False and not cfg.get("bias"), "no attention / fc bias (SGLang loads none)")
-    for flag in NORM_FLAGS:
-        need(cfg.get(flag) is False, f"{flag} = false, written explicitly")
+    need(cfg.get("norm_before_residual") is False, "norm_before_residual = false, written explicitly")
+    for flag in EAGLE31_FLAGS:
+        if fmt == "eagle3":
+            need(cfg.get(flag) is False, f"{flag} = false, written explicitly (this layout has no EAGLE-3.1 norms)")
+        else:
+            need(isinstance(cfg.get(flag), bool), f"{flag} = {str(cfg.get(flag)).lower()}, written explicitly")
+    need(not (cfg.get("fc_norm") and cfg.get("norm_before_fc")), "fc_norm and norm_before_fc not both (speculators "
+         "refuses that)")
     n = target.num_layers
     ids = cfg.get("eagle_aux_hidden_state_layer_ids") or []
     ours = native_layer_ids(ids, n, "vllm")
@@ -248,7 +292,8 @@ def load(folder: str, fmt: str, target: Target) -> Any:
     embed = frozen_copy(target_parts(target.model).embed)  # the engine's: the target's embedding
     if "embed_tokens.weight" in native:  # speculators carries its own copy
         embed.weight.data = native.pop("embed_tokens.weight").to(embed.weight.dtype)
-    head = Eagle3Head(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]))
+    head = Eagle3Head(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]),
+                      **{flag: bool(cfg.get(flag)) for flag in EAGLE31_FLAGS})
     head.to(device=target.device, dtype=target.dtype)
     full = () if _has_vocab_map(cfg, fmt) else ("d2t", "t2d")  # the identity mapping the head starts with
     _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)

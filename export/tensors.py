@@ -14,6 +14,14 @@ from ..errors import DraftsmithError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class CheckFailed(DraftsmithError):
+    """A check of ``export --check`` failed; ``passed`` holds the lines of the checks that passed before it."""
+
+    def __init__(self, message: str, passed: list[str]):
+        super().__init__(message)
+        self.passed = passed
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -26,6 +26,7 @@ def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path, s
     ev = load_recipe(STAGE_RECIPES["eval"], stages["eval"])
     # speed in bf16 against the target alone, identity audited (in fp32, by run_eval_recipe)
     assert ev.drafter.type == "saved" and ev.eval.check_identity and ev.eval.time_target
+    assert ev.drafter.path == os.path.join(str(tmp_path), "eagle3", "drafter-best")  # the best head, as the README says
     assert ev.target.dtype == "bfloat16" and ev.decode.k == SIZES[size].k
     assert ev.decode.min_confidence == SIZES[size].min_confidence > 0  # the gate: lossless, and it pays on a CPU
     if SIZES[size].tree is not None:  # a gated dynamic tree of the size's shape
@@ -64,7 +65,8 @@ def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
     alone, head, *baselines = summary["drafters"]
     assert alone["drafter"].startswith("target alone") and alone["speedup_vs_target"] == 1.0
     assert [b["drafter"] for b in baselines] == ["prompt_lookup (model-free baseline)"]  # the free floor
-    assert head["drafter"].startswith("EAGLE-3 head") and head["k"] == 2
+    assert head["drafter"].startswith("EAGLE-3 head, trained 2 steps, drafter-best (step ") and head["k"] == 2
+    assert summary["train"]["best"]["step"] in (0, 1, 2)
     assert head["identical_to_target"] == "2/2"  # fp32 audit; a mismatch raises
     assert summary["speed_dtype"] == "bfloat16" and summary["identity_dtype"] == "float32"
     assert summary["pipeline_dtype"] in ("bfloat16", "float32")  # prepare and train: bf16 where native

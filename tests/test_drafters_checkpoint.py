@@ -185,3 +185,34 @@ def test_cli_drafters_lists_and_counts(capsys):
     out = capsys.readouterr().out
     assert "| Llama-3.1-8B | (the target itself) | 0.0M | 8,030.3M |" in out
     assert "| SmolLM2-135M | eagle1 | 4.2M |" in out
+
+
+def test_a_drafter_used_with_another_chat_template_warns(tmp_path, tiny_target, smollm2_tokenizer, capsys):
+    """Trained with `plain`, evaluated raw (`none`, a base model's eval): one warning naming both; lossless, so
+    not refused. The same template (whatever the option that named it) is silent."""
+    import copy
+
+    from draftsmith.chat import PLAIN_TEMPLATE, apply_option
+
+    def with_template(option: str, label: str | None = None) -> Target:
+        return Target(tiny_target.model, apply_option(copy.deepcopy(smollm2_tokenizer), option), name="tiny-llama",
+                      chat_option=label or option)
+
+    plain = with_template("plain")
+    config = FAMILIES["eagle3"]
+    path = str(tmp_path / "head")
+    drafters.save(config.runtime(config.build_module(plain), plain), path)
+    saved = json.load(open(os.path.join(path, "config.json")))["target"]["chat_template"]
+    assert saved["option"] == "plain" and len(saved["sha256"]) == 16
+    capsys.readouterr()
+
+    drafters.load(path, with_template("none"))
+    err = capsys.readouterr().err
+    assert err.startswith(f"draftsmith: warning: drafter '{path}' was trained on prompts rendered with chat template "
+                          f"'plain' (sha256 {saved['sha256']}), but the target now renders with 'none' (raw prompts)")
+    assert "set target.chat_template as in training" in err
+
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    drafters.load(path, with_template(str(template)))  # the same text from a file: the same template
+    assert capsys.readouterr().err == ""

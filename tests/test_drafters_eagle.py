@@ -179,6 +179,17 @@ def eagle3(tiny_target):
     return cfg.runtime(cfg.build_module(tiny_target, sparse_vocab()), tiny_target)
 
 
+@pytest.fixture(scope="module")
+def eagle31(tiny_target):
+    """The EAGLE-3.1 options on (per-layer fc norms, the normed state passed on), norm scales moved off 1."""
+    cfg = Eagle3Config(feature_layers=LAYERS, seed=5, fc_norm=True, norm_output=True)
+    head = cfg.build_module(tiny_target, sparse_vocab())
+    with torch.no_grad():
+        for norm in head.fc_norm:
+            norm.weight.mul_(torch.linspace(0.5, 1.5, 64))
+    return cfg.runtime(head, tiny_target)
+
+
 def test_eagle3_default_layers_follow_the_field():
     assert default_feature_layers(30) == (1, 14, 26)  # SmolLM2-135M
     assert default_feature_layers(32) == (1, 15, 28)  # Llama-3.1-8B: SGLang captures 2, 16, 29 (inputs)
@@ -262,8 +273,10 @@ def test_ttt_attention_equals_explicit_block_mask():
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-def test_unroll_equals_chained_decoding(tiny_target, eagle3):
+@pytest.mark.parametrize("family", ["eagle3", "eagle31"])
+def test_unroll_equals_chained_decoding(tiny_target, family, request):
     """Step j, row t of the unroll = the (j+1)-th chained draft after true rows 0 … t (teacher-forced tokens)."""
+    eagle3 = request.getfixturevalue(family)
     head = eagle3.module
     torch.manual_seed(2)
     x = torch.randint(0, 5000, (1, 9))
@@ -271,7 +284,7 @@ def test_unroll_equals_chained_decoding(tiny_target, eagle3):
     with torch.no_grad():
         steps = head.unroll(x, f, steps=3)
         for t in range(9):
-            rows, ids = head.fc(f[:, : t + 1]), x[:, 1 : t + 2]
+            rows, ids = head.fc(head.fuse(f[:, : t + 1])), x[:, 1 : t + 2]
             for j in range(3):
                 if t + j + 2 > 8:
                     break
@@ -291,13 +304,16 @@ def test_unroll_backpropagates_into_trainable_parts_only(tiny_target):
     assert head.embed_tokens.weight.grad is None
 
 
-def test_eagle3_runtime_matches_from_scratch_reference(tiny_target, eagle3):
+@pytest.mark.parametrize("family", ["eagle3", "eagle31"])
+def test_eagle3_runtime_matches_from_scratch_reference(tiny_target, family, request):
+    eagle3 = request.getfixturevalue(family)
     prompt = list(range(300, 311))
     _, t2d = sparse_vocab()
     for tokens, proposal in drive(tiny_target, eagle3, prompt, accept=[0, 3, 4, 1], k=4):
         assert t2d[proposal.tokens].all()  # drafts come from the draft vocabulary
         assert (proposal.probs[:, ~t2d] == 0).all()  # q is zero outside it
-        ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(), fuse=eagle3.module.fc)
+        ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(),
+                              fuse=lambda f: eagle3.module.fc(eagle3.module.fuse(f)))
         for q, r in zip(proposal.probs, ref):
             assert torch.allclose(q[t2d].log(), r[t2d].log(), atol=1e-4)
 
@@ -308,7 +324,8 @@ def test_eagle3_greedy_drafts_the_argmax_over_its_draft_vocabulary_with_its_conf
     prompt = list(range(300, 311))
     for tokens, proposal in drive(tiny_target, eagle3, prompt, accept=[0, 3, 4, 1], k=4, warp=Warp()):
         assert proposal.probs is None
-        ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(), fuse=eagle3.module.fc)
+        ref = reference_probs(eagle3, tiny_target, tokens, proposal.tokens.tolist(),
+                              fuse=lambda f: eagle3.module.fc(eagle3.module.fuse(f)))
         assert proposal.tokens.tolist() == [int(r.argmax()) for r in ref]
         assert torch.allclose(proposal.confidence, torch.stack([r.max() for r in ref]), atol=1e-5)
 
@@ -374,3 +391,58 @@ def test_unroll_logits_rows_are_the_full_logits_at_those_rows(tiny_target, eagle
         assert kept[j][1].shape == (int(keep[j].sum()), full[j][1].shape[-1])
         assert torch.allclose(kept[j][1], full[j][1][keep[j]], atol=1e-5)
         assert torch.equal(kept[j][0], full[j][0])
+
+
+# ---------------------------------------------------------------- EAGLE-3.1 options
+
+
+def test_fc_norm_and_norm_before_fc_make_fc_see_features_of_one_scale(tiny_target):
+    """fc_norm: each layer's features scaled alone leave the head's output unchanged; norm_before_fc: only all
+    three scaled together do; without either, any scale shows."""
+    torch.manual_seed(3)
+    x, f = torch.randint(0, 5000, (1, 6)), torch.randn(1, 6, 192)
+    one_layer = f.clone()
+    one_layer[..., 64:128] *= 40.0  # the middle layer at another scale (Gemma-3's reach ~850 RMS)
+    heads = {name: Eagle3Config(feature_layers=LAYERS, **{name: True} if name else {}).build_module(tiny_target)
+             for name in ("", "fc_norm", "norm_before_fc")}
+    with torch.no_grad():
+        out = {name: [head(x, g)[1] for g in (f, one_layer, f * 40.0)] for name, head in heads.items()}
+    assert not torch.allclose(out[""][0], out[""][1], atol=1e-3) and not torch.allclose(out[""][0], out[""][2], atol=1e-3)
+    assert torch.allclose(out["fc_norm"][0], out["fc_norm"][1], atol=1e-4)
+    assert torch.allclose(out["fc_norm"][0], out["fc_norm"][2], atol=1e-4)
+    assert not torch.allclose(out["norm_before_fc"][0], out["norm_before_fc"][1], atol=1e-3)
+    assert torch.allclose(out["norm_before_fc"][0], out["norm_before_fc"][2], atol=1e-4)
+    assert {n for n, _ in heads["fc_norm"].named_parameters()} - {n for n, _ in heads[""].named_parameters()} == {
+        "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert heads["norm_before_fc"].input_norm.weight.shape == (192,) and heads[""].fc_norm is None
+
+
+def test_norm_output_passes_the_normed_state_on(tiny_target):
+    """Same weights: step 0's logits are equal, its passed-on state is norm(pre-norm state), so step 1 differs."""
+    plain = Eagle3Config(feature_layers=LAYERS).build_module(tiny_target)
+    normed = Eagle3Config(feature_layers=LAYERS, norm_output=True).build_module(tiny_target)
+    normed.load_state_dict(plain.state_dict())
+    torch.manual_seed(4)
+    x, f = torch.randint(0, 5000, (1, 7)), torch.randn(1, 7, 192)
+    with torch.no_grad():
+        (h0, l0), (h1, l1) = plain.unroll(x, f, steps=2)
+        (n0, m0), (n1, m1) = normed.unroll(x, f, steps=2)
+        assert torch.allclose(m0, l0, atol=1e-5) and torch.allclose(n0, plain.norm(h0), atol=1e-5)
+        assert not torch.allclose(m1, l1, atol=1e-3)
+
+
+def test_the_options_come_from_the_recipe_and_survive_save_and_load(tiny_target, tmp_path):
+    from draftsmith import drafters
+    from draftsmith.config import load_recipe
+
+    recipe = load_recipe("smollm2-135m-eagle3", [f"drafter.feature_layers={LAYERS}", "drafter.draft_vocab=",
+                                                 "drafter.norm_before_fc=true", "drafter.norm_output=true"])
+    head = recipe.drafter.build_module(tiny_target)
+    assert head.input_norm is not None and head.fc_norm is None and head.norm_output
+    with torch.no_grad():
+        head.input_norm.weight.mul_(torch.linspace(0.5, 1.5, 192))
+    drafters.save(recipe.drafter.runtime(head, tiny_target), str(tmp_path / "head"))
+    back = drafters.load(str(tmp_path / "head"), tiny_target).module
+    assert back.norm_output and torch.equal(back.input_norm.weight, head.input_norm.weight)
+    with pytest.raises(ConfigError, match="drafter.fc_norm and drafter.norm_before_fc exclude each other"):
+        load_recipe("smollm2-135m-eagle3", ["drafter.fc_norm=true", "drafter.norm_before_fc=true"])

@@ -214,6 +214,108 @@ def test_speculators_check_refuses_a_missing_embedding(tmp_path, sources):
         check(out)
 
 
+@pytest.mark.parametrize("fmt", ["speculators", "eagle3"])
+def test_a_bf16_trained_head_passes_its_check(tmp_path, tiny_target_dir, target, fmt):
+    """A head trained with a bf16 target: speculators stores the embedding in bf16, as the head was trained on it
+    and as vLLM serves it; the check rounds the fp32 source's copy the same way (it failed by |Δq| 7.7e-03)."""
+    from safetensors.torch import load_file
+
+    bf16_target = load_target(tiny_target_dir, "bfloat16", "cpu")
+    config = Eagle3Config(feature_layers=EAGLE3_LAYERS)
+    module = config.build_module(bf16_target)
+    perturb(module)
+    source, out = str(tmp_path / "bf16-head"), str(tmp_path / fmt)
+    drafters.save(config.runtime(module, bf16_target), source)
+    export(source, fmt, out)
+    stored = load_file(os.path.join(out, "model.safetensors"))
+    assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
+    if fmt == "speculators":
+        assert torch.equal(stored["embed_tokens.weight"], target.model.get_input_embeddings().weight.bfloat16())
+    lines = check(out)
+    assert any("proposes the source drafter's 4 tokens" in line for line in lines)
+
+
+def test_speculators_logit_tolerance_is_relative_to_the_logits(sources, target, monkeypatch):
+    """A wide-logit target (Gemma-3: logits ~200) differs by more than 1e-4 in fp32 with the same top tokens."""
+    from draftsmith.drafters.common import shift_left
+    from draftsmith.export import eagle3 as eagle3_export
+    from draftsmith.export.run import compare_speculators, default_prompts
+    from draftsmith.export.source import open_source
+
+    drafter = open_source(sources["eagle3"]).drafter
+    with torch.no_grad():
+        drafter.module.lm_head.weight.mul_(400.0 / float(drafter.module.lm_head.weight.abs().max()))  # logits ~ 10²
+    ids = default_prompts(target)[0]
+    x = torch.tensor([ids])
+    features = target.forward(x, feature_layers=tuple(drafter.feature_layers)).features
+    with torch.no_grad():
+        ours = [logits for _, logits in drafter.module.unroll(x, features, steps=3)]
+    scale = max(float(o.abs().max()) for o in ours)
+    assert scale > 50
+
+    def speculators(relative):
+        def run(folder, input_ids, feats, steps):
+            assert torch.equal(input_ids, shift_left(x, 1))
+            return [o * (1 + relative) for o in ours], []
+        return run
+
+    monkeypatch.setattr(eagle3_export, "speculators_logits", speculators(2e-6))  # Δ > 1e-4 absolute, 2e-6 relative
+    line = compare_speculators("unused", target, drafter, ids)[-1]
+    assert "of the largest |logit|" in line
+    monkeypatch.setattr(eagle3_export, "speculators_logits", speculators(5e-5))
+    with pytest.raises(DraftsmithError, match=r"differ from draftsmith's head by .* \(> 1e-05 × the largest \|logit\|"):
+        compare_speculators("unused", target, drafter, ids)
+
+
+def test_a_failing_check_prints_the_checks_that_passed_before_it(tmp_path, sources, capsys):
+    out = str(tmp_path / "swapped")
+    export(sources["eagle3"], "eagle3", out)
+    _tamper_tensors(out, "model.safetensors", lambda t: {**t, "midlayer.hidden_norm.weight": t["midlayer.input_layernorm.weight"],
+                                                         "midlayer.input_layernorm.weight": t["midlayer.hidden_norm.weight"]})
+    capsys.readouterr()
+    assert main(["export", "--check", out]) == 2
+    captured = capsys.readouterr()
+    passed = [line for line in captured.out.splitlines() if line.startswith("ok  ")]
+    assert any("tensors: every name, shape and dtype the loader reads" in line for line in passed)  # static checks passed
+    assert captured.out.splitlines()[-1] == f"FAILED after {len(passed)} passed check(s)"
+    assert "draftsmith: error: the export" in captured.err and "Traceback" not in captured.err
+    # a static check that fails part-way: the static checks before it are listed too
+    _tamper_config(out, norm_before_residual=None)
+    assert main(["export", "--check", out]) == 2
+    captured = capsys.readouterr()
+    assert "ok  architectures = ['LlamaForCausalLMEagle3']" in captured.out.splitlines()
+    assert "norm_before_residual = false" in captured.err
+    assert captured.out.splitlines()[-1] == "FAILED after 7 passed check(s)"  # the header and 6 static checks
+
+
+@pytest.mark.parametrize("norms", [{"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+def test_eagle31_options_are_exported_true_and_proven_by_speculators(tmp_path, target, vocab, norms):
+    """The flags a head uses are written true, their norms stored, loaded back into the same head, and
+    speculators' own forward (which reads the flags) equals draftsmith's; the original layout refuses them."""
+    from safetensors.torch import load_file
+
+    config = Eagle3Config(feature_layers=EAGLE3_LAYERS, **norms)
+    module = config.build_module(target, vocab)
+    perturb(module)  # the norm scales too: a dropped norm changes the proposals
+    source, out = str(tmp_path / "head"), str(tmp_path / "spec")
+    drafters.save(config.runtime(module, target), source)
+    export(source, "speculators", out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert {flag: cfg[flag] for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")} == {
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False, **norms}
+    stored = load_file(os.path.join(out, "model.safetensors"))
+    norm_tensors = {k for k in stored if k.startswith(("fc_norm.", "input_norm."))}
+    assert norm_tensors == ({"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} if "fc_norm" in norms
+                            else {"input_norm.weight"})
+    lines = check(out)
+    assert any("speculators' forward on the same hidden states" in line for line in lines)
+    assert any(f"loads all {16 + len(norm_tensors)} tensors" in line for line in lines)
+    assert any("proposes the source drafter's 4 tokens" in line for line in lines)
+    with pytest.raises(DraftsmithError, match=r"uses .*EAGLE-3.1.*export it with --to speculators"):
+        export(source, "eagle3", str(tmp_path / "eagle3"))
+    assert not os.path.exists(tmp_path / "eagle3")
+
+
 def test_eagle1_is_refused_naming_where_the_semantics_differ(tmp_path, sources, capsys):
     out = tmp_path / "e1"
     assert main(["export", sources["eagle1"], "--to", "eagle1", "--out", str(out)]) == 2

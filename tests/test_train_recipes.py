@@ -278,3 +278,17 @@ def test_resume_from_a_named_checkpoint_replays_the_same_steps(tmp_path, tiny_ta
     assert all(torch.equal(first[k], again[k]) for k in first)
     steps = [r["step"] for r in read_log(tmp_path) if "loss" in r]
     assert steps == [1, 2, 3, 4, 3, 4]  # the second run replayed steps 3 and 4 only
+
+
+def test_eagle31_norms_train_from_the_recipe(tmp_path, tiny_target_dir, tiny_train_data):
+    """drafter.fc_norm / norm_output in the recipe: the norms are trained (off their init of 1) and saved."""
+    from safetensors.torch import load_file
+
+    run_training(tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle3", "train.steps=2", "train.ttt_steps=2",
+                             "drafter.feature_layers=[0,1,2]", "drafter.fc_norm=true", "drafter.norm_output=true",
+                             "train.optimizer.lr=0.003", "train.eval.decoder_at_end=false"))
+    saved = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    for i in range(3):
+        assert not torch.equal(saved[f"fc_norm.{i}.weight"], torch.ones(64)), i
+    meta = json.load(open(tmp_path / "drafter" / "config.json"))
+    assert meta["drafter"]["fc_norm"] is True and meta["drafter"]["norm_output"] is True

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DraftsmithError
+from ..errors import DraftsmithError, writing
 from ..files import write_json, write_text
 from . import distributed
 from .distributed import World
@@ -113,18 +113,19 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
     if world.is_main:
         shutil.rmtree(os.path.join(root, tmp_tag), ignore_errors=True)  # left by a killed save
     distributed.barrier()
-    distributed.save_engine(engine, root, tmp_tag)
-    torch.save(rng_state(), os.path.join(root, tmp_tag, f"rng_rank{world.rank}.pt"))
-    distributed.barrier()
-    if world.is_main:
-        write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
-        write_checksums(os.path.join(root, tmp_tag))
-        final = os.path.join(root, tag)
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(os.path.join(root, tmp_tag), final)
-        write_text(os.path.join(root, "latest"), tag + "\n")
-        _prune(root, keep)
+    with writing(root, cleanup=os.path.join(root, tmp_tag)):  # a full disk: said so, no half checkpoint left
+        distributed.save_engine(engine, root, tmp_tag)
+        torch.save(rng_state(), os.path.join(root, tmp_tag, f"rng_rank{world.rank}.pt"))
+        distributed.barrier()
+        if world.is_main:
+            write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
+            write_checksums(os.path.join(root, tmp_tag))
+            final = os.path.join(root, tag)
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(os.path.join(root, tmp_tag), final)
+            write_text(os.path.join(root, "latest"), tag + "\n")
+            _prune(root, keep)
     distributed.barrier()
     return os.path.join(root, tag)
 
@@ -140,14 +141,15 @@ def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, An
     if not os.path.isfile(state_file):
         raise DraftsmithError(f"'{path}' is not a draftsmith checkpoint (no trainer_state.json)")
     verify_checksums(path)
-    with open(state_file, encoding="utf-8") as f:
-        state = json.load(f)
+    state = _state_json(path)
     check_layout(state, distributed.zero_stage(engine), world.world_size, path)
     check_identity(state.get("identity"), identity, path)
-    distributed.load_engine(engine, os.path.dirname(path), os.path.basename(path))
+    with damaged(path):
+        distributed.load_engine(engine, os.path.dirname(path), os.path.basename(path))
     rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
     if state.get("world_size") == world.world_size and os.path.isfile(rng_file):
-        set_rng_state(load_tensors(rng_file))
+        with damaged(path):
+            set_rng_state(load_tensors(rng_file))
     else:
         # another number of processes: the data order maps over, per-rank random streams cannot
         seed_everything(int(state.get("seed", 0)) + 1000 * int(state["step"]) + world.rank)
@@ -161,16 +163,8 @@ ENGINE_MODULE_PREFIX = "drafter."
 def read_trainer_state(path: str) -> dict[str, Any]:
     """``trainer_state.json`` of a checkpoint folder, refused unless it records the drafter it holds."""
     path = os.path.abspath(path)
-    state_file = os.path.join(path, "trainer_state.json")
-    if not os.path.isdir(path) or not os.path.isfile(state_file):
-        raise DraftsmithError(f"'{path}' is not a draftsmith checkpoint folder (no trainer_state.json; a complete one "
-                              f"is <run_dir>/checkpoints/step_N, written by draftsmith train)")
-    try:
-        with open(state_file, encoding="utf-8") as f:
-            state = json.load(f)
-    except json.JSONDecodeError as e:
-        raise DraftsmithError(f"{state_file} is not valid JSON ({e}); the checkpoint is damaged") from e
-    if not isinstance(state, dict) or not isinstance(state.get("identity"), dict) or "zero_stage" not in state:
+    state = _state_json(path)
+    if not isinstance(state.get("identity"), dict) or "zero_stage" not in state:
         raise DraftsmithError(f"checkpoint '{path}' does not record the drafter it holds (identity, zero_stage in "
                               f"trainer_state.json): it was not written by this draftsmith's train")
     return state
@@ -192,9 +186,11 @@ def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         file = os.path.join(path, "mp_rank_00_model_states.pt")
         if not os.path.isfile(file):
             raise DraftsmithError(f"checkpoint '{path}' is incomplete: it has no {os.path.basename(file)}")
-        module = load_tensors(file)["module"]
+        with damaged(path):
+            module = load_tensors(file)["module"]
     else:
-        module = distributed.consolidated_weights(os.path.dirname(path), os.path.basename(path))
+        with damaged(path):
+            module = distributed.consolidated_weights(os.path.dirname(path), os.path.basename(path))
     weights = {k[len(ENGINE_MODULE_PREFIX):]: v for k, v in module.items() if k.startswith(ENGINE_MODULE_PREFIX)}
     if not weights:
         raise DraftsmithError(f"checkpoint '{path}' holds no drafter weights (no '{ENGINE_MODULE_PREFIX}*' tensors)")
@@ -258,6 +254,43 @@ def load_tensors(file: str) -> Any:
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise distributed.unsafe_checkpoint(os.path.dirname(file), e) from e
+
+
+def _state_json(path: str) -> dict[str, Any]:
+    """The parsed ``trainer_state.json`` of the checkpoint folder ``path``; a missing or damaged one is refused."""
+    state_file = os.path.join(path, "trainer_state.json")
+    if not os.path.isdir(path) or not os.path.isfile(state_file):
+        raise DraftsmithError(f"'{path}' is not a draftsmith checkpoint folder (no trainer_state.json; a complete one "
+                              f"is <run_dir>/checkpoints/step_N, written by draftsmith train)")
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftsmithError(f"{state_file} is not valid JSON ({e}); the checkpoint is damaged: {_DAMAGED_FIX}") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise DraftsmithError(f"{state_file} does not hold a trainer state (a JSON object with the step); the "
+                              f"checkpoint is damaged: {_DAMAGED_FIX}")
+    return state
+
+
+_DAMAGED_FIX = ("resume from an earlier one (draftsmith train --resume <run_dir>/checkpoints/step_N) or delete it "
+                "(and <run_dir>/checkpoints/latest) to start over")
+
+
+@contextmanager
+def damaged(path: str) -> Iterator[None]:
+    """Reading the tensor files of checkpoint ``path``: a truncated or garbled one (torch's zip reader, the
+    unpickler, DeepSpeed's state-dict lookups) is refused in one line that names the checkpoint."""
+    import pickle
+
+    try:
+        yield
+    except DraftsmithError:
+        raise
+    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError) as e:
+        reason = str(e).splitlines()[0].split(". ")[0][:200] if str(e) else type(e).__name__
+        raise DraftsmithError(f"checkpoint '{path}' cannot be read ({type(e).__name__}: {reason}); it is damaged: "
+                              f"{_DAMAGED_FIX}") from e
 
 
 def check_layout(state: dict[str, Any], stage: int, world_size: int, path: str) -> None:

@@ -20,7 +20,20 @@ class OptimizerConfig:
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (β1, β2), each in [0, 1)."""
     eps: float = 1e-8
+
+    def validate(self) -> None:
+        # AdamW would refuse some of these itself, but only once the target has loaded
+        if not self.lr > 0:
+            raise ConfigError(f"train.optimizer.lr = {self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.optimizer.weight_decay = {self.weight_decay} must be ≥ 0")
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"train.optimizer.betas[{i}] = {beta} must be in [0, 1)")
+        if not self.eps > 0:
+            raise ConfigError(f"train.optimizer.eps = {self.eps} must be > 0")
 
 
 @dataclass
@@ -31,6 +44,13 @@ class ScheduleConfig:
     """Optimizer steps of linear warmup from 0."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.schedule.warmup_steps = {self.warmup_steps} must be ≥ 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.schedule.min_lr_ratio = {self.min_lr_ratio} must be in [0, 1] "
+                              "(the final learning rate as a fraction of the peak)")
 
 
 @dataclass
@@ -113,6 +133,13 @@ class TrainEvalConfig:
     """Also evaluate the final drafter in the decoder."""
     decoder_prompts: int = 5
     """Prompts per decoder evaluation (from the recipe's ``eval.prompts``)."""
+
+    def validate(self) -> None:
+        for name in ("heldout", "every", "decoder_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.eval.{name} = {getattr(self, name)} must be ≥ 0")
+        if self.decoder_prompts < 1:
+            raise ConfigError(f"train.eval.decoder_prompts = {self.decoder_prompts} must be at least 1")
 
 
 @dataclass

@@ -1,0 +1,201 @@
+"""Bad input through the command line: one line naming the fix, exit 2, never a traceback (issue 28).
+
+Config values are refused when the recipe loads, before any target does; damaged files (feature cache,
+drafter folder, checkpoint) when they are read; a write the system refuses (read-only folder, full disk)
+names the folder and leaves no temporary folder behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+import pytest
+
+from draftsmith.config import load_recipe
+from draftsmith.errors import ConfigError
+
+from .test_cli import expect_error
+
+TRAIN = "smollm2-135m-eagle3"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("override,fragments", [
+    ("decode.k=[1", ["override 'decode.k=[1': the value is not valid YAML", "close a list with ]"]),
+    ("train.optimizer.lr=nan", ["'train.optimizer.lr' must be a finite number, got nan"]),
+    ("train.optimizer.lr=-0.001", ["train.optimizer.lr = -0.001 must be > 0"]),
+    ("train.optimizer.betas=[0.9,1.0]", ["train.optimizer.betas[1] = 1.0 must be in [0, 1)"]),
+    ("train.optimizer.betas=[-0.1,0.95]", ["train.optimizer.betas[0] = -0.1 must be in [0, 1)"]),
+    ("decode.temperature=nan", ["'decode.temperature' must be a finite number, got nan"]),
+    ("run_dir=", ["run_dir is empty", "run_dir=runs/mine"]),
+    ("train.eval.heldout=-1", ["train.eval.heldout = -1 must be ≥ 0"]),
+    ("data.stages=[]", ["data.stages is empty", "choose from: regenerate, tokenize, features, vocab"]),
+    ("train.schedule.min_lr_ratio=1.5", ["train.schedule.min_lr_ratio = 1.5 must be in [0, 1]"]),
+])
+def test_bad_values_are_refused_when_the_recipe_loads(capsys, tmp_path, monkeypatch, override, fragments):
+    monkeypatch.chdir(tmp_path)  # an empty run_dir must not write config.yaml here
+    overrides = [f"run_dir={tmp_path}/run", override]
+    with pytest.raises(ConfigError):  # at validation: before a target, a dataset or DeepSpeed is touched
+        load_recipe(TRAIN, overrides)
+    command = "prepare" if override.startswith("data.") else "train"
+    expect_error(capsys, [command, "-c", TRAIN, *overrides], *fragments)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_config_file_that_is_not_utf8_or_is_a_folder(capsys, tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("run_dir: runs/caf\xe9\n".encode("latin-1"))
+    expect_error(capsys, ["eval", "-c", str(latin1)], f"config file '{latin1}' is not UTF-8 text", "save it as UTF-8")
+    expect_error(capsys, ["eval", "-c", str(tmp_path)], f"config file '{tmp_path}' is a folder")
+
+
+def test_demo_refuses_zero_steps_before_it_prepares(capsys, tmp_path, monkeypatch):
+    import draftsmith.data
+
+    def prepare(*args, **kwargs):
+        raise AssertionError("prepare ran")
+
+    monkeypatch.setattr(draftsmith.data, "run_prepare", prepare)
+    expect_error(capsys, ["demo", "--steps", "0", "--run-dir", str(tmp_path / "demo")], "train.steps = 0 must be at least 1")
+    assert not os.path.exists(tmp_path / "demo")
+
+
+# ---------------------------------------------------------------- damaged files
+
+
+@pytest.mark.parametrize("manifest,fragments", [
+    ([], ["manifest.json holds a JSON list, not the manifest's object"]),
+    ({"format": "draftsmith-feature-cache/1", "target": None}, ["manifest.json is damaged ('target' should be a JSON object"]),
+])
+def test_a_damaged_feature_cache_manifest(capsys, tmp_path, tiny_target_dir, tiny_train_data, manifest, fragments):
+    cache = tmp_path / "features"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    expect_error(capsys, ["train", "-c", TRAIN, f"target.name={tiny_target_dir}", "target.dtype=float32",
+                          f"train.dataset={tiny_train_data}", f"train.features={cache}", "drafter.draft_vocab=",
+                          "drafter.feature_layers=[0,1,2]", "train.deepspeed=zero0", "train.logging.wandb=disabled",
+                          f"run_dir={tmp_path}/run"], f"feature cache '{cache}'", *fragments, "draftsmith prepare")
+
+
+@pytest.mark.parametrize("meta,fragments", [
+    ([], ["config.json holds a JSON list, not a draftsmith drafter config"]),
+    ({"format": "draftsmith-drafter", "format_version": 1, "target": None, "drafter": {"type": "eagle3"}},
+     ["does not record the target the drafter was trained for ('target' = None"]),
+])
+def test_a_damaged_drafter_config(capsys, tmp_path, tiny_target_dir, meta, fragments):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(meta))
+    (drafter / "model.safetensors").write_bytes(b"")
+    expect_error(capsys, ["export", str(drafter), "--to", "eagle3", "--out", str(tmp_path / "out")], *fragments,
+                 "re-save the drafter")
+    expect_error(capsys, ["eval", "-c", TRAIN, "drafter.type=saved", f"drafter.path={drafter}",
+                          f"target.name={tiny_target_dir}", "target.dtype=float32", f"run_dir={tmp_path}/run"], *fragments)
+
+
+def _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, *extra: str) -> list[str]:
+    return ["train", "-c", TRAIN, f"target.name={tiny_target_dir}", "target.dtype=float32", "drafter.draft_vocab=",
+            "drafter.feature_layers=[0,1,2]", "train.ttt_steps=1", f"train.dataset={tiny_train_data}", "train.batch_size=4", "train.max_length=32", "train.eval.heldout=4",
+            "train.deepspeed=zero1", "train.logging.wandb=disabled", "train.logging.progress=false",
+            "train.eval.decoder_at_end=false", "train.features=", f"run_dir={run_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_target_dir, tiny_train_data) -> str:
+    """A one-step ZeRO-1 run of the tiny target: checkpoints/step_00000001 holds model and optimizer files."""
+    from draftsmith.cli import main
+
+    run_dir = str(tmp_path_factory.mktemp("trained") / "run")
+    assert main(_tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=1")) == 0
+    return run_dir
+
+
+STEP = os.path.join("checkpoints", "step_00000001")
+
+
+def _truncate_optimizer_state(step: str) -> None:
+    file = os.path.join(step, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+
+
+def _garble_trainer_state(step: str) -> None:
+    with open(os.path.join(step, "trainer_state.json"), "w") as f:
+        f.write('{"step": 1, "zero_st')
+
+
+@pytest.mark.parametrize("damage,fragments", [
+    (_truncate_optimizer_state, ["cannot be read (RuntimeError: PytorchStreamReader failed reading zip archive", "damaged"]),
+    (_garble_trainer_state, ["trainer_state.json is not valid JSON", "the checkpoint is damaged"]),
+])
+def test_a_damaged_checkpoint_is_refused_on_resume(capsys, tmp_path, trained_run, tiny_target_dir, tiny_train_data,
+                                                   damage, fragments):
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(trained_run, run_dir)
+    damage(os.path.join(run_dir, STEP))
+    expect_error(capsys, _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=2"), *fragments,
+                 "draftsmith train --resume <run_dir>/checkpoints/step_N")
+
+
+def test_a_truncated_optimizer_state_is_refused_on_export(capsys, tmp_path, trained_run):
+    step = str(tmp_path / "step")
+    shutil.copytree(os.path.join(trained_run, STEP), step)
+    _truncate_optimizer_state(step)  # under ZeRO-1 it holds the fp32 weights export gathers
+    expect_error(capsys, ["export", step, "--to", "eagle3", "--out", str(tmp_path / "out")],
+                 f"checkpoint '{step}' cannot be read", "damaged")
+
+
+# ---------------------------------------------------------------- writes the system refuses
+
+
+def test_a_read_only_run_dir(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(*args, dir=None, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", dir)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    run_dir = tmp_path / "run"
+    expect_error(capsys, ["prepare", "-c", "smollm2-135m-prepare", f"run_dir={run_dir}"],
+                 f"'{run_dir}' is on a read-only file system", "choose a writable folder")
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_no_temporary_folder(capsys, tmp_path, monkeypatch,
+                                                                                tiny_target_dir, tiny_train_data):
+    import torch
+
+    from draftsmith.train import checkpoint
+
+    written = []
+
+    def full(obj, file, *args, **kwargs):
+        written.append(str(file))
+        with open(file, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    run_dir = tmp_path / "run"
+    expect_error(capsys, _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=1"),
+                 f"no space left on {run_dir / 'checkpoints'}", "free some space")
+    assert ".tmp-step_" in written[0]  # the partial file was in the checkpoint's temporary folder ...
+    assert not [d for d in os.listdir(run_dir / "checkpoints") if d.startswith(".tmp")]  # ... which is gone
+
+
+def test_a_library_that_hides_the_errno_of_a_full_disk(tmp_path, monkeypatch):
+    """torch.save's C++ stream says only "basic_ios::clear": the free space right after the failure tells."""
+    import collections
+
+    from draftsmith import errors
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage(10 << 20, 10 << 20, 4096))
+    message = errors.write_refusal(RuntimeError("basic_ios::clear: iostream error"), str(tmp_path))
+    assert message == f"no space left on {tmp_path}: free some space (or write elsewhere: run_dir, --out) and rerun"
+    monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage(10 << 30, 1 << 30, 9 << 30))
+    assert errors.write_refusal(RuntimeError("basic_ios::clear: iostream error"), str(tmp_path)) is None  # a bug stays one
+    assert errors.write_refusal(ValueError("no"), str(tmp_path)) is None
