@@ -209,9 +209,9 @@ def regenerate_through_server(
 
 class _Run:
     def __init__(self, client: CompletionsClient, folder: str, target: Target, st: RegenerateConfig,
-                 max_length: int, bar: tqdm, commit: Callable[..., None], tags: dict[int, str]):
+                 max_length: int, bar: tqdm, commit: Callable[..., None], tags: dict[int, str] | None = None):
         self.client, self.folder, self.target, self.st = client, folder, target, st
-        self.max_length, self.bar, self.commit, self.tags = max_length, bar, commit, tags
+        self.max_length, self.bar, self.commit, self.tags = max_length, bar, commit, tags or {}
         self.eos = sorted(target.eos_token_ids)
         self.in_flight: dict[Future, tuple[_Shard, int, list[int]]] = {}
         self.opened: dict[int, _Shard] = {}
