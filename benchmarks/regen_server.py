@@ -65,7 +65,7 @@ def regenerate(convs: Any, target: Any, cfg: Any, max_length: int) -> tuple[floa
     from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
 
     with tempfile.TemporaryDirectory(prefix="regen-bench-") as tmp:
-        report = regenerate_conversations(convs, tmp, target, cfg, max_length=max_length, inputs_hash="bench",
+        report = regenerate_conversations(convs, tmp, target, cfg, max_length=max_length,
                                           progress=False)
         answers = {r["conv_id"]: r["messages"][-1]["content"] for r in regenerated_records(tmp)}
     return report.seconds, report.new_tokens, [answers.get(c, "") for c in convs["conv_id"]]

@@ -48,7 +48,7 @@ def _run(folder, target, server=None, users=USERS, max_length=256, **kw):
     cfg = RegenerateConfig(**{"max_new_tokens": NEW, "batch_size": 4, "shard_size": 4, **kw},
                            **({"method": "server", "server": server} if server else {}))
     report = regenerate_conversations(_conversations(users), str(folder), target, cfg, max_length=max_length,
-                                      inputs_hash="h", progress=False)
+                                      progress=False)
     return report, list(regenerated_records(str(folder)))
 
 
