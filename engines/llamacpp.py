@@ -262,7 +262,7 @@ class ServerSpec:
         out = ["-m", self.model, "-t", t, "-tb", t, "-c", str(self.ctx * self.slots), "-np", str(self.slots),
                "--no-webui", "--log-colors", "off"]
         if self.draft:
-            out += ["-md", self.draft, "-td", t, "-tbd", t, "-cd", str(self.ctx * self.slots)]
+            out += ["-md", self.draft, "-td", t, "-tbd", t]  # the draft's context is the target's (this build has no -cd)
         if self.spec_type:
             out += ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.n_max),
                     "--spec-draft-n-min", str(self.n_min)]

@@ -213,6 +213,8 @@ def engine_check(folder: str, target: Target, source: Any, prompts: list[list[in
     from ..decode.chain import speculative_decode
     from ..decode.stats import DecodeStats
 
+    if source.family == "dflash":  # llama.cpp's block is n_max + 1 rows: only the whole trained block drafts as trained
+        k = source.drafter.module.block_size - 1
     target_gguf = cached_target(target, "f32")
     draft = os.path.join(folder, DRAFT_FILE)
     alone_spec = llamacpp.ServerSpec(model=target_gguf, threads=threads)

@@ -33,7 +33,7 @@ def target(tiny_target_dir):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, target):
-    config = DFlashConfig(num_layers=2, block_size=4, feature_layers=LAYERS)
+    config = DFlashConfig(num_layers=2, block_size=6, feature_layers=LAYERS)
     module = config.build_module(target)
     perturb(module)
     path = str(tmp_path_factory.mktemp("drafters") / "dflash")
@@ -63,18 +63,18 @@ def test_export_then_check_proves_the_dflash_layouts(tmp_path, source, target, f
     capsys.readouterr()
     assert main(["export", "--check", out]) == 0
     lines = [line[len("ok  "):] for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
-    assert any("proposes the source drafter's 4 tokens" in line for line in lines)  # k = 4 ≥ Bs − 1: the whole block
+    assert any("proposes the source drafter's 4 tokens" in line for line in lines)
     assert any("accepts the same drafts in every round" in line for line in lines)
     assert any("speculators' layers on the same target hidden states" in line for line in lines)
     assert any("loads all 25 draft tensors" in line for line in lines)  # fc, hidden_norm, norm, 2 × 11
     if fmt == "dflash":
         assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-        assert cfg["dflash_config"] == {"block_size": 4, "mask_token_id": target.vocab_size - 1, "target_layer_ids": LAYERS}
-        assert cfg["num_hidden_layers"] == 2 and cfg["num_target_layers"] == 4 and cfg["block_size"] == 4
+        assert cfg["dflash_config"] == {"block_size": 6, "mask_token_id": target.vocab_size - 1, "target_layer_ids": LAYERS}
+        assert cfg["num_hidden_layers"] == 2 and cfg["num_target_layers"] == 4 and cfg["block_size"] == 6
         assert any("DFlashConverter reads the z-lab layout" in line for line in lines)
     else:
         assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == [1, 3]  # ours + 1
-        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
         assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
 
 
@@ -88,7 +88,7 @@ def test_check_catches_a_shifted_layer_a_renamed_tensor_and_another_mask_token(t
         return path
 
     shifted = fresh("ids")  # off by one: the reference's ids are outputs of layers, as ours
-    _tamper_config(shifted, dflash_config={"block_size": 4, "mask_token_id": 49151, "target_layer_ids": [1, 3]})
+    _tamper_config(shifted, dflash_config={"block_size": 6, "mask_token_id": 49151, "target_layer_ids": [1, 3]})
     with pytest.raises(DraftsmithError, match="proposes|distributions differ"):
         check(shifted)
     renamed = fresh("renamed")
@@ -98,7 +98,7 @@ def test_check_catches_a_shifted_layer_a_renamed_tensor_and_another_mask_token(t
     with pytest.raises(DraftsmithError, match="q_norm"):
         check(renamed)
     mask = fresh("mask")
-    _tamper_config(mask, dflash_config={"block_size": 4, "mask_token_id": 7, "target_layer_ids": LAYERS})
+    _tamper_config(mask, dflash_config={"block_size": 6, "mask_token_id": 7, "target_layer_ids": LAYERS})
     with pytest.raises(DraftsmithError, match="proposes|distributions differ"):
         check(mask)
 
@@ -122,3 +122,4 @@ def test_gguf_export_converts_and_llama_cpp_serves_it_losslessly(tmp_path, sourc
     assert any(line.startswith("draft.gguf: a dflash GGUF") for line in lines)
     assert any("dflash.target_layers = [1, 3]" in line and "mask token 49151" in line for line in lines)
     assert any("llama.cpp with the export = llama.cpp's F32 target alone" in line for line in lines)
+    assert any("acceptance by position (k = 5)" in line for line in lines)  # the whole block: Bs − 1 drafts
