@@ -72,6 +72,10 @@ class DemoSize:
     """The size's bar: the trained head's speedup_vs_target (bf16) must exceed it."""
     min_tau: float = 0.0
     """The size's bar on τ (bonus counted): at least this."""
+    drafter: str = "eagle3"
+    """What the demo trains on the same prepared data: ``eagle3`` (the head above) or ``dflash`` (``DFLASH``: a block
+    drafter whose k = block − 1 drafts cost one forward; chains, no tree). EAGLE-3 stays the default until the two
+    are measured side by side at both sizes (not done yet: RESULTS.md)."""
     dtype: str = "auto"
     """The dtype of prepare (regeneration, feature capture) and training: ``auto`` = bf16 where the device
     computes it natively (``devices.native_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, where bf16 ran
@@ -104,6 +108,11 @@ The default trains 100 steps: the same data's 100-step head scores a higher held
 and τ (1.159 vs 1.118 at k = 1, gate 0.2) than the 50-step one."""
 
 
+DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4}
+"""The demo's DFlash drafter (``drafter=dflash``): the recipe ``smollm2-135m-dflash`` reading the EAGLE-3 layers the
+demo's feature cache holds (training stays offline), 32 blocks per sequence, the reference's learning rate."""
+
+
 def pipeline_dtype(size: DemoSize) -> str:
     """The size's dtype for prepare and train, ``auto`` resolved on this machine's device."""
     if size.dtype != "auto":
@@ -123,33 +132,52 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                    + ([f"data.regenerate.max_new_tokens={size.answer_tokens}"] if size.regenerate
                       else ["data.stages=[tokenize,features,vocab]"]),
         "train": [
-            f"run_dir={run_dir}/eagle3",
+            f"run_dir={run_dir}/{size.drafter}",
             f"target.dtype={dtype}",  # DeepSpeed's "auto" precision follows it: a bf16 target, a bf16 engine
             f"train.dataset={data}/tokenized",
             f"train.features={data}/features",
-            f"drafter.draft_vocab={data}/draft_vocab.safetensors",
+            *_drafter_overrides(size, data),
             f"train.steps={size.steps}",
             f"train.batch_size={size.batch_size}",
             f"train.max_length={size.max_length}",
-            f"train.ttt_steps={size.ttt_steps}",
-            f"train.optimizer.lr={size.lr}",
             f"train.schedule.warmup_steps={max(5, size.steps // 50)}",
             f"train.checkpoint.every={max(20, size.steps // 10)}",
             f"train.eval.every={max(20, size.steps // 10)}",
             f"train.eval.heldout={8 if size.conversations >= 64 else 1}",  # held-out records for Σ min(p, q)
             "train.eval.decoder_at_end=false",
         ],
-        "eval": [f"run_dir={run_dir}/eval-eagle3", "drafter.type=saved", f"drafter.path={run_dir}/eagle3/drafter",
+        "eval": [f"run_dir={run_dir}/eval-{size.drafter}", "drafter.type=saved",
+                 f"drafter.path={run_dir}/{size.drafter}/drafter",
                  "target.dtype=bfloat16",  # speed in bf16; the identity audit reloads the target in fp32
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
-                 f"decode.k={size.k}", f"decode.min_confidence={size.min_confidence}",
-                 f"decode.max_new_tokens={size.max_new_tokens}"]
-                + ([] if size.tree is None else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
+                 f"decode.k={size.k if size.drafter == 'eagle3' else DFLASH['block_size'] - 1}",
+                 f"decode.min_confidence={size.min_confidence}", f"decode.max_new_tokens={size.max_new_tokens}"]
+                + ([] if size.tree is None or size.drafter != "eagle3" else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
                                                  f"decode.tree_top_k={size.tree[1]}", f"decode.tree_budget={size.tree[2]}"]),
     }
 
 
-STAGE_RECIPES = {"prepare": "smollm2-135m-prepare", "train": "smollm2-135m-eagle3", "eval": "smollm2-135m-eagle3"}
+def _drafter_overrides(size: DemoSize, data: str) -> list[str]:
+    """The train stage's drafter-specific overrides."""
+    if size.drafter == "dflash":
+        return [f"drafter.num_layers={DFLASH['num_layers']}", f"drafter.block_size={DFLASH['block_size']}",
+                f"drafter.feature_layers={DFLASH['feature_layers']}".replace(" ", ""),
+                f"train.dflash.anchors={DFLASH['anchors']}", f"train.optimizer.lr={DFLASH['lr']}"]
+    if size.drafter != "eagle3":
+        from .errors import ConfigError
+
+        raise ConfigError(f"demo drafter '{size.drafter}' is not one of: eagle3, dflash")
+    return [f"drafter.draft_vocab={data}/draft_vocab.safetensors", f"train.ttt_steps={size.ttt_steps}",
+            f"train.optimizer.lr={size.lr}"]
+
+
+def stage_recipes(size: DemoSize) -> dict[str, str]:
+    """The recipe each stage starts from (``draftsmith <stage> --config <it> <overrides>``)."""
+    return {"prepare": "smollm2-135m-prepare", "train": f"smollm2-135m-{size.drafter}", "eval": f"smollm2-135m-{size.drafter}"}
+
+
+STAGE_RECIPES = stage_recipes(DemoSize())
+"""The default demo's (EAGLE-3)."""
 
 
 def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bool = False) -> dict[str, Any]:
@@ -162,25 +190,25 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     from .train.run import run_training
 
     size = size or DemoSize()
-    stages = demo_stages(run_dir, size)
+    stages, recipes = demo_stages(run_dir, size), stage_recipes(size)
     times: dict[str, float] = {}
 
     def banner(name: str) -> float:
-        print(f"\n== {name}: draftsmith {name} --config {STAGE_RECIPES[name]} {' '.join(stages[name])}", flush=True)
+        print(f"\n== {name}: draftsmith {name} --config {recipes[name]} {' '.join(stages[name])}", flush=True)
         return time.perf_counter()
 
     t = banner("prepare")
-    recipe = load_recipe(STAGE_RECIPES["prepare"], stages["prepare"])
+    recipe = load_recipe(recipes["prepare"], stages["prepare"])
     save_recipe(recipe)
     run_prepare(recipe)
     times["prepare"] = time.perf_counter() - t
 
     t = banner("train")
-    train_summary = run_training(load_recipe(STAGE_RECIPES["train"], stages["train"]))
+    train_summary = run_training(load_recipe(recipes["train"], stages["train"]))
     times["train"] = time.perf_counter() - t
 
     t = banner("eval")
-    recipe = load_recipe(STAGE_RECIPES["eval"], stages["eval"])
+    recipe = load_recipe(recipes["eval"], stages["eval"])
     run_eval_recipe(recipe)
     times["eval"] = time.perf_counter() - t
     m = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
@@ -189,8 +217,10 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         {"drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
          "acceptance_at_position": [], "tokens_per_s": speed["target_tokens_per_s"], "speedup_vs_target": 1.0,
          "predicted_speedup": None, "identical_to_target": None},
-        {"drafter": f"EAGLE-3 head, trained {size.steps} steps" + (
-            "" if size.tree is None else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
+        {"drafter": (f"DFlash drafter (block {DFLASH['block_size']}), trained {size.steps} steps" if size.drafter == "dflash"
+                     else f"EAGLE-3 head, trained {size.steps} steps") + (
+            "" if size.tree is None or size.drafter != "eagle3"
+            else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
          "k": m["k"], "tau_with_bonus": m["tau_with_bonus"],
          "acceptance_at_position": m["acceptance_at_position"], "tokens_per_s": speed["tokens_per_s"],
          "speedup_vs_target": speed["speedup_vs_target"], "speedup_interval_90": speed.get("speedup_interval_90"),
