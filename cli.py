@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                              ("steps", int, "EAGLE-3 training steps"), ("prompts", int, "MT-bench prompts decoded"),
                              ("max-new-tokens", int, "tokens decoded per prompt"), ("k", int, "draft tokens per round")):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} (default: the size's)")
+    p.add_argument("--drafter", choices=("eagle3", "dflash"), default=None,
+                   help="what to train on the same data: eagle3 (default) or dflash (a block drafter, k = 7 per forward)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="speed benchmarks measured side by side in one run (see benchmarks/)")
@@ -246,8 +248,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo, sized
 
     size = sized(args.size, conversations=args.conversations, steps=args.steps, prompts=args.prompts,
-                 max_new_tokens=args.max_new_tokens, k=args.k)
+                 max_new_tokens=args.max_new_tokens, k=args.k, drafter=args.drafter)
     run_dir = args.run_dir or ("runs/demo" if args.size == "default" else f"runs/demo-{args.size}")
+    if size.drafter != "eagle3" and not args.run_dir:
+        run_dir += f"-{size.drafter}"
     with writing(run_dir):
         summary = run_demo(run_dir, size, check=True)
     return 0 if summary["passed"] else 1

@@ -76,6 +76,10 @@ class DemoSize:
     """The size's bar: the trained head's speedup_vs_target (bf16) must exceed it."""
     min_tau: float = 0.0
     """The size's bar on τ (bonus counted): at least this."""
+    drafter: str = "eagle3"
+    """What the demo trains on the same prepared data: ``eagle3`` (the head above) or ``dflash`` (``DFLASH``: a block
+    drafter whose k = block − 1 drafts cost one forward; chains, no tree). EAGLE-3 stays the default until the two
+    are measured side by side at both sizes (not done yet: RESULTS.md)."""
     dtype: str = "auto"
     """The dtype of prepare (regeneration, feature capture) and training: ``auto`` = bf16 where the device
     computes it natively (``devices.native_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, where bf16 is the
@@ -102,6 +106,11 @@ takes ``FP32_SHARE`` of both, which keeps the time about the same. Measured time
 benchmarks/RESULTS.md, "demo"."""
 
 
+DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4}
+"""The demo's DFlash drafter (``drafter=dflash``): the recipe ``smollm2-135m-dflash`` reading the EAGLE-3 layers the
+demo's feature cache holds (training stays offline), 32 blocks per sequence, the reference's learning rate."""
+
+
 def pipeline_dtype(size: DemoSize) -> str:
     """The size's dtype for prepare and train, ``auto`` resolved on this machine's device."""
     if size.dtype != "auto":
@@ -122,36 +131,57 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                    + ([f"data.regenerate.max_new_tokens={size.answer_tokens}"] if size.regenerate
                       else ["data.stages=[tokenize,features,vocab]"]),
         "train": [
-            f"run_dir={run_dir}/eagle3",
+            f"run_dir={run_dir}/{size.drafter}",
             f"target.dtype={dtype}",  # DeepSpeed's "auto" precision follows it: a bf16 target, a bf16 engine
             f"train.dataset={data}/tokenized",
             f"train.features={data}/features",
-            f"drafter.draft_vocab={data}/draft_vocab.safetensors",
+            *_drafter_overrides(size, data),
             f"train.steps={size.steps}",
             f"train.batch_size={size.batch_size}",
             f"train.max_length={size.max_length}",
-            f"train.ttt_steps={size.ttt_steps}",
-            f"train.optimizer.lr={size.lr}",
             f"train.schedule.warmup_steps={max(5, size.steps // 50)}",
             f"train.checkpoint.every={max(20, size.steps // 10)}",
             f"train.eval.every={max(20, size.steps // 10)}",
             f"train.eval.heldout={8 if size.conversations >= 64 else 1}",  # held-out records for Σ min(p, q)
             "train.eval.decoder_at_end=false",
         ],
-        # the head training kept as best (highest held-out sim_tau, ``train/save.py``), not the last one
-        "eval": [f"run_dir={run_dir}/eval-eagle3", "drafter.type=saved", f"drafter.path={run_dir}/eagle3/{BEST}",
+        # the drafter training kept as best (highest held-out sim_tau, ``train/save.py``), not the last one
+        "eval": [f"run_dir={run_dir}/eval-{size.drafter}", "drafter.type=saved",
+                 f"drafter.path={run_dir}/{size.drafter}/{BEST}",
                  "target.dtype=bfloat16",  # speed in bf16; the identity audit reloads the target in fp32
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
-                 f"decode.k={size.k}", f"decode.min_confidence={size.min_confidence}",
-                 f"decode.max_new_tokens={size.max_new_tokens}",
-                 # the same head served in llama.cpp against llama.cpp's target alone (eval/engine.py)
-                 "eval.engine=llamacpp", f"eval.engine_k={list(size.engine_k)}"]
-                + ([] if size.tree is None else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
+                 f"decode.k={size.k if size.drafter == 'eagle3' else DFLASH['block_size'] - 1}",
+                 f"decode.min_confidence={size.min_confidence}", f"decode.max_new_tokens={size.max_new_tokens}",
+                 # the same drafter served in llama.cpp against llama.cpp's target alone (eval/engine.py); a DFlash
+                 # block is served whole (llama.cpp's block is n_max + 1 rows: n_max = block size - 1)
+                 "eval.engine=llamacpp",
+                 f"eval.engine_k={list(size.engine_k) if size.drafter == 'eagle3' else [DFLASH['block_size'] - 1]}"]
+                + ([] if size.tree is None or size.drafter != "eagle3" else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
                                                  f"decode.tree_top_k={size.tree[1]}", f"decode.tree_budget={size.tree[2]}"]),
     }
 
 
-STAGE_RECIPES = {"prepare": "smollm2-135m-prepare", "train": "smollm2-135m-eagle3", "eval": "smollm2-135m-eagle3"}
+def _drafter_overrides(size: DemoSize, data: str) -> list[str]:
+    """The train stage's drafter-specific overrides."""
+    if size.drafter == "dflash":
+        return [f"drafter.num_layers={DFLASH['num_layers']}", f"drafter.block_size={DFLASH['block_size']}",
+                f"drafter.feature_layers={DFLASH['feature_layers']}".replace(" ", ""),
+                f"train.dflash.anchors={DFLASH['anchors']}", f"train.optimizer.lr={DFLASH['lr']}"]
+    if size.drafter != "eagle3":
+        from .errors import ConfigError
+
+        raise ConfigError(f"demo drafter '{size.drafter}' is not one of: eagle3, dflash")
+    return [f"drafter.draft_vocab={data}/draft_vocab.safetensors", f"train.ttt_steps={size.ttt_steps}",
+            f"train.optimizer.lr={size.lr}"]
+
+
+def stage_recipes(size: DemoSize) -> dict[str, str]:
+    """The recipe each stage starts from (``draftsmith <stage> --config <it> <overrides>``)."""
+    return {"prepare": "smollm2-135m-prepare", "train": f"smollm2-135m-{size.drafter}", "eval": f"smollm2-135m-{size.drafter}"}
+
+
+STAGE_RECIPES = stage_recipes(DemoSize())
+"""The default demo's (EAGLE-3)."""
 
 
 def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bool = False) -> dict[str, Any]:
@@ -164,13 +194,13 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     from .train.run import run_training
 
     size = size or DemoSize()
-    stages = demo_stages(run_dir, size)
+    stages, names = demo_stages(run_dir, size), stage_recipes(size)
     # every stage's recipe is validated before the first one runs: a bad --steps fails now, not after prepare
-    recipes = {name: load_recipe(STAGE_RECIPES[name], overrides) for name, overrides in stages.items()}
+    recipes = {name: load_recipe(names[name], overrides) for name, overrides in stages.items()}
     times: dict[str, float] = {}
 
     def banner(name: str) -> float:
-        print(f"\n== {name}: draftsmith {name} --config {STAGE_RECIPES[name]} {' '.join(stages[name])}", flush=True)
+        print(f"\n== {name}: draftsmith {name} --config {names[name]} {' '.join(stages[name])}", flush=True)
         return time.perf_counter()
 
     t = banner("prepare")
@@ -192,9 +222,12 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
          "acceptance_at_position": [], "tokens_per_s": speed["target_tokens_per_s"], "speedup_vs_target": 1.0,
          "predicted_speedup": None, "identical_to_target": None},
-        {"name": "eagle3 head", "drafter": f"EAGLE-3 head, trained {size.steps} steps, "
-                                           f"{os.path.basename(recipe.drafter.path)} (step {_best_step(train_summary)})" + (
-            "" if size.tree is None else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
+        {"name": "dflash" if size.drafter == "dflash" else "eagle3 head",
+         "drafter": (f"DFlash drafter (block {DFLASH['block_size']}), trained {size.steps} steps"
+                     if size.drafter == "dflash" else f"EAGLE-3 head, trained {size.steps} steps")
+                    + f", {os.path.basename(recipe.drafter.path)} (step {_best_step(train_summary)})" + (
+            "" if size.tree is None or size.drafter != "eagle3"
+            else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
          "k": m["k"], "tau_with_bonus": m["tau_with_bonus"],
          "acceptance_at_position": m["acceptance_at_position"], "tokens_per_s": speed["tokens_per_s"],
          "speedup_vs_target": speed["speedup_vs_target"], "speedup_interval_90": speed.get("speedup_interval_90"),

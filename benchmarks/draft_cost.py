@@ -3,9 +3,12 @@
 Each drafter (untrained: cost does not depend on the weights) decodes a few MT-bench first turns
 at k drafts per round in the built-in decoder; :class:`~draftsmith.eval.costs.TimedDrafter` adds
 up the seconds spent in ``propose`` + ``update``, divided by the draft tokens proposed, and by the
-median one-token target forward measured in the same process:
+median one-token target forward measured in the same process. ``c per round`` divides by the
+rounds instead: what all k drafts of a round cost together — k·c for a chain drafter, one forward
+for DFlash, whose whole block (k = block_size − 1 = 7) is one forward:
 
     python benchmarks/draft_cost.py --dtype bfloat16 --k 4 --prompts 3
+    python benchmarks/draft_cost.py --dtype bfloat16 --k 7 --prompts 3 --only "eagle3 (full,dflash"
 
 With c and the verification cost v(k) the speedup a drafter can give is τ(k) / (v(k) + k·c)
 (``draftsmith eval`` prints that prediction beside the measured speedup).
@@ -19,6 +22,7 @@ import torch
 
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, LayerSkipConfig, MedusaConfig
+from draftsmith.drafters.dflash import DFlashConfig
 from draftsmith.eval.costs import TimedDrafter, target_step_seconds, verify_costs
 from draftsmith.eval.prompts import load_questions
 from draftsmith.files import write_json
@@ -43,6 +47,8 @@ FAMILIES = {
     "medusa (4 heads)": lambda t: MedusaConfig(num_heads=4).build(t),
     "draft_lm (4 target layers)": lambda t: DraftLMConfig(num_layers=4).build(t),
     "layer_skip (28 of 30 layers, in the target's cache)": lambda t: LayerSkipConfig(num_layers=28).build(t),
+    "dflash (3 layers, block 8: one forward per round)": lambda t: DFlashConfig(num_layers=3, block_size=8).build(t),
+    "dflash (5 layers, block 16: one forward per round)": lambda t: DFlashConfig(num_layers=5, block_size=16).build(t),
 }
 
 
@@ -67,21 +73,24 @@ def main() -> None:
     rows = []
     print(f"target {args.dtype}, {torch.get_num_threads()} threads: one-token step {step * 1e3:.2f} ms, "
           f"v({args.k}) = {v:.2f}")
-    print("| drafter | c (draft step / target step) | ms per draft token | bound τ/(v+kc) at τ=k+1 |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| drafter | c (draft step / target step) | c per round (its k drafts) | ms per draft token | "
+          "bound τ/(v+kc) at τ=k+1 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, make in FAMILIES.items():
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
         drafter = TimedDrafter(make(target))
         speculative_decode(target, drafter, prompts[0], k=args.k, max_new_tokens=8)  # warm-up
         drafter.seconds, drafter.drafted = 0.0, 0
+        rounds = 0
         for p in prompts[1:]:
-            speculative_decode(target, drafter, p, k=args.k, max_new_tokens=args.max_new_tokens)
+            rounds += speculative_decode(target, drafter, p, k=args.k, max_new_tokens=args.max_new_tokens).stats.rounds
         per_token = drafter.seconds / max(drafter.drafted, 1)
-        c = per_token / step
-        rows.append({"drafter": name, "c": round(c, 4), "ms_per_draft_token": round(per_token * 1e3, 3),
-                     "drafted": drafter.drafted})
-        print(f"| {name} | {c:.3f} | {per_token * 1e3:.2f} | {(args.k + 1) / (v + args.k * c):.2f}× |", flush=True)
+        c, c_round = per_token / step, drafter.seconds / max(rounds, 1) / step
+        rows.append({"drafter": name, "c": round(c, 4), "c_per_round": round(c_round, 4),
+                     "ms_per_draft_token": round(per_token * 1e3, 3), "drafted": drafter.drafted, "rounds": rounds})
+        print(f"| {name} | {c:.3f} | {c_round:.3f} | {per_token * 1e3:.2f} | {(args.k + 1) / (v + args.k * c):.2f}× |",
+              flush=True)
     write_json(args.out, {"target": describe(target), "threads": torch.get_num_threads(), "k": args.k,
                           "target_step_ms": step * 1e3, "verify_cost": v, "rows": rows})
     print(f"wrote {args.out}")

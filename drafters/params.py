@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .common import count_parameters, placeholder_parts
+from .dflash import DFlashConfig, meta_dflash
 from .draft_lm import DraftLMConfig, draft_arch
 from .eagle1 import Eagle1Config, build_eagle1
 from .eagle3 import Eagle3Config, build_eagle3
@@ -52,6 +53,8 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("eagle3: full vocabulary (49152)", Eagle3Config()),
         ("eagle3: draft vocabulary 16384", Eagle3Config(draft_vocab_size=16384)),
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
+        ("dflash: 3 layers, block 8 (the recipe's)", DFlashConfig(num_layers=3)),
+        ("dflash: 5 layers, block 16", DFlashConfig(num_layers=5, block_size=16)),
     ],
     "Llama-3.1-8B": [
         ("draft_lm: first 4 layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
@@ -59,10 +62,12 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("eagle1", Eagle1Config()),
         ("eagle3: draft vocabulary 32000", Eagle3Config(draft_vocab_size=32000)),
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
+        ("dflash: 5 layers, block 16", DFlashConfig(num_layers=5, block_size=16)),
     ],
     "Qwen3-8B": [
         ("draft_lm: first 4 layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
         ("eagle3: draft vocabulary 32000", Eagle3Config(draft_vocab_size=32000)),
+        ("dflash: 5 layers, block 16 (z-lab/Qwen3-8B-DFlash-b16's shape)", DFlashConfig(num_layers=5, block_size=16)),
     ],
 }
 
@@ -94,6 +99,8 @@ def meta_module(config: Any, arch: Any) -> nn.Module:
             return build_medusa(arch, placeholder_parts(arch).norm, config.num_heads, config.num_layers)
         if isinstance(config, DraftLMConfig):
             return _meta_draft_lm(config, arch)
+    if isinstance(config, DFlashConfig):
+        return meta_dflash(config, arch)
     raise TypeError(f"no parameter count for {type(config).__name__}")
 
 

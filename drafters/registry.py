@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..target import Target
 from . import hybrid
 from .checkpoint import SavedDrafterConfig
+from .dflash import DFlashConfig
 from .draft_lm import DraftLMConfig
 from .eagle1 import Eagle1Config
 from .eagle3 import Eagle3Config
@@ -121,6 +122,7 @@ SPECS: tuple[FamilySpec, ...] = (
     FamilySpec(Eagle1Config, recipe="draftsmith.train.eagle1"),
     FamilySpec(Eagle3Config, recipe="draftsmith.train.eagle3"),
     FamilySpec(MedusaConfig, recipe="draftsmith.train.medusa"),
+    FamilySpec(DFlashConfig, recipe="draftsmith.train.dflash"),
     FamilySpec(PromptLookupConfig, model_free=True),
     FamilySpec(SuffixConfig, model_free=True),
     FamilySpec(HybridConfig),

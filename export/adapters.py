@@ -100,6 +100,10 @@ MEDUSA = [Rule("heads.{h}.{l}.linear.{p}", "{h}.{l}.linear.{p}"), Rule("heads.{h
 # vLLM vllm/model_executor/models/medusa.py: blocks.{h}.layers.{l}.{weight,bias} (bias iff
 # medusa_fc_bias), lm_heads.{h}.weight; names it does not know are dropped silently.
 MEDUSA_VLLM = [Rule("heads.{h}.{l}.linear.{p}", "blocks.{h}.layers.{l}.{p}"), Rule("heads.{h}.{L}.weight", "lm_heads.{h}.weight")]
+# DFlash: z-lab's DFlashDraftModel, speculators' DFlashDraftModel (its converter copies the z-lab body
+# as is) and llama.cpp's converter read the same body names; the embedding and lm_head are the target's.
+DFLASH = [Rule("fc.{p}", "fc.{p}"), Rule("hidden_norm.{p}", "hidden_norm.{p}"), Rule("layers.{l}.{p}", "layers.{l}.{p}"),
+          Rule("norm.{p}", "norm.{p}")]
 # transformers: a draft LM is exported as the plain causal LM it is (LoRA merged first).
 HF = [Rule("{p}", "{p}")]
 
@@ -112,6 +116,8 @@ def adapter(family: str, fmt: str, num_layers: int = 1) -> StateDictAdapter:
         ("medusa", "medusa"): lambda: StateDictAdapter(family, fmt, MEDUSA, ("feature_norm.",), {"L": num_layers}),
         ("medusa", "medusa-vllm"): lambda: StateDictAdapter(family, fmt, MEDUSA_VLLM, ("feature_norm.",), {"L": num_layers}),
         ("draft_lm", "hf"): lambda: StateDictAdapter(family, fmt, HF),
+        ("dflash", "dflash"): lambda: StateDictAdapter(family, fmt, DFLASH, skip=("embed_tokens.", "lm_head.")),
+        ("dflash", "speculators-dflash"): lambda: StateDictAdapter(family, fmt, DFLASH, skip=("embed_tokens.", "lm_head.")),
     }
     if (family, fmt) not in table:
         raise DraftsmithError(f"no state-dict adapter for a {family} drafter in the {fmt} format")

@@ -30,14 +30,14 @@ from ..engines import llamacpp
 from ..engines.targets import TARGET_TYPES, cached_target, original_gguf
 from ..errors import DraftsmithError
 from ..target import Target, resolve_target_folder
-from . import eagle3, hf
+from . import dflash, eagle3, hf
 from .conventions import engine_layer_ids
 
 DRAFT_FILE = "draft.gguf"
 TARGET_FILE = "target.gguf"
 GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
 """What the converter writes; ``auto`` = the drafter's stored dtype (f32 or bf16)."""
-ARCH = {"eagle3": "eagle3", "draft_lm": "llama"}
+ARCH = {"eagle3": "eagle3", "draft_lm": "llama", "dflash": "dflash"}
 """general.architecture of each family's GGUF (a draft LM keeps its own, Llama for SmolLM2-style ones)."""
 
 
@@ -53,17 +53,20 @@ def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
     """Write ``source`` (an eagle3 or draft_lm drafter) as ``out/draft.gguf``."""
     kind = outtype(gguf_type, source.dtype)
     target_dir = resolve_target_folder(source.target.name)
-    if source.family == "eagle3":
+    if source.family in ("eagle3", "dflash"):
         engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips
     with tempfile.TemporaryDirectory(prefix=".hf-layout.", dir=out) as tmp:
         if source.family == "eagle3":
             eagle3.write(source, "eagle3", tmp)
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
+        elif source.family == "dflash":  # z-lab's layout: the converter's DFlashModel (a Qwen3 backbone)
+            dflash.write(source, "dflash", tmp)
+            llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
         elif source.family == "draft_lm":
             hf.write(source, "hf", tmp)
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind)
         else:
-            raise DraftsmithError(f"llama.cpp serves no {source.family} drafter (gguf holds eagle3 and draft_lm)")
+            raise DraftsmithError(f"llama.cpp serves no {source.family} drafter (gguf holds eagle3, dflash and draft_lm)")
 
 
 def write_target(target_spec: str, out: str, kind: str = "as-loaded") -> str:
@@ -134,7 +137,42 @@ def static_check(folder: str, fmt: str, target: Target, source: Any) -> list[str
         lines.append(f"eagle3.target_layers = {got} (llama.cpp captures layer inputs; draftsmith "
                      f"{list(source.drafter.feature_layers)}), norm flags false, target_hidden_size {target.hidden_size}, "
                      f"draft vocabulary {vd}")
+    if family == "dflash":
+        lines += dflash_static_check(path, meta, target, source.drafter.module)
     return lines
+
+
+DFLASH_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm",
+                        "ffn_gate", "ffn_up", "ffn_down")
+"""What llama.cpp's ``dflash`` loader requires of every block (``src/models/dflash.cpp``, ``load_arch_tensors``)."""
+
+
+def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module: Any) -> list[str]:
+    """What ``llama_model_dflash`` and ``common_speculative_impl_draft_dflash`` read: ``dflash.target_layers``
+    (layer inputs: ours + 1), ``dflash.block_size``, the mask token, ``fc`` / ``enc.output_norm`` (our hidden_norm) /
+    ``output_norm`` and each block's tensors; no token embedding or output (the target's, shared)."""
+    from gguf import GGUFReader
+
+    want = engine_layer_ids(module.feature_layers, target.num_layers, "llamacpp")
+    got = [int(x) for x in meta.get("dflash.target_layers", [])]
+    if got != want:
+        raise DraftsmithError(f"{path}: dflash.target_layers = {got}, but the drafter reads draftsmith layers "
+                              f"{list(module.feature_layers)} = llama.cpp (input of layer) {want}")
+    if int(meta.get("dflash.block_size", -1)) != module.block_size:
+        raise DraftsmithError(f"{path}: dflash.block_size = {meta.get('dflash.block_size')}, the drafter's is {module.block_size}")
+    mask = GGUFReader(path).fields.get("tokenizer.ggml.mask_token_id")
+    if mask is None or int(mask.contents()) != module.mask_token_id:
+        raise DraftsmithError(f"{path}: tokenizer.ggml.mask_token_id is {None if mask is None else mask.contents()}, the "
+                              f"drafter's mask token is {module.mask_token_id}")
+    names = set(meta["__tensors__"])
+    need = {"fc.weight", "enc.output_norm.weight", "output_norm.weight"} | {
+        f"blk.{i}.{t}.weight" for i in range(len(module.layers)) for t in DFLASH_LAYER_TENSORS}
+    missing, extra = sorted(need - names), sorted(names - need)
+    if missing or extra:
+        raise DraftsmithError(f"{path}: llama.cpp's dflash loader needs {missing} (missing); {extra} are unexpected")
+    return [f"dflash.target_layers = {got} (llama.cpp captures layer inputs; draftsmith {list(module.feature_layers)}), "
+            f"dflash.block_size {module.block_size}, mask token {module.mask_token_id}, the {len(need)} tensors "
+            f"llama.cpp's dflash loader reads (fc, enc.output_norm, output_norm, {len(module.layers)} blocks with q/k norms)"]
 
 
 # ---------------------------------------------------------------- the engine check
@@ -153,6 +191,8 @@ def engine_check(folder: str, target: Target, source: Any, prompts: list[list[in
     from ..decode.chain import speculative_decode
     from ..decode.stats import DecodeStats
 
+    if source.family == "dflash":  # llama.cpp's block is n_max + 1 rows: only the whole trained block drafts as trained
+        k = source.drafter.module.block_size - 1
     target_gguf = cached_target(target, "f32")
     draft = os.path.join(folder, DRAFT_FILE)
     alone_spec = llamacpp.ServerSpec(model=target_gguf, threads=threads)

@@ -13,7 +13,8 @@ the source drafter proposes (fp32, the same inputs, greedy and sampled q) and a 
 speculative decode with it accepts the source's drafts round for round, and per format:
 ``hf`` — transformers' assisted generation with it equals the target's greedy output;
 ``speculators`` — speculators' own ``Eagle3DraftModel`` loads every tensor and its logits on
-the same hidden states equal draftsmith's head's (fp32 tolerance).
+the same hidden states equal draftsmith's head's (fp32 tolerance); ``dflash`` / ``speculators-dflash`` —
+the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its ``DFlashConverter``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..errors import DraftsmithError
 from ..engines import llamacpp
 from ..files import atomic_dir
 from ..target import Target, describe, load_target
-from . import eagle1, eagle3, gguf, hf, medusa
+from . import dflash, eagle1, eagle3, gguf, hf, medusa
 from .conventions import engine_layer_ids
 from .source import Source, open_source, source_family
 from .tensors import CheckFailed, read_json, write_json_file
@@ -65,8 +66,10 @@ FORMATS: dict[str, Format] = {
     "speculators": Format(("eagle3",), "vLLM (speculators format, Eagle3Speculator)", eagle3),
     "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
     "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
-    "gguf": Format(("eagle3", "draft_lm"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
-                   "draft-simple), converted by llama.cpp's convert_hf_to_gguf.py", gguf),
+    "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),
+    "speculators-dflash": Format(("dflash",), "vLLM (speculators format, speculators_model_type dflash)", dflash),
+    "gguf": Format(("eagle3", "draft_lm", "dflash"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
+                   "draft-simple | draft-dflash), converted by llama.cpp's convert_hf_to_gguf.py", gguf),
     "eagle1": Format(("eagle1",), "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
                      eagle1),
 }
@@ -208,6 +211,8 @@ def _check(folder: str, target_spec: str | None, prompts: list[list[int]] | None
         lines += hf.assisted_identity(folder, target, prompts, max_new_tokens=16)
     if fmt == "speculators":
         lines += compare_speculators(folder, target, source.drafter, prompts[0])
+    if fmt in ("dflash", "speculators-dflash"):
+        lines += dflash.compare_reference(folder, fmt, target, source, prompts[0])
 
 
 def _source_of(info: dict[str, Any], folder: str, target: Target) -> Source:

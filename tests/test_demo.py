@@ -35,6 +35,22 @@ def test_every_stage_is_a_valid_recipe_writing_under_the_demo_folder(tmp_path, s
         assert shape.min_confidence == SIZES[size].min_confidence
 
 
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_the_dflash_demo_trains_the_dflash_recipe_offline_and_decodes_whole_blocks(tmp_path, size):
+    from draftsmith.demo import DFLASH, stage_recipes
+
+    dsize = replace(SIZES[size], drafter="dflash")
+    stages, recipes = demo_stages(str(tmp_path), dsize), stage_recipes(dsize)
+    assert recipes == {"prepare": "smollm2-135m-prepare", "train": "smollm2-135m-dflash", "eval": "smollm2-135m-dflash"}
+    tr = load_recipe(recipes["train"], stages["train"])
+    assert tr.drafter.type == "dflash" and tr.drafter.feature_layers == DFLASH["feature_layers"] == [1, 14, 26]
+    assert tr.train.features.endswith("features") and tr.run_dir == f"{tmp_path}/dflash"  # offline, beside eagle3/
+    ev = load_recipe(recipes["eval"], stages["eval"])
+    assert ev.drafter.path == f"{tmp_path}/dflash/drafter" and ev.decode.k == DFLASH["block_size"] - 1
+    assert ev.decode.tree == "none"  # chains: DFlash drafts no tree
+    assert stage_recipes(SIZES[size])["train"] == "smollm2-135m-eagle3"  # the default demo is unchanged
+
+
 def test_the_full_size_is_larger_than_the_default():
     d, f = SIZES["default"], SIZES["full"]
     assert f.conversations > d.conversations and f.steps > d.steps and f.prompts >= d.prompts

@@ -143,6 +143,21 @@ class TrainEvalConfig:
 
 
 @dataclass
+class DFlashTrainConfig:
+    anchors: int = 64
+    """Blocks trained per sequence, anchored at random answer positions (the reference samples up to 512)."""
+    decay_gamma: float = 0.0
+    """Block position k ≥ 1 weighs exp(−(k−1)/γ) (the reference's decay); 0 = 7 for blocks of 16 or more
+    (z-lab and SpecForge at 16), else 4 (speculators' default at block 8)."""
+
+    def validate(self) -> None:
+        if self.anchors < 1:
+            raise ConfigError(f"train.dflash.anchors = {self.anchors} must be at least 1")
+        if self.decay_gamma < 0:
+            raise ConfigError(f"train.dflash.decay_gamma = {self.decay_gamma} must be ≥ 0 (0 = the reference's default)")
+
+
+@dataclass
 class TrainConfig:
     dataset: str = ""
     """Tokenized dataset folder (``draftsmith prepare`` output: input_ids, loss_mask, …)."""
@@ -176,6 +191,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
+    dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)
+    """DFlash's anchors and position weights (``train/dflash.py``)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "max_length", "ttt_steps"):

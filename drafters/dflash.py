@@ -1,0 +1,379 @@
+"""DFlash (z-lab 2026, "Block Diffusion for Flash Speculative Decoding"): a small stack of decoder
+layers that fills a whole block of masked positions in ONE forward, conditioned on the target's
+hidden states injected into every layer's attention as extra keys and values.
+
+Architecture (the reference ``DFlashDraftModel`` of z-lab/dflash, which SpecForge, speculators'
+``dflash`` and llama.cpp's ``draft-dflash`` all load under these names)::
+
+    ctx   = hidden_norm(fc(concat of the target's outputs of feature_layers))   [B, C, H]
+    noise = embed_tokens([anchor, MASK, MASK, …])                                [B, Bs, H]
+    layer i:  q from input_layernorm(noise) (q_proj → q_norm → RoPE);
+              keys/values = [k_norm(k_proj(ctx)), k_norm(k_proj(noise))] → RoPE, [v_proj(ctx), v_proj(noise)];
+              non-causal attention over [context rows before the anchor ; the whole block];
+              residual, post_attention_layernorm, MLP, residual
+    logits = lm_head(norm(noise))   (the target's lm_head, frozen)
+
+Every layer reads the SAME context (``ctx`` is not updated through the layers), so its keys and
+values are a per-layer cache that only grows with committed positions. The layers are Qwen3-style
+(q/k RMS norms per head) with the target's width, heads, MLP, RoPE and norm epsilon: for a Llama
+target too, because every loader of the format builds Qwen3 layers (z-lab and speculators
+instantiate ``Qwen3DFlashDecoderLayer``, llama.cpp's ``dflash`` graph requires ``attn_q_norm``),
+so Llama-style layers without q/k norms could be trained but not served anywhere.
+
+Alignment: the block starts at an anchor position a, whose token is known (the last committed
+token when decoding) but whose target feature is not (the target has not run on it yet); block
+position k (1 … Bs−1) predicts the token at a + k, from context rows 0 … a−1. Training and
+decoding use the same rule (training: ``block_inputs`` / ``block_attention_mask``).
+
+Layer ids: ``feature_layers`` are ours (output of decoder layer i, 0-based), which are the
+reference's ``target_layer_ids`` exactly (it reads ``hidden_states[i + 1]``); llama.cpp's GGUF
+stores them + 1 (layer inputs), which the converter adds. Default: the reference's rule, as many
+target layers as draft layers, spread from layer 1 to N − 3.
+
+Decoding (:class:`DFlashDrafter`): the anchor at position n (the last committed token) and Bs−1
+mask tokens run once; positions 1 … k give k drafts (k ≤ Bs−1), each with its own q (they do
+not depend on the earlier drafts, so sampling each independently is drawing the chain from its
+law, and the decoder's accept rule stays lossless). Context keys/values of committed positions
+are cached per layer; the block's own keys are never cached (nothing to roll back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..decode.protocol import Proposal, draft_chain
+from ..decode.sampling import Warp
+from ..errors import ConfigError, DraftsmithError
+from ..target import Target, describe
+from .common import (
+    check_features,
+    draft_layer_config,
+    frozen_target_parts,
+    place,
+    placeholder_parts,
+    resolve_layer,
+    seeded,
+    target_parts,
+    text_config,
+)
+
+KV = list[tuple[Tensor, Tensor]]
+"""Per draft layer: (keys, values) [B, kv_heads, T, head_dim] of T context rows, RoPE applied."""
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's choice: one layer (the middle) for one draft layer, else ``num_draft_layers``
+    layers spread evenly from 1 to N − 3 (rounded half to even, as Python's round).
+    SmolLM2 (30 layers), 5 draft layers: [1, 8, 14, 20, 27]; Qwen3-8B (36), 5: [1, 9, 17, 25, 33]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(num_target_layers - 3, 1)
+    spread = [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return sorted(set(spread))  # a target shallower than the draft (tests' tiny ones) gives fewer, distinct layers
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE in the HF (NeoX) layout: x [B, h, S, d], cos/sin [B, S, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention (q/k RMS norm per head) whose keys/values are prefixed by the context's."""
+
+    def __init__(self, c: Any):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        h, d = int(c.hidden_size), int(c.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = int(c.num_attention_heads), int(c.num_key_value_heads), d
+        bias = bool(c.attention_bias)
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = LlamaRMSNorm(d, eps=float(c.rms_norm_eps))
+        self.k_norm = LlamaRMSNorm(d, eps=float(c.rms_norm_eps))
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, S, H] → (k, v) [B, kv_heads, S, d], k normed and rotated."""
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
+        """x [B, Q, H] (normed block rows) → [B, Q, H]; context (k, v) [B, kv_heads, C, d];
+        mask [B|1, 1, Q, C+Q] bool (True = attend) or None (every row sees everything: decoding)."""
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = rotate(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k = torch.cat([context[0].to(k.dtype), k], dim=2)  # [B, kv, C+Q, d]
+        v = torch.cat([context[1].to(v.dtype), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DFlashLayer(nn.Module):
+    """Pre-norm decoder layer: attention over [context ; block], then the target's MLP shape."""
+
+    def __init__(self, c: Any):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        h, eps = int(c.hidden_size), float(c.rms_norm_eps)
+        self.self_attn = DFlashAttention(c)
+        self.mlp = LlamaMLP(c)
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashModule(nn.Module):
+    """The DFlash draft model. Names follow the reference checkpoints (``fc``, ``hidden_norm``,
+    ``layers.{i}.*``, ``norm``); ``embed_tokens`` and ``lm_head`` are frozen copies of the target's
+    (one tensor when the target ties them), not stored. Trainable: fc, hidden_norm, layers, norm
+    (which starts from the target's final norm, so a fresh draft's logits have the target's scale)."""
+
+    def __init__(self, parts: Any, layer_config: Any, num_layers: int, feature_layers: list[int], block_size: int,
+                 mask_token_id: int):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        h, eps = int(layer_config.hidden_size), float(layer_config.rms_norm_eps)
+        self.hidden_size = h
+        self.layer_config = layer_config
+        self.feature_layers = list(feature_layers)
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.embed_tokens = parts.embed
+        self.lm_head = parts.lm_head
+        self.fc = nn.Linear(len(feature_layers) * h, h, bias=False)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(num_layers))
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.rotary_emb = LlamaRotaryEmbedding(layer_config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def context(self, features: Tensor, positions: Tensor) -> KV:
+        """Target features [B, C, L·H] at ``positions`` [B, C] → each layer's context keys/values."""
+        if features.shape[-1] != self.fc.in_features:
+            raise DraftsmithError(f"DFlash drafter got target features of width {features.shape[-1]}; expected "
+                                  f"{len(self.feature_layers)}×{self.hidden_size} (target layers {self.feature_layers})")
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))  # [B, C, H]
+        cos, sin = self.rotary_emb(ctx, positions)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, noise_ids: Tensor, positions: Tensor, context: KV, mask: Tensor | None = None) -> Tensor:
+        """Block rows: noise_ids [B, Q] (anchors and mask tokens) at ``positions`` [B, Q], attending
+        ``context`` (from :meth:`context`) under ``mask`` [B|1, 1, Q, C+Q] bool or None (all) →
+        hidden [B, Q, H] after the final norm (``lm_head`` of it gives the logits)."""
+        x = self.embed_tokens(noise_ids).to(self.dtype)  # [B, Q, H]
+        cos, sin = self.rotary_emb(x, positions)
+        for layer, kv in zip(self.layers, context):
+            x = layer(x, cos, sin, kv, mask)
+        return self.norm(x)
+
+    def train_blocks(self, input_ids: Tensor, features: Tensor, anchors: Tensor) -> Tensor:
+        """Training: every block of a batch in one forward. input_ids [B, S]; features [B, S, L·H];
+        anchors [B, N] long (−1 = no block) → hidden [B, N, Bs, H]; row (b, j, k) predicts the token
+        at anchors[b, j] + k (k ≥ 1; the alignment of the module docstring)."""
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+        noise_ids, noise_pos = block_inputs(input_ids, anchors, self.block_size, self.mask_token_id)
+        mask = block_attention_mask(anchors, self.block_size, s)
+        hidden = self(noise_ids, noise_pos, self.context(features, positions), mask)
+        return hidden.view(b, anchors.shape[1], self.block_size, -1)
+
+
+def block_inputs(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> tuple[Tensor, Tensor]:
+    """The block rows of every anchor: ids [B, N·Bs] (the anchor's token, then Bs−1 mask tokens) and
+    positions [B, N·Bs] (anchor + k). anchors [B, N] long; −1 (no block) gives mask ids at 0, k."""
+    b, n = anchors.shape
+    k = torch.arange(block_size, device=anchors.device)
+    start = anchors.clamp(min=0)
+    ids = torch.full((b, n, block_size), mask_token_id, dtype=torch.long, device=anchors.device)
+    ids[..., 0] = torch.where(anchors >= 0, input_ids.gather(1, start), mask_token_id)
+    return ids.view(b, -1), (start[..., None] + k).view(b, -1)
+
+
+def block_attention_mask(anchors: Tensor, block_size: int, seq_len: int) -> Tensor:
+    """[B, 1, N·Bs, S + N·Bs] bool: block j sees context rows t < anchors[b, j] (the target has run on
+    them; right padding lies past every anchor) and every row of its own block, nothing else."""
+    b, n = anchors.shape
+    q_block = torch.arange(n * block_size, device=anchors.device) // block_size  # [Q]
+    ctx = torch.arange(seq_len, device=anchors.device)[None, None] < anchors.repeat_interleave(block_size, 1)[..., None]
+    own = (q_block[:, None] == q_block[None, :])[None].expand(b, -1, -1)  # [B, Q, Q]
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+class DFlashDrafter:
+    """Drafter protocol over a :class:`DFlashModule`: one forward per round drafts up to Bs − 1 tokens."""
+
+    def __init__(self, module: DFlashModule, config: DFlashConfig, target_info: dict[str, Any]):
+        self.module = module
+        self.feature_layers = tuple(config.feature_layers)
+        self.config = config
+        self.target_info = target_info
+        self.reset()
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.fc.weight.device
+
+    def reset(self) -> None:
+        self.stop_below = 0.0
+        self.tokens: list[int] = []
+        self.num_features = 0
+        self.rows = 0  # context rows in self.kv
+        self.kv: KV | None = None
+        self._pending: list[Tensor] = []
+
+    def set_gate(self, min_confidence: float) -> None:
+        """The decoder's confidence gate: the block is still one forward; drafts past the cut are not kept."""
+        self.stop_below = min_confidence
+
+    def update(self, tokens: Tensor, features: Tensor | None) -> None:
+        self.tokens.extend(tokens.tolist())
+        if features is not None and features.shape[0] > 0:
+            self._pending.append(features)
+            self.num_features += features.shape[0]
+        check_features("DFlash", len(self.tokens), self.num_features, self.feature_layers)
+
+    @torch.inference_mode()
+    def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+        self._catch_up()
+        m, bs = min(k, self.module.block_size - 1), self.module.block_size
+        anchor = self.rows  # = len(tokens) − 1: the last committed token's position
+        ids = torch.full((1, bs), self.module.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0, 0] = self.tokens[-1]
+        positions = torch.arange(anchor, anchor + bs, device=self.device)[None]
+        hidden = self.module(ids, positions, self.kv)  # the whole block, as trained: [1, Bs, H]
+        logits = self.module.lm_head(hidden[0, 1 : 1 + m])  # [m, V]
+        rows = iter(logits[1:])
+        # each position's q is fixed by the one forward: the drafted tokens are not fed back
+        return draft_chain(lambda _token: next(rows), logits[0], m, warp, generator, stop_below=self.stop_below)
+
+    def _catch_up(self) -> None:
+        """Append the context keys/values of the features that arrived since the last round."""
+        if not self._pending:
+            if self.kv is None:
+                raise DraftsmithError("DFlash drafter asked to propose before any target features arrived")
+            return
+        feats = torch.cat(self._pending)[None]  # [1, m, L·H]
+        self._pending = []
+        positions = torch.arange(self.rows, self.rows + feats.shape[1], device=self.device)[None]
+        new = self.module.context(feats.to(self.device), positions)
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                               for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.rows += feats.shape[1]
+
+
+def dflash_layer_config(arch: Any) -> Any:
+    """The draft layers' config: the target's dimensions, MLP, norm epsilon and RoPE (one Llama-shaped
+    layer config; q/k norms are added by :class:`DFlashAttention`)."""
+    return draft_layer_config(arch)
+
+
+def build_dflash(arch: Any, parts: Any, config: DFlashConfig) -> DFlashModule:
+    """A seeded-random DFlash module for a target with HF config ``arch`` around ``parts`` (embedding and
+    lm_head); ``config`` resolved (explicit feature layers and mask token)."""
+    with seeded(config.seed):
+        return DFlashModule(parts, dflash_layer_config(arch), config.num_layers, config.feature_layers,
+                            config.block_size, config.mask_token_id)
+
+
+@dataclass
+class DFlashConfig:
+    """DFlash: a few Qwen3-style layers fill a block of masked positions in one forward from injected target context."""
+
+    type: Literal["dflash"] = "dflash"
+    num_layers: int = 5
+    """Draft decoder layers (the reference's Qwen3-8B drafter has 5)."""
+    block_size: int = 8
+    """Bs: rows per block — the anchor and Bs − 1 masked positions, so at most Bs − 1 drafts per round
+    (8 here and in speculators; the reference's published drafters use 16)."""
+    feature_layers: list[int] = field(default_factory=list)
+    """Target layers whose outputs form the context (id i = output of decoder layer i, 0-based, negative
+    from the end). Empty = the reference's rule for num_layers draft layers (:func:`default_target_layers`)."""
+    mask_token_id: int = -1
+    """Token id of the mask rows (its frozen target embedding is what they read). −1 = the tokenizer's
+    mask token if it has one, else the last id of the vocabulary (an unused row of Qwen3's and a reserved
+    token of Llama-3's; a rare token of SmolLM2's, which has no free row)."""
+    seed: int = 0
+    """Seed of the random initialization of fc and the layers."""
+
+    target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.", "lm_head.")
+    """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
+
+    def validate(self) -> None:
+        if self.num_layers < 1:
+            raise ConfigError(f"drafter.num_layers = {self.num_layers}: DFlash needs at least 1 draft layer")
+        if not 2 <= self.block_size <= 64:
+            raise ConfigError(f"drafter.block_size = {self.block_size} must be in 2 … 64 (8 or 16 are usual): a block "
+                              f"is the anchor plus block_size − 1 drafted positions")
+
+    def resolve(self, target: Target) -> DFlashConfig:
+        """This config checked against ``target``, with feature_layers and mask_token_id made explicit."""
+        mask = self.mask_token_id
+        if mask < 0:
+            mask = getattr(target.tokenizer, "mask_token_id", None)
+            mask = target.vocab_size - 1 if mask is None else int(mask)
+        return self.resolve_for(target.num_layers, target.vocab_size, mask)
+
+    def resolve_for(self, num_layers: int, vocab_size: int, mask_token_id: int | None = None) -> DFlashConfig:
+        """:meth:`resolve` from the target's architecture alone (mask −1 → the last id of the vocabulary)."""
+        self.validate()
+        given = self.feature_layers or default_target_layers(num_layers, self.num_layers)
+        layers = [resolve_layer(x, num_layers, f"drafter.feature_layers[{i}]") for i, x in enumerate(given)]
+        if len(set(layers)) != len(layers):
+            raise ConfigError(f"drafter.feature_layers = {given} names a layer twice; give distinct layers")
+        mask = self.mask_token_id if mask_token_id is None else mask_token_id
+        mask = vocab_size - 1 if mask < 0 else mask
+        if not 0 <= mask < vocab_size:
+            raise ConfigError(f"drafter.mask_token_id = {mask} is outside the target's vocabulary (0 … {vocab_size - 1})")
+        return dataclasses.replace(self, feature_layers=layers, mask_token_id=mask)
+
+    def build(self, target: Target) -> DFlashDrafter:
+        cfg = self.resolve(target)
+        return cfg.runtime(cfg.build_module(target), target)
+
+    def build_module(self, target: Target) -> DFlashModule:
+        """A fresh module for ``target``: frozen copies of its embedding and lm_head, norm from its final norm."""
+        cfg = self.resolve(target)
+        module = place(build_dflash(target.config, frozen_target_parts(target.model), cfg), target.device, target.dtype)
+        with torch.no_grad():
+            module.norm.weight.copy_(target_parts(target.model).norm.weight)
+        return module
+
+    def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> DFlashModule:
+        cfg = self.resolve(target)
+        return place(build_dflash(target.config, frozen_target_parts(target.model), cfg), target.device, target.dtype)
+
+    def runtime(self, module: DFlashModule, target: Target) -> DFlashDrafter:
+        return DFlashDrafter(module, self.resolve(target), describe(target))
+
+    def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
+        return {}
+
+
+def meta_dflash(config: DFlashConfig, arch: Any) -> DFlashModule:
+    """The module ``config`` builds for a target with HF config ``arch``, on the meta device (parameter counts)."""
+    tc = text_config(arch)
+    cfg = config.resolve_for(int(tc.num_hidden_layers), int(tc.vocab_size))
+    with torch.device("meta"):
+        return build_dflash(arch, placeholder_parts(arch), cfg)

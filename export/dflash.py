@@ -1,0 +1,280 @@
+"""DFlash drafters in two layouts: z-lab's (``--to dflash``, what SpecForge trains into and vLLM / SGLang
+load as ``DFlashDraftModel``) and speculators' ``dflash`` (``--to speculators-dflash``, vLLM's native
+format); ``export/gguf.py`` converts the z-lab layout for llama.cpp's ``draft-dflash``.
+
+What the loaders read (z-lab/dflash ``dflash/model.py``; speculators 0.9.0 ``models/dflash`` and its
+``convert/dflash/converter.py``, which turns a z-lab folder into a speculators one; llama.cpp 11434
+``conversion/qwen.py`` ``DFlashModel`` and ``src/models/dflash.cpp``):
+
+* tensors (the same names in both layouts): ``fc.weight`` [H, L·H], ``hidden_norm.weight`` [H],
+  ``layers.{i}.input_layernorm / post_attention_layernorm.weight`` [H],
+  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight`` [d],
+  ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``norm.weight`` [H]. No embedding or lm_head: every
+  loader takes the target's (z-lab's ``spec_generate`` calls ``target.model.embed_tokens`` and
+  ``target.lm_head``; speculators' ``load_verifier_weights`` copies them from the verifier, which its
+  own full-vocabulary checkpoints leave out too; llama.cpp shares the target's via ``ctx_other``).
+* z-lab config: a Qwen3 config (``model_type: qwen3``, the draft's ``num_hidden_layers``) with
+  ``architectures: [DFlashDraftModel]``, ``block_size`` and ``num_target_layers`` at the top level and
+  ``dflash_config: {block_size, mask_token_id, target_layer_ids}``; ``target_layer_ids`` are ours (z-lab
+  reads ``hidden_states[id + 1]``, the output of layer id). No ``auto_map``: no modeling code is shipped
+  (the engines have their own class; z-lab's ``trust_remote_code`` path needs its ``dflash.py`` added).
+* speculators config: ``speculators_model_type: dflash``, ``transformer_layer_config`` (the Qwen3
+  config), ``block_size``, ``mask_token_id``, ``sample_from_anchor: false`` (the anchor is the bonus
+  token: Bs − 1 drafts), ``aux_hidden_state_layer_ids`` = ours + 1 (its converter's rule; the target's
+  last layer cannot be one), ``draft_vocab_size`` = the target's vocabulary, a greedy proposal of Bs − 1
+  tokens and the verifier (the target's folder, which it reads the embedding and lm_head from).
+
+``--check`` beyond the static checks: the z-lab folder is converted by speculators' own
+``DFlashConverter`` (which refuses unexpected tensors and missing draft tensors, and maps
+``target_layer_ids``), and speculators' ``DFlashDraftModel`` loaded from either layout computes the
+block's logits on the same target hidden states as draftsmith's drafter (:func:`compare_reference`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from ..errors import DraftsmithError
+from ..target import Target
+from .adapters import adapter
+from .conventions import engine_layer_ids, native_layer_ids
+from .eagle3 import layer_fields, verifier_path
+from .tensors import DTYPES, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
+    write_safetensors
+
+WEIGHTS = "model.safetensors"
+LOGIT_TOLERANCE = 1e-4
+"""Largest |Δlogit| between speculators' forward and draftsmith's drafter (other attention kernels, fp32)."""
+
+
+def qwen3_fields(module: Any) -> dict[str, Any]:
+    """The draft layers as a Qwen3 config: the EAGLE-3 head's Llama layer fields (the target's dimensions, RoPE,
+    norm epsilon) with ``model_type: qwen3``, ``num_hidden_layers`` = draft layers and full attention everywhere."""
+    n = len(module.layers)
+    return {**layer_fields(module.layer_config), "model_type": "qwen3", "num_hidden_layers": n, "attention_dropout": 0.0,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": n,
+            "layer_types": ["full_attention"] * n}
+
+
+def zlab_config(source: Any) -> dict[str, Any]:
+    m = source.drafter.module
+    return {
+        "architectures": ["DFlashDraftModel"],
+        **qwen3_fields(m),
+        "num_target_layers": int(source.target.num_layers),
+        "block_size": int(m.block_size),
+        "dflash_config": {"block_size": int(m.block_size), "mask_token_id": int(m.mask_token_id),
+                          "target_layer_ids": [int(i) for i in m.feature_layers]},
+        "torch_dtype": dtype_name(source.dtype),
+        "dtype": dtype_name(source.dtype),
+    }
+
+
+def speculators_config(source: Any) -> dict[str, Any]:
+    m, target = source.drafter.module, source.target
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": qwen3_fields(m),
+        "draft_vocab_size": int(target.vocab_size),
+        "block_size": int(m.block_size),
+        "target_hidden_size": int(target.hidden_size),
+        "aux_hidden_state_layer_ids": engine_layer_ids(m.feature_layers, target.num_layers, "speculators"),
+        "mask_token_id": int(m.mask_token_id),
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(m.block_size) - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_path(target),
+                         "architectures": list(getattr(target.config, "architectures", None) or [])},
+        },
+        "torch_dtype": dtype_name(source.dtype),
+        "dtype": dtype_name(source.dtype),
+    }
+
+
+def write(source: Any, fmt: str, out: str) -> None:
+    """Write the drafter of ``source`` into the folder ``out`` in ``fmt`` (dflash | speculators-dflash)."""
+    from .tensors import cast_floats
+
+    m, n = source.drafter.module, source.target.num_layers
+    if fmt == "speculators-dflash" and n - 1 in m.feature_layers:
+        raise DraftsmithError(f"the speculators format cannot hold target layer {n - 1} (the last layer's output): its "
+                              f"training splits that layer off as the verifier's own; train with earlier layers")
+    state = {k: v for k, v in m.state_dict().items() if not k.startswith("rotary_emb.")}
+    tensors = cast_floats(adapter("dflash", fmt).to_engine(state), source.dtype)
+    write_safetensors(os.path.join(out, WEIGHTS), tensors)
+    write_json_file(os.path.join(out, "config.json"), zlab_config(source) if fmt == "dflash" else speculators_config(source))
+
+
+# ---------------------------------------------------------------- reading back
+
+
+def _layers(cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
+    return cfg["transformer_layer_config"] if fmt == "speculators-dflash" else cfg
+
+
+def _draft_fields(cfg: dict[str, Any], fmt: str, num_layers: int) -> dict[str, Any]:
+    """block_size, mask_token_id and our feature layer ids, read from either layout."""
+    if fmt == "speculators-dflash":
+        return {"block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
+                "feature_layers": native_layer_ids(cfg["aux_hidden_state_layer_ids"], num_layers, "speculators")}
+    d = cfg.get("dflash_config") or {}
+    return {"block_size": int(d.get("block_size", cfg.get("block_size", 16))), "mask_token_id": int(d["mask_token_id"]),
+            "feature_layers": [int(i) for i in d["target_layer_ids"]]}
+
+
+def expected_tensors(cfg: dict[str, Any], fmt: str, num_features: int) -> dict[str, TensorSpec]:
+    """Every tensor the loaders read for this config (module docstring), with shape and dtype."""
+    lc = _layers(cfg, fmt)
+    h, i, d = int(lc["hidden_size"]), int(lc["intermediate_size"]), int(lc["head_dim"])
+    q, kv = int(lc["num_attention_heads"]) * d, int(lc["num_key_value_heads"]) * d
+    f = DTYPES[cfg.get("torch_dtype", "float32")]
+    out: dict[str, TensorSpec] = {"fc.weight": ((h, num_features * h), f), "hidden_norm.weight": ((h,), f),
+                                  "norm.weight": ((h,), f)}
+    for n in range(int(lc["num_hidden_layers"])):
+        p = f"layers.{n}."
+        out.update({
+            f"{p}input_layernorm.weight": ((h,), f), f"{p}post_attention_layernorm.weight": ((h,), f),
+            f"{p}self_attn.q_proj.weight": ((q, h), f), f"{p}self_attn.k_proj.weight": ((kv, h), f),
+            f"{p}self_attn.v_proj.weight": ((kv, h), f), f"{p}self_attn.o_proj.weight": ((h, q), f),
+            f"{p}self_attn.q_norm.weight": ((d,), f), f"{p}self_attn.k_norm.weight": ((d,), f),
+            f"{p}mlp.gate_proj.weight": ((i, h), f), f"{p}mlp.up_proj.weight": ((i, h), f),
+            f"{p}mlp.down_proj.weight": ((h, i), f),
+        })
+    return out
+
+
+def static_check(folder: str, fmt: str, target: Target) -> list[str]:
+    """Config fields and every tensor against what the loaders read; one line per check."""
+    from ..drafters.dflash import dflash_layer_config
+
+    cfg = read_json(os.path.join(folder, "config.json"))
+    tensors = read_safetensors(os.path.join(folder, WEIGHTS))
+    lc = _layers(cfg, fmt)
+    done: list[str] = []
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise DraftsmithError(f"{folder}: {what}")
+        done.append(what)
+
+    if fmt == "speculators-dflash":
+        need(cfg.get("architectures") == ["DFlashSpeculator"] and cfg.get("speculators_model_type") == "dflash",
+             "architectures = [DFlashSpeculator], speculators_model_type = dflash")
+        spec = cfg.get("speculators_config") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        need(spec.get("algorithm") == "dflash" and int(methods[0].get("speculative_tokens", 0)) == int(cfg["block_size"]) - 1
+             and bool((spec.get("verifier") or {}).get("name_or_path")),
+             "speculators_config: algorithm dflash, block_size − 1 speculative tokens, a verifier name_or_path")
+        need(cfg.get("sample_from_anchor") is False and int(cfg.get("draft_vocab_size", -1)) == target.vocab_size,
+             f"sample_from_anchor = false (Bs − 1 drafts), draft_vocab_size = the target's {target.vocab_size}")
+    else:
+        need(cfg.get("architectures") == ["DFlashDraftModel"], "architectures = [DFlashDraftModel]")
+        need(int(cfg.get("num_target_layers", -1)) == target.num_layers, f"num_target_layers = {target.num_layers}")
+    fields = _draft_fields(cfg, fmt, target.num_layers)
+    need(2 <= fields["block_size"] <= 64, f"block_size = {fields['block_size']}")
+    need(0 <= fields["mask_token_id"] < target.vocab_size, f"mask_token_id {fields['mask_token_id']} in the vocabulary")
+    need(all(0 <= i < target.num_layers for i in fields["feature_layers"]),
+         f"target layers {fields['feature_layers']} (draftsmith: outputs of layers) exist in the target")
+    own = dflash_layer_config(target.config)
+    same = all(int(lc[k]) == int(getattr(own, k)) for k in
+               ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"))
+    need(lc.get("model_type") == "qwen3" and same and lc.get("tie_word_embeddings") is False
+         and lc.get("attention_bias") is False and not lc.get("use_sliding_window"),
+         "a Qwen3 layer config with the target's dimensions, no bias, no sliding window, untied")
+    done += check_tensors(tensors, expected_tensors(cfg, fmt, len(fields["feature_layers"])), folder)
+    return done
+
+
+def load(folder: str, fmt: str, target: Target) -> Any:
+    """The export as a draftsmith drafter: fields from the exported config, tensors from the exported file
+    (renamed back by the adapter), the target's embedding and lm_head."""
+    from ..drafters.dflash import DFlashConfig
+
+    cfg = read_json(os.path.join(folder, "config.json"))
+    fields = _draft_fields(cfg, fmt, target.num_layers)
+    config = DFlashConfig(num_layers=int(_layers(cfg, fmt)["num_hidden_layers"]), **fields).resolve(target)
+    module = config.module_for_checkpoint(target, {})
+    native = adapter("dflash", fmt).from_engine(read_safetensors(os.path.join(folder, WEIGHTS)))
+    missing, unexpected = module.load_state_dict(native, strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.", "rotary_emb."))]
+    if missing or unexpected:
+        raise DraftsmithError(f"{folder} does not load back into draftsmith: missing {missing[:5]}, unexpected "
+                              f"{list(unexpected)[:5]}")
+    return config.runtime(module.eval(), target)
+
+
+# ---------------------------------------------------------------- the reference loader (speculators)
+
+
+def reference_model(folder: str, fmt: str, target: Target) -> tuple[Any, list[str]]:
+    """speculators' ``DFlashDraftModel`` holding the export (a z-lab folder converted by its ``DFlashConverter``
+    first), fp32, eager attention; and the checks done on the way."""
+    try:
+        from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    except ImportError as e:
+        raise DraftsmithError(f"checking a DFlash export needs the speculators package ({e}): pip install --no-deps "
+                              f"speculators==0.9.0 hs-connectors && pip install openai loguru") from e
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="dflash-check.") as tmp:
+        if fmt == "dflash":
+            from speculators.convert.dflash.converter import DFlashConverter
+
+            try:
+                DFlashConverter().convert(folder, tmp, base_model=verifier_path(target), validate=False)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise DraftsmithError(f"speculators' DFlashConverter refuses the z-lab layout in {folder}: {e}") from e
+            lines.append("speculators' DFlashConverter reads the z-lab layout (no unexpected tensor, no draft tensor "
+                         "missing) and maps dflash_config.target_layer_ids")
+            folder = tmp
+        config = DFlashSpeculatorConfig.from_pretrained(folder)
+        config.transformer_layer_config._attn_implementation = "eager"  # its default flex attention wants S % 128 == 0
+        model = DFlashDraftModel.from_pretrained(folder, config=config).float().eval()
+        file = read_safetensors(os.path.join(folder, WEIGHTS))
+    loaded = model.state_dict()
+    from_verifier = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    missing = sorted(set(loaded) - set(file) - from_verifier)
+    unexpected = sorted(set(file) - set(loaded))
+    stale = sorted(k for k in set(loaded) & set(file) if not torch.equal(loaded[k].to(file[k].dtype), file[k]))
+    if missing or unexpected or stale:
+        raise DraftsmithError(f"speculators' DFlashDraftModel leaves tensors missing {missing}, finds unexpected "
+                              f"{unexpected}, or holds values other than the file's {stale}")
+    lines.append(f"speculators {type(model).__name__} loads all {len(file)} draft tensors, each equal to the file, "
+                 f"and the embedding and lm_head from the verifier")
+    return model, lines
+
+
+def compare_reference(folder: str, fmt: str, target: Target, source: Any, ids: list[int]) -> list[str]:
+    """speculators' model and draftsmith's drafter, the same block on the same target hidden states: the anchor
+    (the last prompt token) at position n − 1 and Bs − 1 mask tokens, context = the target's features of
+    positions 0 … n − 2. Its layers are run one by one as its forward does (that forward is its training step)."""
+    model, lines = reference_model(folder, fmt, target)
+    m = source.drafter.module
+    if [i - 1 for i in model.target_layer_ids] != list(m.feature_layers):
+        raise DraftsmithError(f"speculators reads target layers {model.target_layer_ids} (input of layer), draftsmith's "
+                              f"drafter {list(m.feature_layers)} (output of layer)")
+    n, bs = len(ids) - 1, m.block_size
+    with torch.no_grad():
+        feats = target.forward(torch.tensor([ids[:-1]]), feature_layers=tuple(m.feature_layers)).features.float()
+        block = torch.tensor([[ids[-1]] + [m.mask_token_id] * (bs - 1)])
+        positions = torch.arange(n + bs)[None]
+        ours = m.lm_head(m(block, positions[:, n:], m.context(feats, positions[:, :n])))[0]  # [Bs, V]
+        ctx = model.hidden_norm(model.fc(feats))
+        x = model.embed_tokens(block)
+        pe = model.rotary_emb(x, positions)
+        for layer in model.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=positions, position_embeddings=pe)
+        theirs = model.lm_head(model.norm(x))[0]
+    diff = float((ours.float() - theirs.float()).abs().max())
+    if diff > LOGIT_TOLERANCE:
+        raise DraftsmithError(f"speculators' DFlash logits differ from draftsmith's drafter by {diff:.2e} "
+                              f"(> {LOGIT_TOLERANCE:.0e})")
+    return lines + [f"speculators' layers on the same target hidden states ({n} context positions, a block of {bs}) = "
+                    f"draftsmith's logits (max |Δ| = {diff:.1e}, fp32)"]

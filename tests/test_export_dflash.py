@@ -1,0 +1,125 @@
+"""DFlash exports (tiny random target, fp32): z-lab's layout and speculators' dflash written, read back by
+speculators' own loader and converter, proven by ``export --check``; what would make an engine draft
+garbage is caught; GGUF through llama.cpp's converter and served by llama.cpp (``engine``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from draftsmith import drafters
+from draftsmith.cli import main
+from draftsmith.drafters.dflash import DFlashConfig
+from draftsmith.errors import DraftsmithError
+from draftsmith.export import check, export
+from draftsmith.export.adapters import adapter
+from draftsmith.target import load_target
+
+from .test_export import _tamper_config, _tamper_tensors, perturb
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYERS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, target):
+    config = DFlashConfig(num_layers=2, block_size=6, feature_layers=LAYERS)
+    module = config.build_module(target)
+    perturb(module)
+    path = str(tmp_path_factory.mktemp("drafters") / "dflash")
+    drafters.save(config.runtime(module, target), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["dflash", "speculators-dflash"])
+def test_dflash_adapters_round_trip_and_leave_the_targets_parts_out(target, fmt):
+    module = DFlashConfig(num_layers=2, block_size=4, feature_layers=LAYERS).build_module(target)
+    state = module.state_dict()
+    table = adapter("dflash", fmt)
+    engine = table.to_engine(state)
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight", "norm.weight"} <= set(engine)
+    assert not any(k.startswith(("embed_tokens.", "lm_head.")) for k in engine)
+    back = table.from_engine(engine)
+    assert all(back[k] is state[k] for k in back)
+    with pytest.raises(DraftsmithError, match="no rule"):
+        table.from_engine({"model.layers.0.mlp.up_proj.weight": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("fmt", ["dflash", "speculators-dflash"])
+def test_export_then_check_proves_the_dflash_layouts(tmp_path, source, target, fmt, capsys):
+    out = str(tmp_path / fmt)
+    assert main(["export", source, "--to", fmt, "--out", out]) == 0
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    capsys.readouterr()
+    assert main(["export", "--check", out]) == 0
+    lines = [line[len("ok  "):] for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
+    assert any("proposes the source drafter's 4 tokens" in line for line in lines)
+    assert any("accepts the same drafts in every round" in line for line in lines)
+    assert any("speculators' layers on the same target hidden states" in line for line in lines)
+    assert any("loads all 25 draft tensors" in line for line in lines)  # fc, hidden_norm, norm, 2 × 11
+    if fmt == "dflash":
+        assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+        assert cfg["dflash_config"] == {"block_size": 6, "mask_token_id": target.vocab_size - 1, "target_layer_ids": LAYERS}
+        assert cfg["num_hidden_layers"] == 2 and cfg["num_target_layers"] == 4 and cfg["block_size"] == 6
+        assert any("DFlashConverter reads the z-lab layout" in line for line in lines)
+    else:
+        assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == [1, 3]  # ours + 1
+        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+        assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+
+
+def test_check_catches_a_shifted_layer_a_renamed_tensor_and_another_mask_token(tmp_path, source):
+    base = str(tmp_path / "good")
+    export(source, "dflash", base)
+
+    def fresh(name: str) -> str:
+        path = str(tmp_path / name)
+        shutil.copytree(base, path)
+        return path
+
+    shifted = fresh("ids")  # off by one: the reference's ids are outputs of layers, as ours
+    _tamper_config(shifted, dflash_config={"block_size": 6, "mask_token_id": 49151, "target_layer_ids": [1, 3]})
+    with pytest.raises(DraftsmithError, match="proposes|distributions differ"):
+        check(shifted)
+    renamed = fresh("renamed")
+    _tamper_tensors(renamed, "model.safetensors",
+                    lambda t: {("layers.0.self_attn.qnorm.weight" if k == "layers.0.self_attn.q_norm.weight" else k): v
+                               for k, v in t.items()})
+    with pytest.raises(DraftsmithError, match="q_norm"):
+        check(renamed)
+    mask = fresh("mask")
+    _tamper_config(mask, dflash_config={"block_size": 6, "mask_token_id": 7, "target_layer_ids": LAYERS})
+    with pytest.raises(DraftsmithError, match="proposes|distributions differ"):
+        check(mask)
+
+
+def test_the_speculators_format_refuses_the_targets_last_layer(tmp_path, target):
+    config = DFlashConfig(num_layers=1, block_size=4, feature_layers=[1, 3])
+    path = str(tmp_path / "last")
+    drafters.save(config.build(target), path)
+    with pytest.raises(DraftsmithError, match="last layer"):
+        export(path, "speculators-dflash", str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.engine
+def test_gguf_export_converts_and_llama_cpp_serves_it_losslessly(tmp_path, source, capsys):
+    out = str(tmp_path / "gguf")
+    assert main(["export", source, "--to", "gguf", "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["export", "--check", out]) == 0
+    lines = [line[len("ok  "):] for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
+    assert any(line.startswith("draft.gguf: a dflash GGUF") for line in lines)
+    assert any("dflash.target_layers = [1, 3]" in line and "mask token 49151" in line for line in lines)
+    assert any("llama.cpp with the export = llama.cpp's F32 target alone" in line for line in lines)
+    assert any("acceptance by position (k = 5)" in line for line in lines)  # the whole block: Bs − 1 drafts

@@ -1,0 +1,135 @@
+"""DFlash recipe (z-lab 2026): blocks of masked positions, each filled in one forward from the target context.
+
+Each sequence gets ``train.dflash.anchors`` blocks at random anchors a — answer positions whose
+next token is an answer token too (at decoding time the anchor is the last committed token,
+always one the target produced). Block position k (1 … Bs−1) of the block at a predicts the token
+at a + k from the target's features of positions < a (``drafters/dflash.py``); its target
+distribution is the target's own output at position a + k − 1 (soft labels, as every recipe here
+distills the target rather than the data), and it counts when a + k is an answer token inside the
+sequence (:func:`block_labels`). All blocks of a batch run in one forward of the drafter.
+
+Position k's loss is weighted exp(−(k−1)/γ) (the reference's decay: an early position is worth
+more, since every later draft needs it accepted); the weighted sum over positions and blocks is
+divided by the valid positions of the whole optimizer step (``step.py``). Anchors are drawn from
+a generator seeded by (train.seed, step, batch), so counting a batch's positions and computing its
+loss see the same blocks; held-out batches always get the same ones.
+
+Held-out metrics per block position k: expected acceptance Σ min(p, q) and top-1 agreement
+(``expected_accept_step{k−1}``, ``top1_step{k−1}``: conditional on the true prefix, as Medusa's
+heads), and ``block_tau``: 1 + the leading block positions whose argmax is the target's, averaged
+over blocks — the greedy acceptance length of a block drafted from a true context.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..drafters.common import shift_left
+from . import heldout, losses, save, setup, step, target_side
+from .data import Batch
+from .distributed import World
+
+
+def sample_anchors(loss_mask: Tensor, num: int, generator: torch.Generator) -> Tensor:
+    """Up to ``num`` distinct anchors per sequence, ascending: [B, S] bool → [B, N] long, −1 = none
+    (N = min(num, the most eligible positions of a row)). Eligible: a and a + 1 are answer tokens."""
+    eligible = loss_mask & shift_left(loss_mask, 1, fill=False)  # [B, S]
+    n = min(num, int(eligible.sum(1).max()))
+    scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device).masked_fill(~eligible, -1.0)
+    top = scores.topk(n, dim=1)
+    anchors = torch.where(top.values >= 0, top.indices, loss_mask.shape[1])  # none sorts last
+    anchors = anchors.sort(dim=1).values
+    return torch.where(anchors < loss_mask.shape[1], anchors, -1)
+
+
+def block_labels(anchors: Tensor, block_size: int, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The token each block row predicts and whether it counts.
+
+    anchors [B, N] (−1 = none), loss_mask [B, S] → (label [B, N, Bs] long = anchor + k, valid
+    [B, N, Bs] bool: k ≥ 1, a real anchor, label < S and an answer token there). The row's target
+    distribution is the target's output at position label − 1."""
+    s = loss_mask.shape[1]
+    k = torch.arange(block_size, device=anchors.device)
+    label = anchors[..., None] + k  # [B, N, Bs]
+    inside = (anchors[..., None] >= 0) & (k > 0) & (label < s)
+    answer = loss_mask.gather(1, label.clamp(0, s - 1).flatten(1)).view(label.shape)
+    return label, inside & answer
+
+
+def position_weights(block_size: int, gamma: float) -> list[float]:
+    """[0, 1, e^{−1/γ}, e^{−2/γ}, …]: block position k ≥ 1 weighs exp(−(k−1)/γ); position 0 (the anchor) 0.
+    γ = 0: the reference's defaults (7 for blocks of 16 or more, else 4)."""
+    gamma = gamma or (7.0 if block_size >= 16 else 4.0)
+    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
+
+
+def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+    cfg = recipe.train
+    run = setup.start(recipe, world)
+    config = setup.trainable(recipe).resolve(run.target)
+    module = config.build_module(run.target)
+    layers, bs = tuple(config.feature_layers), config.block_size
+    weights = position_weights(bs, cfg.dflash.decay_gamma)
+    engine = setup.build_engine(run, module)
+    run.max_drafts = bs - 1  # a round drafts at most the block's masked positions (the simulated τ's cap)
+    setup.restore(run, engine, resume)
+
+    def anchors_of(batch: Batch, heldout_batch: bool = False) -> Tensor:
+        """The batch's anchors [B, N]: the same for a batch at a given step (counting and loss agree)."""
+        salt = 0 if heldout_batch else run.state.step + 1
+        gen = torch.Generator().manual_seed(hash((cfg.seed, salt, int(batch.input_ids.sum()))) % (1 << 62))
+        return sample_anchors(batch.loss_mask, cfg.dflash.anchors, gen)
+
+    def rows(batch: Batch) -> Tensor:
+        return block_labels(anchors_of(batch), bs, batch.loss_mask)[1]
+
+    def blocks(batch: Batch, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(q logits [M, V] of the valid block rows, the target's p logits there, their block position [M],
+        valid [B, N, Bs])."""
+        label, valid = block_labels(anchors, bs, batch.loss_mask)
+        b = torch.arange(label.shape[0], device=label.device)[:, None, None].expand_as(label)[valid]  # [M]
+        source = label[valid] - 1  # the target's position whose output predicts the label
+        need = torch.zeros_like(batch.loss_mask)
+        need[b, source] = True
+        features, p_rows = target_side.features_and_logits(run, batch, layers, rows=need)  # [N', V]
+        index = (need.flatten().long().cumsum(0) - 1).view(need.shape)  # [B, S]: row of a position in p_rows
+        q = engine(lambda m: m.lm_head(m.train_blocks(batch.input_ids, features.to(run.dtype), anchors)[valid]))
+        k = torch.arange(bs, device=label.device).expand_as(label)[valid]
+        return q, p_rows[index[b, source]], k, valid
+
+    def objective(q: Tensor, p: Tensor, k: Tensor) -> tuple[Tensor, heldout.Metrics]:
+        """Σ_k w_k · (position k's token loss summed over its rows); parts: each position's (sum, rows)."""
+        total, parts = q.sum() * 0.0, {}
+        for pos in range(1, bs):
+            at = k == pos
+            pos_sum = losses.token_loss(cfg.loss.kind, q[at], p[at], at[at], cfg.loss.temperature, cfg.loss.jsd_beta,
+                                        reduction="sum")
+            total = total + weights[pos] * pos_sum
+            parts[f"loss/pos{pos}"] = (pos_sum.item(), float(at.sum()))
+        return total, parts
+
+    def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
+        anchors = anchors_of(batch, heldout_batch=True)
+        q, p, k, valid = blocks(batch, anchors)
+        out: heldout.Metrics = {"loss": (float(objective(q, p, k)[0]), float(valid.sum()))}
+        for pos in range(1, bs):
+            at = k == pos
+            qa, pa = q[at].float(), p[at]
+            out[f"expected_accept_step{pos - 1}"] = heldout.masked_metric(lambda: losses.expected_acceptance(qa, pa, at[at]), at[at])
+            out[f"top1_step{pos - 1}"] = heldout.masked_metric(lambda: losses.top1_accuracy(qa, pa.argmax(-1), at[at]), at[at])
+        agree = torch.zeros_like(valid)
+        agree[valid] = q.argmax(-1) == p.argmax(-1)
+        real = anchors >= 0  # [B, N]
+        run_length = agree[..., 1:].long().cumprod(-1).sum(-1)  # [B, N] leading agreeing positions
+        out["block_tau"] = (float((run_length + 1)[real].sum()), float(real.sum()))
+        return out
+
+    save.baseline(run, engine, evaluate)
+    for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid block rows counted
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*blocks(batch, anchors_of(batch))[:3]))
+        step.after_step(run, engine, evaluate)
+    return save.finish(run, engine, evaluate)
