@@ -128,23 +128,39 @@ def _garble_trainer_state(step: str) -> None:
         f.write('{"step": 1, "zero_st')
 
 
+def _rehash(step: str) -> None:
+    """Rewrite the checkpoint's checksums over its damaged files: past the checksum check, the damage itself must
+    still be refused in one line (the damaged-file path behind it)."""
+    from draftsmith.train.checkpoint import write_checksums
+
+    write_checksums(step)
+
+
 @pytest.mark.parametrize("damage,fragments", [
     (_truncate_optimizer_state, ["cannot be read (RuntimeError: PytorchStreamReader failed reading zip archive", "damaged"]),
     (_garble_trainer_state, ["trainer_state.json is not valid JSON", "the checkpoint is damaged"]),
 ])
+@pytest.mark.parametrize("checksums", ["kept", "rewritten"])
 def test_a_damaged_checkpoint_is_refused_on_resume(capsys, tmp_path, trained_run, tiny_target_dir, tiny_train_data,
-                                                   damage, fragments):
+                                                   damage, fragments, checksums):
     run_dir = str(tmp_path / "run")
     shutil.copytree(trained_run, run_dir)
     damage(os.path.join(run_dir, STEP))
-    expect_error(capsys, _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=2"), *fragments,
-                 "draftsmith train --resume <run_dir>/checkpoints/step_N")
+    if checksums == "kept":  # the checksum check refuses it before anything is read
+        fragments = ["does not match its sha256 in checksums.json", "refused"]
+    else:
+        _rehash(os.path.join(run_dir, STEP))
+        fragments = [*fragments, "draftsmith train --resume <run_dir>/checkpoints/step_N"]
+    expect_error(capsys, _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=2"), *fragments)
 
 
 def test_a_truncated_optimizer_state_is_refused_on_export(capsys, tmp_path, trained_run):
     step = str(tmp_path / "step")
     shutil.copytree(os.path.join(trained_run, STEP), step)
     _truncate_optimizer_state(step)  # under ZeRO-1 it holds the fp32 weights export gathers
+    expect_error(capsys, ["export", step, "--to", "eagle3", "--out", str(tmp_path / "out")],
+                 "does not match its sha256 in checksums.json")
+    _rehash(step)
     expect_error(capsys, ["export", step, "--to", "eagle3", "--out", str(tmp_path / "out")],
                  f"checkpoint '{step}' cannot be read", "damaged")
 
@@ -153,12 +169,12 @@ def test_a_truncated_optimizer_state_is_refused_on_export(capsys, tmp_path, trai
 
 
 def test_a_read_only_run_dir(capsys, tmp_path, monkeypatch):
-    import tempfile
+    from draftsmith import files
 
-    def read_only(*args, dir=None, **kwargs):
-        raise OSError(errno.EROFS, "Read-only file system", dir)
+    def read_only(directory, path, make):
+        raise OSError(errno.EROFS, "Read-only file system", directory)
 
-    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(files, "_create_unique", read_only)  # where every atomic write creates its temporary
     run_dir = tmp_path / "run"
     expect_error(capsys, ["prepare", "-c", "smollm2-135m-prepare", f"run_dir={run_dir}"],
                  f"'{run_dir}' is on a read-only file system", "choose a writable folder")
