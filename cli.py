@@ -317,8 +317,7 @@ def cmd_drafters(args: argparse.Namespace) -> int:
 
         print(format_rows(parameter_rows()))
         return 0
-    from .drafters.checkpoint import family_summary
-    from .drafters.registry import specs
+    from .drafters.registry import family_summary, specs
 
     for tag, s in specs().items():
         kind = "trainable" if s.trainable else "model-free" if s.model_free else ""
