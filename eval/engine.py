@@ -26,7 +26,7 @@ from typing import Any
 
 from ..engines import llamacpp
 from .costs import median_interval
-from .run import paired_runs
+from .paired import paired_runs
 
 TARGET = "target"
 NGRAM_METHODS = ("ngram-simple", "ngram-cache", "ngram-mod")
