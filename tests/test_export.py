@@ -14,12 +14,11 @@ import torch
 from draftsmith import drafters
 from draftsmith.cli import main
 from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, MedusaConfig
-from draftsmith.drafters.eagle3 import default_feature_layers
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import FORMATS, check, export
 from draftsmith.export.adapters import adapter
 from draftsmith.export.conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
-from draftsmith.target import load_target
+from draftsmith.target import default_eagle3_layers, load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,8 +74,8 @@ def test_layer_ids_for_30_and_32_layer_targets():
     assert engine_layer_ids([1, 14, 26], 30, "sglang") == [1, 14, 26]  # SGLang adds 1 itself
     assert engine_layer_ids([1, 15, 28], 32, "vllm") == [2, 16, 29]  # Llama-3.1-8B
     for n in (30, 32):  # our defaults are the engines' defaults: capture before layers 2, N//2, N-3
-        assert engine_layer_ids(default_feature_layers(n), n, "vllm") == [2, n // 2, n - 3]
-        assert native_layer_ids([2, n // 2, n - 3], n, "vllm") == list(default_feature_layers(n))
+        assert engine_layer_ids(default_eagle3_layers(n), n, "vllm") == [2, n // 2, n - 3]
+        assert native_layer_ids([2, n // 2, n - 3], n, "vllm") == list(default_eagle3_layers(n))
     with pytest.raises(DraftsmithError, match="not a layer"):
         engine_layer_ids([30], 30, "vllm")
     with pytest.raises(DraftsmithError, match="names no decoder output"):
@@ -129,9 +128,9 @@ def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators", "medusa", "medusa-vllm", "hf"])
 def test_export_then_check_proves_every_format(tmp_path, sources, target, fmt, capsys):
     out = str(tmp_path / fmt)
-    assert main(["export", sources[FORMATS[fmt].family], "--to", fmt, "--out", out]) == 0
+    assert main(["export", sources[FORMATS[fmt].families[0]], "--to", fmt, "--out", out]) == 0
     info = json.load(open(os.path.join(out, "draftsmith_export.json")))
-    assert info["target"]["fingerprint"] == target.fingerprint and info["source"]["path"] == sources[FORMATS[fmt].family]
+    assert info["target"]["fingerprint"] == target.fingerprint and info["source"]["path"] == sources[FORMATS[fmt].families[0]]
     assert info["draftsmith_version"] and info["to"] == fmt
     capsys.readouterr()
     assert main(["export", "--check", out]) == 0
