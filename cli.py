@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "work is reused; regenerate and features resume after a kill. Under torchrun or the "
                                    "deepspeed launcher the processes split the regenerate and features shards.")
     _recipe_args(p, default="smollm2-135m-prepare")
+    p.add_argument("--restart", action="store_true",
+                   help="discard the finished regenerate / features shards that changed settings or inputs invalidate "
+                        "(without it, prepare stops and says what changed and how much would be discarded)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="distill the target into the recipe's drafter (DeepSpeed; resumable)",
@@ -199,7 +202,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.config, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         save_recipe(recipe)
-        run_prepare(recipe)
+        run_prepare(recipe, restart=args.restart)
         return 0
     # under torchrun / the deepspeed launcher: the processes split regenerate and features
     from .data.shards import Workers
@@ -208,7 +211,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     with distributed.process_group() as world:
         if world.is_main:
             save_recipe(recipe)
-        run_prepare(recipe, workers=Workers(world.rank, world.world_size, distributed.barrier, distributed.all_sum))
+        run_prepare(recipe, workers=Workers(world.rank, world.world_size, distributed.barrier, distributed.all_sum),
+                    restart=args.restart)
     return 0
 
 

@@ -1,13 +1,18 @@
-"""Atomic file writes: a reader never sees a half-written file, a kill loses nothing committed."""
+"""Atomic file writes: a reader never sees a half-written file, a kill loses nothing committed.
+
+Temporary files and folders are created with the modes an ordinary ``open`` / ``os.makedirs``
+would give (0666 / 0777 less the umask), not ``mkstemp``'s owner-only 0600 / 0700: an export
+or a drafter must be readable by a serving container that runs as another user.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -16,8 +21,7 @@ def atomic_path(path: str) -> Iterator[str]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = _create_unique(directory, path, lambda p: os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)))
     try:
         yield tmp
         os.replace(tmp, path)
@@ -46,7 +50,7 @@ def atomic_dir(path: str) -> Iterator[str]:
     """
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=parent)
+    tmp = _create_unique(parent, path, lambda p: os.mkdir(p, 0o777))
     try:
         yield tmp
         if os.path.isdir(path):
@@ -58,3 +62,15 @@ def atomic_dir(path: str) -> Iterator[str]:
             os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _create_unique(directory: str, path: str, create: Callable[[str], None]) -> str:
+    """``create`` a new hidden ``.NAME.RANDOM.tmp`` next to ``path`` in ``directory`` (the umask applies); its path."""
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+        try:
+            create(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name next to {path}")

@@ -295,7 +295,7 @@ def bench_regenerate_stage(args) -> dict:
             tmp = tempfile.mkdtemp()
             regenerate.generate_batch = hf_generate_batch if name == "old" else engine
             report = regenerate_conversations(convs, os.path.join(tmp, "regen"), targets[dtype], cfg, max_length=1024,
-                                              inputs_hash="bench", progress=False)
+                                              progress=False)
             answers[name] = [rec["messages"][-1]["content"] for rec in regenerated_records(os.path.join(tmp, "regen"))]
             regenerate.generate_batch = engine
             shutil.rmtree(tmp)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ from tqdm import tqdm
 
 from ..errors import DraftsmithError
 from ..target import Target, default_eagle3_layers
-from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, sha256_file
+from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_digest, sha256_file
 
 FORMAT = "draftsmith-feature-cache/1"
 
@@ -69,33 +68,35 @@ def write_feature_cache(
     source_data_hash: str = "",
     progress: bool = True,
     workers: Workers = SOLO,
+    restart: bool = False,
 ) -> dict[str, Any]:
     """Run ``target`` over ``tokenized`` (rows with input_ids, loss_mask) and write the cache to ``folder``.
 
-    Resumable; returns the manifest. ``layer_ids`` empty = :func:`default_layer_ids`. With
-    several ``workers`` each process computes its share of the shards; the manifest's
+    Resumable, and extended when samples are added (:class:`~draftsmith.data.shards.ShardedJob`; ``restart``
+    lets it discard finished shards that changed settings or samples invalidate); returns the manifest.
+    ``layer_ids`` empty = :func:`default_layer_ids`. With several ``workers`` each process computes its
+    share of the shards; the manifest's
     ``target_tokens_per_s`` is then the sum of the processes' rates.
     """
     ids = [target.layer_index(i) for i in layer_ids] or default_layer_ids(target.num_layers)
     spec = {"format": FORMAT, "target": target.fingerprint, "tokenizer_hash": target.tokenizer_hash,
-            "source_data_hash": source_data_hash, "num_samples": len(tokenized), "layer_ids": ids, "topk": topk,
-            "shard_size": shard_size, "batch_tokens": batch_tokens, "compute_dtype": str(target.dtype)}
-    job = ShardedJob(folder, spec, ".safetensors")
+            "data.features.layer_ids": ids, "data.features.topk": topk, "target.dtype": str(target.dtype)}  # not sizes
+    rows = tokenized.with_format(None)
+    records = [record_digest([i, m]) for i, m in zip(rows["input_ids"], rows["loss_mask"])]
+    job = ShardedJob(folder, spec, ".safetensors", records, shard_size)
     finished = job.finished()
     if finished is not None:
         return {**finished, "note": "up to date (reused)"}
-    note = job.start(workers)
+    note = job.start(workers, restart)
     n = len(tokenized)
-    rows = tokenized.with_format(None)
-    num_shards = math.ceil(n / shard_size)
-    mine = [s for s in range(num_shards) if workers.owns(s)]
-    bar = tqdm(total=sum(min((s + 1) * shard_size, n) - s * shard_size for s in mine), unit="sample",
+    mine = [s for s in job.shards if workers.owns(s.index)]
+    bar = tqdm(total=sum(s.stop - s.start for s in mine), unit="sample",
                desc="features" if workers.size == 1 else f"features (process {workers.rank} of {workers.size})",
                disable=not progress or not workers.is_main, dynamic_ncols=True)
     computed_tokens, compute_s = 0, 0.0
-    for s in mine:
-        lo, hi = s * shard_size, min((s + 1) * shard_size, n)
-        if job.done(s) is None:
+    for shard in mine:
+        lo, hi = shard.start, shard.stop
+        if job.done(shard) is None:
             batch = rows[lo:hi]
             start = time.perf_counter()
             tensors = _shard_tensors(target, batch["input_ids"], batch["loss_mask"], ids, topk, batch_tokens)
@@ -104,15 +105,15 @@ def write_feature_cache(
             # one metadata key: safetensors writes a map's keys in arbitrary order, and the same shard
             # must be the same bytes (and sha256) whichever run or process computes it
             payload = save_safetensors(tensors, metadata={"draftsmith": json.dumps({"format": FORMAT, "first_index": lo})})
-            job.commit(s, payload, {"first_index": lo, "num_samples": hi - lo,
-                                    "num_tokens": int(tensors["input_ids"].numel()), "process": workers.rank})
+            job.commit(shard, payload, {"num_samples": hi - lo, "num_tokens": int(tensors["input_ids"].numel()),
+                                        "process": workers.rank})
         bar.update(hi - lo)
         if compute_s:
             bar.set_postfix_str(f"{computed_tokens / compute_s:.0f} target tok/s")
     bar.close()
     rate = computed_tokens / compute_s if compute_s else 0.0
     rate = workers.all_sum([rate])[0]
-    shards = job.collect(num_shards, workers)
+    shards = job.collect(workers)
     tokens = sum(m["num_tokens"] for m in shards)
     size = sum(m["bytes"] for m in shards)
     manifest = job.finish(

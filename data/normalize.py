@@ -28,7 +28,7 @@ ROLE_MAP: dict[str, str] = {
 }
 
 SKIP_REASONS: dict[str, str] = {
-    "invalid_json": "a JSONL line that is not valid JSON",
+    "invalid_json": "a JSONL line or a JSON array element that is not valid JSON (where: its line or byte offset)",
     "no_conversation": "no 'conversations' / 'messages' list in the record",
     "empty": "no messages, or every message is blank",
     "unknown_role": "a message role that is not in the role mapping (add it to data.sources[].roles)",

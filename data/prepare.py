@@ -9,7 +9,10 @@ Stages run in pipeline order, each reading what the previous one wrote:
 5. vocab     tokenized → ``<out>/draft_vocab.safetensors``
 
 Every stage records the spec it was made from and is skipped when nothing changed, so
-re-running prepare is cheap; the long stages (regenerate, features) resume after a kill.
+re-running prepare is cheap; the long stages (regenerate, features) resume after a kill,
+extend when the data grows, and never discard finished shards for a setting that does not
+change them; a change that would discard finished work stops with one line unless
+``--restart`` (:mod:`draftsmith.data.shards`).
 
 Under torchrun or the deepspeed launcher (``torchrun --nproc_per_node 8 $(which draftsmith)
 prepare …``) every process loads the target on its own device and regenerate / features
@@ -97,9 +100,10 @@ class PrepareSummary:
                 "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
 
 
-def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO) -> PrepareSummary:
+def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO, restart: bool = False) -> PrepareSummary:
     """Run ``recipe.data.stages`` for ``recipe.target``; print and return the summary (process 0 prints
-    and writes it when several ``workers`` share the job)."""
+    and writes it when several ``workers`` share the job). ``restart``: let regenerate and features discard
+    finished shards that changed settings or inputs invalidate (without it they stop and say what changed)."""
     cfg: DataConfig = recipe.data
     paths = PreparedPaths.at(cfg.resolve_out_dir(recipe.run_dir))
     stages = [s for s in STAGE_ORDER if s in cfg.stages]
@@ -114,12 +118,12 @@ def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO) -> 
         with _main_first(workers):
             conv_folder, conv_hash = _read_stage(cfg, paths, summary)
     if "regenerate" in stages:
-        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, conv_folder, conv_hash, summary, progress, workers)
+        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, conv_folder, summary, progress, workers, restart)
     if "tokenize" in stages:
         with _main_first(workers):
             _tokenize_stage(cfg, paths, env, conv_folder, conv_hash, summary)
     if "features" in stages:
-        _features_stage(cfg, paths, env, summary, progress, workers)
+        _features_stage(cfg, paths, env, summary, progress, workers, restart)
     if "vocab" in stages and workers.is_main:
         _vocab_stage(cfg, paths, env, summary)
     if workers.is_main:
@@ -215,8 +219,8 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
     return paths.conversations, manifest["hash"]
 
 
-def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, conv_hash: str,
-                      summary: PrepareSummary, progress: bool, workers: Workers) -> tuple[str, str]:
+def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, summary: PrepareSummary,
+                      progress: bool, workers: Workers, restart: bool) -> tuple[str, str]:
     from .regenerate import regenerate_conversations, regenerated_records
 
     r = cfg.regenerate
@@ -228,7 +232,7 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
                              env.recipe.target.chat_template)  # this stage only
     drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
     report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
-                                      max_length=cfg.render.max_length, inputs_hash=conv_hash, drafter=drafter,
+                                      max_length=cfg.render.max_length, drafter=drafter, restart=restart,
                                       progress=progress, workers=workers)
     start = time.perf_counter()
     job_digest = _digest(read_json(os.path.join(paths.regenerate, MANIFEST)))
@@ -285,7 +289,7 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
 
 
 def _features_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, summary: PrepareSummary,
-                    progress: bool, workers: Workers) -> None:
+                    progress: bool, workers: Workers, restart: bool) -> None:
     from .feature_cache import write_feature_cache
     from .tokenized import load_tokenized, tokenized_manifest
 
@@ -296,7 +300,7 @@ def _features_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, summary: P
     manifest = write_feature_cache(data, paths.features, target, layer_ids=f.layer_ids, topk=f.topk,
                                    shard_size=f.shard_size, batch_tokens=f.batch_tokens,
                                    source_data_hash=tokenized_manifest(paths.tokenized)["data_hash"],
-                                   progress=progress, workers=workers)
+                                   progress=progress, workers=workers, restart=restart)
     rate = manifest.get("target_tokens_per_s")
     note = "; ".join(x for x in (
         manifest["note"], f"layers {manifest['layer_ids']}", f"{manifest['bytes_per_token']:.0f} bytes/token",

@@ -9,7 +9,8 @@ Work is split into shards of ``shard_size`` conversations written as JSONL as th
 finish (:class:`~draftsmith.data.shards.ShardedJob`). A killed run, re-run with the
 same settings, keeps the finished shards and recomputes the rest from scratch; each
 shard seeds its sampler with ``seed + shard`` and batches the same conversations, so
-the result is exactly the set an uninterrupted run writes.
+the result is exactly the set an uninterrupted run writes. More conversations extend the
+job; settings that do not change a record (batch and shard sizes) keep every shard.
 
 Two engines (``method``): batched generation (default) — a shard's prompts sorted by length
 into left-padded batches of ``batch_size`` (the records keep their order), greedy in a loop
@@ -24,7 +25,6 @@ answered; one whose first prompt does not fit is skipped as ``prompt_too_long``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections import Counter
@@ -38,7 +38,7 @@ from tqdm import tqdm
 from ..errors import DraftsmithError
 from ..target import Target
 from .config import RegenerateConfig
-from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json
+from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_digest
 
 
 @dataclass
@@ -62,49 +62,60 @@ def regenerate_conversations(
     target: Target,
     settings: RegenerateConfig,
     max_length: int,
-    inputs_hash: str,
     drafter: Any = None,
     progress: bool = True,
     workers: Workers = SOLO,
+    restart: bool = False,
 ) -> RegenReport:
     """Regenerate every assistant turn of ``conversations`` (a Dataset of {conv_id, source, messages})
     into JSONL shards under ``folder``; resumable. A prompt must leave room for an answer within
     ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
-    each process answers its share of the shards (see :mod:`~draftsmith.data.shards`)."""
-    spec = {"inputs": inputs_hash, "target": target.fingerprint, "tokenizer": target.tokenizer_hash,
-            "max_length": max_length, **asdict(settings), "dtype": str(target.dtype)}  # the dtype it runs in
-    job = ShardedJob(folder, spec, ".jsonl")
-    n = len(conversations)
-    num_shards = math.ceil(n / settings.shard_size)
-    report = RegenReport(conversations_in=n)
+    each process answers its share of the shards (see :mod:`~draftsmith.data.shards`, which also says what
+    a re-run keeps; ``restart`` lets it discard finished shards that changed settings or inputs invalidate)."""
+    spec = {"target": target.fingerprint, "tokenizer": target.tokenizer_hash, "dtype": str(target.dtype),
+            "data.render.max_length": max_length,
+            **{f"data.regenerate.{k}": v for k, v in asdict(settings).items() if k in _changes_records(settings)}}
+    records = [record_digest([c, src, m]) for c, src, m in
+               zip(conversations["conv_id"], conversations["source"], conversations["messages"])]
+    job = ShardedJob(folder, spec, ".jsonl", records, settings.shard_size)
+    report = RegenReport(conversations_in=len(conversations))
     finished = job.finished()
     if finished is not None:
         return _report_from(finished["shards"], report, note="up to date (reused)")
-    report.note = job.start(workers)
-    mine = [s for s in range(num_shards) if workers.owns(s)]
+    report.note = job.start(workers, restart)
+    mine = [s for s in job.shards if workers.owns(s.index)]
     bar = tqdm(total=_count_turns(conversations) if workers.size == 1 else None, unit="turn",
                desc="regenerate" if workers.size == 1 else f"regenerate (process {workers.rank} of {workers.size})",
                disable=not progress or not workers.is_main, dynamic_ncols=True)
     new_tokens = 0
     start = time.perf_counter()
-    for s in mine:
-        meta = job.done(s)
+    for shard in mine:
+        meta = job.done(shard)
         if meta is None:
-            rows = conversations[s * settings.shard_size: (s + 1) * settings.shard_size]
+            rows = conversations[shard.start: shard.stop]
             convs = [dict(conv_id=c, source=src, messages=m) for c, src, m in
                      zip(rows["conv_id"], rows["source"], rows["messages"])]
-            out, stats = _regenerate_shard(convs, target, settings, max_length, settings.seed + s, drafter, bar)
+            out, stats = _regenerate_shard(convs, target, settings, max_length, settings.seed + shard.index, drafter,
+                                           bar)
             payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
-            meta = job.commit(s, payload, {**stats, "process": workers.rank})
+            meta = job.commit(shard, payload, {**stats, "process": workers.rank})
         else:
             bar.update(meta["turns_in"])
         new_tokens += meta["new_tokens"]
         bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} new tok/s")
     bar.close()
-    shards = job.collect(num_shards, workers)
+    shards = job.collect(workers)
     report.seconds = time.perf_counter() - start
     job.finish(shards, workers, num_conversations=sum(m["kept"] for m in shards))
     return _report_from(shards, report, note=report.note)
+
+
+def _changes_records(settings: RegenerateConfig) -> set[str]:
+    """The settings that change a regenerated record. Not: batch and shard sizes, ``dtype`` (the dtype it
+    resolves to is in the spec), and ``k`` unless the speculative decoder samples with it. A record
+    sampled in another batch is another draw from the same distribution, as valid as this one."""
+    out = {"method", "max_new_tokens", "max_turns", "temperature", "top_p", "seed"}
+    return out | {"k"} if settings.method == "speculative" else out
 
 
 def regenerated_records(folder: str) -> Iterator[dict[str, Any]]:

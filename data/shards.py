@@ -2,10 +2,20 @@
 
 Each shard is committed atomically (temp file + rename), then its small ``.json``
 record (rows, bytes, sha256) is written the same way; a shard counts as done only
-when both exist and the sizes agree. ``job.json`` holds the job's spec (inputs,
-settings, target): re-running with the same spec keeps every finished shard, a
-different spec starts over (the old shards are deleted, and the run says so).
-Once every shard is done the caller writes ``manifest.json``, which readers use.
+when both exist and the sizes agree. Once every shard is done the caller writes
+``manifest.json``, which readers use.
+
+What is kept. A shard covers a range of the job's input records and records a digest of
+them; ``job.json`` holds the job's *spec*: only the settings that change what a record
+becomes (the target, sampling settings, ...), never batch or shard sizes. A re-run walks
+the inputs from the start and keeps every finished shard whose records are the inputs at
+its place, cutting what follows into new shards of the current size: a killed run
+resumes, a grown input (``data.max_conversations`` 200 → 1000) is extended, a new shard
+size applies to new shards only. When the spec changed, or a finished shard's records are
+no longer the inputs at its place, going on would discard finished work: the job stops
+with a one-line error that says what changed and how much would be lost, unless it was
+started with ``restart`` (``draftsmith prepare --restart``), which discards exactly those
+shards.
 
 Several processes (``draftsmith prepare`` under torchrun or the deepspeed launcher) share
 one job through :class:`Workers`: process r computes the shards i with i % size == r,
@@ -85,11 +95,33 @@ class Workers:
 SOLO = Workers()
 
 
+def record_digest(obj: Any) -> str:
+    """A short digest of one input record (JSON-able), for :class:`ShardedJob`'s ``records``."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode())[:16]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` covers the job's input records ``start:stop``, whose digest is ``inputs``."""
+
+    index: int
+    start: int
+    stop: int
+    inputs: str
+
+
 class ShardedJob:
-    def __init__(self, folder: str, spec: dict[str, Any], suffix: str):
+    """A job over ``records`` (one :func:`record_digest` per input record) in shards of ``shard_size``
+    records (new shards; finished ones keep theirs). ``spec``: the settings that change a record."""
+
+    def __init__(self, folder: str, spec: dict[str, Any], suffix: str, records: list[str], shard_size: int):
         self.folder = folder
         self.spec = json.loads(json.dumps(spec, default=str))  # as it will read back from disk
         self.suffix = suffix
+        self.records = records
+        self.shard_size = shard_size
+        self.shards: list[Shard] = []
+        """The plan, set by :meth:`start` (and :meth:`finished` when it returns a manifest)."""
 
     def shard_path(self, i: int) -> str:
         return os.path.join(self.folder, f"shard-{i:05d}{self.suffix}")
@@ -97,65 +129,117 @@ class ShardedJob:
     def _meta_path(self, i: int) -> str:
         return os.path.join(self.folder, f"shard-{i:05d}.json")
 
+    def _inputs(self, start: int, stop: int) -> str:
+        return sha256_bytes("".join(self.records[start:stop]).encode())[:16]
+
+    def plan(self) -> list[Shard]:
+        """Finished shards whose records are the inputs at their place, in order; new shards for the rest."""
+        shards: list[Shard] = []
+        start = 0
+        while start < len(self.records):
+            i = len(shards)
+            meta = self._whole(i)
+            size = meta.get("records") if meta else None
+            if isinstance(size, int) and 0 < size <= len(self.records) - start and meta.get("first_index") == start \
+                    and meta.get("inputs") == self._inputs(start, start + size):
+                stop = start + size
+            else:
+                stop = min(start + self.shard_size, len(self.records))
+            shards.append(Shard(i, start, stop, self._inputs(start, stop)))
+            start = stop
+        return shards
+
     def finished(self) -> dict[str, Any] | None:
         """The manifest when this exact job already ran to the end and every shard is still whole, else None."""
         manifest = read_json(os.path.join(self.folder, MANIFEST))
         if manifest is None or manifest.get("spec") != self.spec:
             return None
-        if any(self.done(i) is None for i in range(len(manifest["shards"]))):
-            return None  # a shard was deleted (e.g. after a checksum error): resume recomputes it
+        shards = self.plan()
+        if len(manifest["shards"]) != len(shards) or any(self.done(s) is None for s in shards):
+            return None  # a shard was deleted (e.g. after a checksum error), or the inputs grew: resume
+        self.shards = shards
         return manifest
 
-    def start(self, workers: Workers = SOLO) -> str:
-        """Prepare the folder (process 0; the others wait); return a one-line note (resuming,
-        restarting, or starting; empty on the other processes)."""
-        note = self._prepare_folder() if workers.is_main else ""
-        workers.barrier()
+    def start(self, workers: Workers = SOLO, restart: bool = False) -> str:
+        """Prepare the folder (process 0: refuse to discard finished work unless ``restart``) and plan the
+        shards (every process); return a one-line note (empty on the other processes)."""
+        note = error = ""
+        if workers.is_main:
+            try:
+                note = self._prepare_folder(restart)
+            except DraftsmithError as e:
+                error = str(e)
+        if workers.all_sum([float(bool(error))])[0]:  # every process stops, none waits at a barrier
+            raise DraftsmithError(error or f"process 0 refused to go on with '{self.folder}' (see its message)")
+        self.shards = self.plan()
         return note
 
-    def _prepare_folder(self) -> str:
+    def _prepare_folder(self, restart: bool) -> str:
         os.makedirs(self.folder, exist_ok=True)
         old = read_json(os.path.join(self.folder, JOB))
+        old_spec = old.get("spec") if isinstance(old, dict) else None
+        whole = {i: m for i in self._indices() if (m := self._whole(i)) is not None}
+        if old_spec != self.spec:
+            lost, why = sorted(whole), _changes(old_spec, self.spec)
+        else:
+            plan = self.plan()
+            lost = [s.index for s in plan if s.index in whole and self.done(s) is None]
+            why = (f"the inputs of shard {lost[0]} are no longer the records it was made from (data.sources, "
+                   f"data.max_conversations, data.render or an earlier stage's output changed)") if lost else ""
+        if lost and not restart:
+            sizes = [whole[i].get("records") for i in lost]  # unknown in an older draftsmith's shards
+            records = f" ({sum(sizes)} input records)" if all(isinstance(n, int) for n in sizes) else ""
+            raise DraftsmithError(f"'{self.folder}': {why}; going on would discard {len(lost)} finished shard(s)"
+                                  f"{records}. Restore what changed, or re-run prepare with --restart to discard them")
+        for i in lost:
+            for path in (self.shard_path(i), self._meta_path(i)):
+                if os.path.exists(path):
+                    os.remove(path)
         manifest = os.path.join(self.folder, MANIFEST)
         if os.path.exists(manifest):
             os.remove(manifest)  # it is rewritten when the job ends; never left pointing at stale shards
-        if old is not None and old != self.spec:
-            self._clear()
-            write_json(os.path.join(self.folder, JOB), self.spec)
-            return "settings or inputs changed since the last run: finished shards discarded, starting over"
-        write_json(os.path.join(self.folder, JOB), self.spec)
-        metas = glob.glob(os.path.join(self.folder, "shard-*.json"))
-        done = sum(self.done(int(os.path.basename(m)[6:11])) is not None for m in metas)
-        return f"resuming: {done} finished shard(s) kept" if done else "starting"
+        write_json(os.path.join(self.folder, JOB), {"spec": self.spec})
+        if lost:
+            return f"--restart: {len(lost)} finished shard(s) discarded ({why})"
+        kept = sum(self.done(s) is not None for s in self.plan())
+        return f"resuming: {kept} finished shard(s) kept" if kept else "starting"
 
-    def _clear(self) -> None:
-        for path in glob.glob(os.path.join(self.folder, "shard-*")):
-            os.remove(path)
+    def _indices(self) -> list[int]:
+        return sorted(int(os.path.basename(m)[6:11]) for m in glob.glob(os.path.join(self.folder, "shard-*.json")))
 
-    def done(self, i: int) -> dict[str, Any] | None:
+    def _whole(self, i: int) -> dict[str, Any] | None:
         """The record of shard i when it was committed and its file is whole, else None."""
         meta = read_json(self._meta_path(i))
         path = self.shard_path(i)
-        if meta is None or not os.path.isfile(path) or os.path.getsize(path) != meta.get("bytes"):
+        if not isinstance(meta, dict) or not os.path.isfile(path) or os.path.getsize(path) != meta.get("bytes"):
             return None
         return meta
 
-    def commit(self, i: int, payload: bytes, meta: dict[str, Any]) -> dict[str, Any]:
-        """Write shard i (atomically) and then its record; return the record."""
-        with atomic_path(self.shard_path(i)) as tmp:
+    def done(self, shard: Shard) -> dict[str, Any] | None:
+        """The record of ``shard`` when it was committed over exactly its records and its file is whole, else None."""
+        meta = self._whole(shard.index)
+        if meta is None or (meta.get("first_index"), meta.get("records"), meta.get("inputs")) != \
+                (shard.start, shard.stop - shard.start, shard.inputs):
+            return None
+        return meta
+
+    def commit(self, shard: Shard, payload: bytes, meta: dict[str, Any]) -> dict[str, Any]:
+        """Write ``shard`` (atomically) and then its record; return the record."""
+        with atomic_path(self.shard_path(shard.index)) as tmp:
             with open(tmp, "wb") as f:
                 f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
-        record = {"file": os.path.basename(self.shard_path(i)), **meta, "bytes": len(payload),
+        record = {"file": os.path.basename(self.shard_path(shard.index)), **meta, "first_index": shard.start,
+                  "records": shard.stop - shard.start, "inputs": shard.inputs, "bytes": len(payload),
                   "sha256": sha256_bytes(payload)}
-        write_json(self._meta_path(i), record)
+        write_json(self._meta_path(shard.index), record)
         return record
 
-    def collect(self, num_shards: int, workers: Workers = SOLO) -> list[dict[str, Any]]:
-        """Once every process has committed its shards: the records of all ``num_shards``, in order."""
+    def collect(self, workers: Workers = SOLO) -> list[dict[str, Any]]:
+        """Once every process has committed its shards: the records of all planned shards, in order."""
         workers.barrier()
-        shards = [self.done(i) for i in range(num_shards)]
+        shards = [self.done(s) for s in self.shards]
         missing = [i for i, meta in enumerate(shards) if meta is None]
         if missing:
             raise DraftsmithError(f"{len(missing)} shard(s) of '{self.folder}' (first: {missing[0]}) are missing after "
@@ -170,3 +254,11 @@ class ShardedJob:
             write_json(os.path.join(self.folder, MANIFEST), manifest)
         workers.barrier()
         return manifest
+
+
+def _changes(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+    """What differs between two flat specs, as 'key: old then, new now'."""
+    if not isinstance(old, dict):
+        return "the settings the finished shards were made with are unknown (no job.json, or an older draftsmith's)"
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return "; ".join(f"{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in keys)

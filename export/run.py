@@ -79,6 +79,7 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
     """
     if fmt not in FORMATS:
         raise DraftsmithError(f"unknown export format '{fmt}'; formats: {', '.join([*FORMATS, TARGET_FORMAT])}")
+    refuse_overlap(source_path, out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise DraftsmithError(f"--out '{out}' exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not force:
@@ -118,6 +119,18 @@ def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bo
         gguf.write_target(target_spec, tmp, kind)
         write_json_file(os.path.join(tmp, INFO_FILE), info)
     return info
+
+
+def refuse_overlap(source_path: str, out: str) -> None:
+    """Refuse an ``out`` that is, holds or lies inside the source folder (real paths: links resolved):
+    the export replaces ``out`` as a whole, and would delete the drafter it reads (or its run folder)."""
+    source, target = os.path.realpath(source_path), os.path.realpath(out)
+    common = os.path.commonpath([source, target])
+    where = ("is the source folder" if target == source else "holds the source folder" if common == target
+             else "lies inside the source folder" if common == source else "")
+    if where:
+        raise DraftsmithError(f"--out '{out}' {where} '{source_path}': the export replaces --out as a whole and would "
+                              f"destroy its own source; choose a folder outside it")
 
 
 def record(source: Source, fmt: str) -> dict[str, Any]:

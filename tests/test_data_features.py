@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import types
 
@@ -107,12 +108,67 @@ def test_a_cache_from_another_target_or_tokenizer_is_refused(cache_dir, tiny_tar
         FeatureCache.open(os.path.dirname(cache_dir), tiny_target)
 
 
-def test_finished_cache_is_reused_and_a_new_spec_starts_over(tmp_path, data, tiny_target):
+def test_finished_cache_is_reused_and_a_new_spec_stops_unless_restart(tmp_path, data, tiny_target):
     path = str(tmp_path / "cache")
     first = write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=4, progress=False)
     assert first["note"] == "starting" and first["bytes_per_token"] > 2 * 64 * 2
     again = write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=4, progress=False)
     assert again["note"] == "up to date (reused)" and again["shards"] == first["shards"]
-    other = write_feature_cache(data, path, tiny_target, layer_ids=[2], shard_size=4, progress=False)
-    assert other["note"].startswith("settings or inputs changed")
+    with pytest.raises(DraftsmithError, match=r"data.features.layer_ids: \[1, 3\] then, \[2\] now; going on would "
+                                              r"discard 2 finished shard\(s\) \(5 input records\).*--restart"):
+        write_feature_cache(data, path, tiny_target, layer_ids=[2], shard_size=4, progress=False)
+    assert FeatureCache.open(path, tiny_target)[0]["hidden"].shape[-1] == 2 * 64  # refused: nothing touched
+    other = write_feature_cache(data, path, tiny_target, layer_ids=[2], shard_size=4, progress=False, restart=True)
+    assert other["note"].startswith("--restart: 2 finished shard(s) discarded (data.features.layer_ids")
     assert FeatureCache.open(path, tiny_target)[0]["hidden"].shape[-1] == 64
+    # shards of an older draftsmith (job.json is the bare spec, no input digests): what they hold is unknown
+    with open(os.path.join(path, "job.json"), "w") as f:
+        json.dump({**other["spec"], "shard_size": 4}, f)
+    os.remove(os.path.join(path, "manifest.json"))  # it held that older spec too
+    with pytest.raises(DraftsmithError, match=r"settings the finished shards were made with are unknown \(no job.json, "
+                                              r"or an older draftsmith's\); going on would discard 2 finished shard\(s\)"):
+        write_feature_cache(data, path, tiny_target, layer_ids=[2], shard_size=4, progress=False)
+
+
+def _mtimes(path: str) -> dict[str, float]:
+    return {f: os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")}
+
+
+def test_sizes_keep_every_shard_and_more_samples_extend_the_cache(tmp_path, data, tiny_target):
+    """batch_tokens and shard_size change no value: the finished cache is reused as it is. Samples added
+    at the end extend it: the finished shards stay, the new samples get new shards."""
+    path = str(tmp_path / "cache")
+    first = write_feature_cache(data.select(range(3)), path, tiny_target, layer_ids=LAYERS, shard_size=2,
+                                batch_tokens=40, progress=False)
+    before = _mtimes(path)
+    for sizes in ({"shard_size": 4, "batch_tokens": 40}, {"shard_size": 2, "batch_tokens": 8}):
+        again = write_feature_cache(data.select(range(3)), path, tiny_target, layer_ids=LAYERS, progress=False, **sizes)
+        assert again["note"] == "up to date (reused)" and again["shards"] == first["shards"]
+    grown = write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=4, progress=False)
+    assert grown["note"] == "resuming: 2 finished shard(s) kept"
+    assert [(m["first_index"], m["records"]) for m in grown["shards"]] == [(0, 2), (2, 1), (3, 2)]
+    assert {f: t for f, t in _mtimes(path).items() if f in before} == before
+    cache = FeatureCache.open(path, tiny_target, verify="all")
+    fresh = str(tmp_path / "fresh")
+    write_feature_cache(data, fresh, tiny_target, layer_ids=LAYERS, shard_size=5, progress=False)
+    whole = FeatureCache.open(fresh, tiny_target)
+    assert len(cache) == 5
+    for i in range(5):
+        assert torch.equal(cache[i]["input_ids"], whole[i]["input_ids"])
+        assert torch.allclose(cache[i]["hidden"].float(), whole[i]["hidden"].float(), atol=2e-2), i
+
+
+def test_a_changed_sample_stops_and_restart_recomputes_only_its_shard(tmp_path, data, tiny_target):
+    path = str(tmp_path / "cache")
+    write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False)
+    before = _mtimes(path)
+    edited = data.map(lambda row, i: {"input_ids": row["input_ids"][:-1] + [7] if i == 3 else row["input_ids"]},
+                      with_indices=True)
+    with pytest.raises(DraftsmithError, match=r"the inputs of shard 1 are no longer the records it was made from.*"
+                                              r"discard 1 finished shard\(s\) \(2 input records\)"):
+        write_feature_cache(edited, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False)
+    again = write_feature_cache(edited, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False, restart=True)
+    assert again["note"].startswith("--restart: 1 finished shard(s) discarded (the inputs of shard 1")
+    after = _mtimes(path)
+    assert [f for f in before if after[f] != before[f]] == ["shard-00001.safetensors"]
+    assert FeatureCache.open(path, tiny_target)[3]["input_ids"][-1] == 7

@@ -19,6 +19,7 @@ from draftsmith.data.config import RegenerateConfig
 from draftsmith.data.conversations import conversation_features
 from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
 from draftsmith.drafters.layer_skip import layer_skip_drafter
+from draftsmith.errors import DraftsmithError
 from draftsmith.eval.reference import target_greedy
 from draftsmith.target import load_target
 
@@ -44,10 +45,10 @@ def target(tiny_target_dir):
     return load_target(tiny_target_dir, dtype="float32", device="cpu")
 
 
-def _run(folder, target, drafter=None, max_length=512, **kw):
+def _run(folder, target, drafter=None, max_length=512, users=USERS, restart=False, **kw):
     cfg = RegenerateConfig(**{"max_new_tokens": NEW, "batch_size": 2, "shard_size": 2, **kw})
-    report = regenerate_conversations(_conversations(), str(folder), target, cfg, max_length=max_length,
-                                      inputs_hash="h", drafter=drafter, progress=False)
+    report = regenerate_conversations(_conversations(users), str(folder), target, cfg, max_length=max_length,
+                                      drafter=drafter, progress=False, restart=restart)
     return report, list(regenerated_records(str(folder)))
 
 
@@ -108,6 +109,58 @@ def test_a_conversation_ends_where_the_next_prompt_no_longer_fits(tmp_path, targ
     assert [r["messages"] for r in one] == [r["messages"][:2] for r in plain[1]]
     report, _ = _run(tmp_path / "none", target, max_length=20)  # even the first prompt is too long
     assert report.kept == 0 and report.skipped == {"prompt_too_long": 3}
+
+
+def test_settings_that_change_no_record_keep_every_shard_and_more_conversations_extend(tmp_path, target, plain):
+    """k (method=generate), batch and shard sizes leave the finished shards as they are; more
+    conversations add shards after them; a sampling setting would discard them: refused unless restart."""
+    folder = tmp_path / "job"
+    first, _ = _run(folder, target, users=USERS[:2])
+    assert first.note == "starting"
+    shard0 = os.path.getmtime(folder / "shard-00000.jsonl")
+    for change in ({"k": 5}, {"batch_size": 1}, {"shard_size": 3}):
+        report, records = _run(folder, target, users=USERS[:2], **change)
+        assert report.note == "up to date (reused)" and records == plain[1][:2], change
+    report, records = _run(folder, target, shard_size=3)
+    assert report.note == "resuming: 1 finished shard(s) kept" and records == plain[1]
+    assert os.path.getmtime(folder / "shard-00000.jsonl") == shard0
+    with pytest.raises(DraftsmithError, match=r"data.regenerate.temperature: 0.0 then, 1.0 now; going on would discard "
+                                              r"2 finished shard\(s\) \(3 input records\)\. .*--restart"):
+        _run(folder, target, temperature=1.0)
+    assert os.path.getmtime(folder / "shard-00000.jsonl") == shard0  # refused: nothing touched
+    report, _ = _run(folder, target, temperature=1.0, restart=True)
+    assert report.note.startswith("--restart: 2 finished shard(s) discarded (data.regenerate.temperature")
+
+
+def test_prepare_stops_on_a_change_that_discards_work_and_goes_on_with_restart(tmp_path, tiny_target_dir, capsys):
+    """The CLI: data.max_conversations 2 → 3 extends, data.regenerate.k=5 reuses, data.render.max_length
+    would discard the shards: one line, exit 2, until --restart."""
+    from draftsmith.cli import main
+
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": t[0]},
+                                                                   {"role": "assistant", "content": "old"}]}) + "\n"
+                           for i, t in enumerate(USERS)))
+    job = tmp_path / "out" / "regenerate"
+
+    def prepare(*extra: str) -> tuple[int, str]:
+        code = main(["prepare", f"target.name={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
+                     f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", f"data.out_dir={tmp_path / 'out'}",
+                     f"data.regenerate.max_new_tokens={NEW}", "data.regenerate.shard_size=1", f"run_dir={tmp_path / 'run'}",
+                     *extra])
+        err = capsys.readouterr().err
+        return code, json.loads((tmp_path / "out" / "summary.json").read_text())["stages"][1]["note"] if code == 0 else err
+
+    assert prepare("data.max_conversations=2")[1].startswith("starting; 2 turns")
+    shard0 = os.path.getmtime(job / "shard-00000.jsonl")
+    assert prepare("data.max_conversations=3")[1].startswith("resuming: 2 finished shard(s) kept")
+    assert prepare("data.max_conversations=3", "data.regenerate.k=5")[1].startswith("up to date (reused)")
+    code, err = prepare("data.max_conversations=3", "data.render.max_length=300")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("draftsmith: error: ")
+    assert "data.render.max_length: 1024 then, 300 now; going on would discard 3 finished shard(s) (3 input " in err
+    assert os.path.getmtime(job / "shard-00000.jsonl") == shard0
+    code, note = prepare("data.max_conversations=3", "data.render.max_length=300", "--restart")
+    assert code == 0 and note.startswith("--restart: 3 finished shard(s) discarded")
 
 
 @pytest.mark.slow

@@ -102,15 +102,67 @@ def test_truncated_json_array_recovers_every_complete_record(tmp_path):
     assert "truncated" in report.stopped and "record 6" in report.stopped and f"{size:,}" in report.stopped
 
 
-def test_malformed_json_array_stops_and_says_where(tmp_path):
+def test_a_malformed_record_far_from_the_end_costs_only_itself(tmp_path):
     records = [_sg(("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(3)]
     text = json.dumps(records)
-    broken = text.replace('"q2"', 'q2"')  # a bare word mid-file
+    broken = text.replace('"q2"', 'q2')  # a bare word mid-file
     path = tmp_path / "bad.json"
     path.write_text(broken + " " * 100_000)  # the error is far from the end of the file
     convs, stats = _read([SourceConfig(path=str(path))])
-    assert len(convs) == 2
-    assert stats.sources[0].stopped.startswith("malformed JSON after record 2")
+    assert len(convs) == 2 and dict(stats.skipped) == {"invalid_json": 1}
+    assert stats.examples["invalid_json"] == f"{path}: record 3 at byte {broken.index('q2'):,}: Expecting value"
+    assert stats.sources[0].stopped == ""  # not "truncated": the file ends where it should
+
+
+def _records(n: int) -> list[dict]:
+    return [{"id": f"r{i}", **_sg(("human", f"question {i}"), ("gpt", f"answer {i}"))} for i in range(n)]
+
+
+def test_a_missing_comma_or_a_bad_byte_skips_one_record_and_reading_goes_on(tmp_path):
+    """301 records: a missing comma inside record 10 and a byte that breaks record 200 each cost that
+    record (counted, with its byte offset); a missing comma between two records and an invalid UTF-8
+    byte inside a text cost nothing (the text keeps U+FFFD, as in JSONL)."""
+    text = json.dumps(_records(301), indent=1).encode()
+    text = text.replace(b'"r10",', b'"r10"')  # inside record 10
+    text = text.replace(b'"r200",', b'"r200"\x01')  # a control byte where the comma was
+    text = text.replace(b'answer 50', b'answer \xff50')  # inside a string
+    end_of_100 = text.index(b'"id": "r101"')
+    text = text[:end_of_100] + text[end_of_100:].replace(b"},\n {", b"}\n {", 1)  # between records 101 and 102
+    path = tmp_path / "sharegpt-like.json"
+    path.write_bytes(text)
+    convs, stats = _read([SourceConfig(path=str(path))])
+    assert stats.records_in == 301 and stats.kept == 299 and dict(stats.skipped) == {"invalid_json": 2}
+    assert [c["conv_id"] for c in convs] == [f"r{i}" for i in range(301) if i not in (10, 200)]
+    at = text.index(b'"r10"') + len(b'"r10"\n  ')
+    assert stats.examples["invalid_json"] == f"{path}: record 11 at byte {at:,}: Expecting ',' delimiter"
+    assert convs[49]["messages"][1]["content"] == "answer \ufffd50"
+    assert stats.sources[0].stopped == ""
+
+
+def test_a_stray_quote_costs_its_record_and_a_file_that_stops_early_is_an_error_unless_cut_off(tmp_path):
+    text = json.dumps(_records(20))
+    path = tmp_path / "bad.json"
+    bad = text.replace('"question 5"', '"question" 5"')  # a stray quote: where the next records begin is hidden
+    path.write_text(bad)
+    convs, stats = _read([SourceConfig(path=str(path))])  # reading resumes where record 7 begins
+    assert [c["conv_id"] for c in convs] == [f"r{i}" for i in range(20) if i != 5] and stats.sources[0].stopped == ""
+    assert stats.examples["invalid_json"] == f"{path}: record 6 at byte {bad.index(' 5') + 1:,}: Expecting ',' delimiter"
+    path.write_text(text.replace('"question 19"', '"question" 19"'))  # in the last record: nothing to resume at
+    with pytest.raises(DraftsmithError, match=r"malformed JSON at byte [\d,]+ of [\d,]+ \(Expecting .*\) in record 20, "
+                                              r"after which no record begins as the first one did; fix the file"):
+        _read([SourceConfig(path=str(path))])
+    path.write_text(text + "\n[]")
+    with pytest.raises(DraftsmithError, match=f"the JSON array ends at byte {len(text):,} of {len(text) + 3:,} and more "
+                                              f"data follows; 20 records were read"):
+        _read([SourceConfig(path=str(path))])
+    path.write_text(text[:-1] + ",")  # every record complete, no closing bracket
+    convs, stats = _read([SourceConfig(path=str(path))])
+    assert len(convs) == 20 and stats.sources[0].stopped.startswith("file is truncated: it ends before the array's")
+    for cut in ('"question 7', '"question 7"', 'tr', '12'):  # inside a string, after one, in a literal, a number
+        path.write_text(text[: text.index('"r7"') + 4] + ', "x": ' + cut if cut in ("tr", "12") else
+                        text[: text.index(cut) + len(cut)])
+        convs, stats = _read([SourceConfig(path=str(path))])
+        assert len(convs) == 7 and stats.sources[0].stopped.startswith("file is truncated: it ends inside record 8"), cut
 
 
 def test_sharegpt_package_file_is_truncated_and_recovered():

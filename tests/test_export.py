@@ -249,7 +249,7 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, s
     _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "does not record the drafter")
     (incomplete / "trainer_state.json").write_text(json.dumps({"step": 3, "zero_stage": 3, "identity": {
         "drafter": {"type": "eagle3"}, "target": "x"}}))
-    _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "incomplete")
+    _refused(["export", str(incomplete), "--to", "eagle3", "--out", str(out)], out, capsys, "has no checksums.json")
     other = tmp_path / "other_target"
     tiny_llama(layers=4, seed=7).save_pretrained(other)
     smollm2_tokenizer.save_pretrained(other)
@@ -260,6 +260,23 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, s
     _refused(["export", sources["eagle3"], "--to", "eagle3", "--out", str(out)], out, capsys, "--force")
     assert main(["export", sources["eagle3"], "--to", "eagle3", "--out", str(out), "--force"]) == 0
     assert "keep" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+
+
+def test_an_out_that_is_holds_or_lies_inside_the_source_is_refused_even_with_force(tmp_path, sources, capsys):
+    """--force replaces --out as a whole: on the source itself, a folder above it (here through a
+    link) or one inside it, that would delete the drafter being exported."""
+    source = tmp_path / "run" / "drafter"
+    shutil.copytree(sources["eagle3"], source)
+    files = sorted(os.listdir(source))
+    os.symlink(tmp_path / "run", tmp_path / "link")
+    for out, where in ((source, "is the source folder"), (tmp_path / "link", "holds the source folder"),
+                       (tmp_path, "holds the source folder"), (source / "export", "lies inside the source folder")):
+        assert main(["export", str(source), "--to", "eagle3", "--out", str(out), "--force"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"draftsmith: error: --out '{out}' {where} '{source}': the export replaces --out as a whole and "
+                       f"would destroy its own source; choose a folder outside it")
+        assert sorted(os.listdir(source)) == files
+    assert main(["export", str(source), "--to", "eagle3", "--out", str(tmp_path / "run" / "eagle3"), "--force"]) == 0
 
 
 # ---------------------------------------------------------------- straight from a ZeRO-3 checkpoint
@@ -289,7 +306,7 @@ def test_export_from_a_checkpoint_equals_export_from_the_saved_drafter(tmp_path,
     summary = run_training(recipe)
     ckpt = run / "checkpoints" / "step_00000002"
     if engine == "zero3":
-        states = torch.load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+        states = torch.load(ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=True)
         assert states["module"]["drafter.fc.weight"].numel() == 0  # partitioned: the module file holds no weights
     export(str(ckpt), "eagle3", str(tmp_path / "from_ckpt"))
     export(summary["drafter"], "eagle3", str(tmp_path / "from_drafter"))

@@ -9,6 +9,14 @@ renames), so a kill at any moment leaves the previous checkpoint intact and
 ``latest`` never names a half-written one. The folder must be on storage every rank
 sees (a shared filesystem on multi-node runs).
 
+Loading never executes code. Before the rename, rank 0 lists every file of the folder with
+its sha256 in ``checksums.json``; resume and export refuse a folder whose files are not all
+listed with matching checksums (a flipped byte, a truncated file, a file someone added) before
+anything is unpickled. Every unpickling is then weights-only, DeepSpeed's own included
+(:func:`distributed.weights_only_loads`), so even a folder whose manifest was forged to match
+cannot run code: the manifest guards the integrity of the state, the weights-only unpickler
+its safety.
+
 Preemption: while a recipe runs (:func:`stop_on_signals`), SIGTERM or SIGUSR1 — what
 schedulers send before they take the machines back (SLURM: ``--signal=USR1@120`` or
 ``scancel``; Kubernetes: SIGTERM then SIGKILL after the grace period) — does not kill
@@ -19,6 +27,7 @@ resumes from it. A second signal kills at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -38,6 +47,8 @@ from . import distributed
 from .distributed import World
 
 CHECKPOINTS = "checkpoints"
+CHECKSUMS = "checksums.json"
+"""In each checkpoint folder: ``{"sha256": {relative path: hex digest}}`` of every other file."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received: list[int] = []
 """Stop signals received while :func:`stop_on_signals` is active (this process only)."""
@@ -107,6 +118,7 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
     distributed.barrier()
     if world.is_main:
         write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
+        write_checksums(os.path.join(root, tmp_tag))
         final = os.path.join(root, tag)
         if os.path.isdir(final):
             shutil.rmtree(final)
@@ -127,6 +139,7 @@ def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, An
     state_file = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_file):
         raise DraftsmithError(f"'{path}' is not a draftsmith checkpoint (no trainer_state.json)")
+    verify_checksums(path)
     with open(state_file, encoding="utf-8") as f:
         state = json.load(f)
     check_layout(state, distributed.zero_stage(engine), world.world_size, path)
@@ -134,7 +147,7 @@ def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, An
     distributed.load_engine(engine, os.path.dirname(path), os.path.basename(path))
     rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
     if state.get("world_size") == world.world_size and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_tensors(rng_file))
     else:
         # another number of processes: the data order maps over, per-rank random streams cannot
         seed_everything(int(state.get("seed", 0)) + 1000 * int(state["step"]) + world.rank)
@@ -173,18 +186,78 @@ def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     """
     path = os.path.abspath(path)
     state = read_trainer_state(path)
+    verify_checksums(path)
     stage = int(state["zero_stage"])
     if stage == 0:
         file = os.path.join(path, "mp_rank_00_model_states.pt")
         if not os.path.isfile(file):
             raise DraftsmithError(f"checkpoint '{path}' is incomplete: it has no {os.path.basename(file)}")
-        module = torch.load(file, map_location="cpu", weights_only=False)["module"]
+        module = load_tensors(file)["module"]
     else:
         module = distributed.consolidated_weights(os.path.dirname(path), os.path.basename(path))
     weights = {k[len(ENGINE_MODULE_PREFIX):]: v for k, v in module.items() if k.startswith(ENGINE_MODULE_PREFIX)}
     if not weights:
         raise DraftsmithError(f"checkpoint '{path}' holds no drafter weights (no '{ENGINE_MODULE_PREFIX}*' tensors)")
     return state, weights
+
+
+def write_checksums(folder: str) -> None:
+    """Write ``folder/checksums.json``: the sha256 of every file below ``folder`` (atomically, last)."""
+    write_json(os.path.join(folder, CHECKSUMS), {"sha256": {name: _sha256(os.path.join(folder, name))
+                                                           for name in _files(folder)}})
+
+
+def verify_checksums(path: str) -> None:
+    """Refuse, in one line, a checkpoint folder whose files are not exactly those its ``checksums.json``
+    lists with the same sha256 — before any of them is read. Every rank checks the whole folder."""
+    manifest = os.path.join(path, CHECKSUMS)
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            listed = json.load(f)
+    except FileNotFoundError:
+        raise DraftsmithError(f"checkpoint '{path}' has no {CHECKSUMS} (the sha256 of each file, which draftsmith train "
+                              f"writes with every checkpoint): refused, its files cannot be told from files someone "
+                              f"else put there; resume or export only checkpoints this draftsmith wrote") from None
+    except (OSError, ValueError):
+        listed = None
+    listed = listed.get("sha256") if isinstance(listed, dict) else None
+    if not isinstance(listed, dict):
+        raise DraftsmithError(f"checkpoint '{path}': {CHECKSUMS} is unreadable or not a checksum list; the checkpoint "
+                              f"is damaged")
+    present = _files(path)
+    for name in present:
+        if name not in listed:
+            raise DraftsmithError(f"checkpoint '{path}' holds {name}, which its {CHECKSUMS} does not list: refused, "
+                                  f"draftsmith did not write it; remove it to use this checkpoint")
+        if _sha256(os.path.join(path, name)) != listed[name]:
+            raise DraftsmithError(f"checkpoint '{path}': {name} does not match its sha256 in {CHECKSUMS}, it changed "
+                                  f"after draftsmith saved it: refused; resume from another checkpoint (point "
+                                  f"{os.path.join(os.path.dirname(path), 'latest')} at it) or start a new run_dir")
+    missing = sorted(set(listed) - set(present))
+    if missing:
+        raise DraftsmithError(f"checkpoint '{path}' lacks {', '.join(missing[:3])}, listed in its {CHECKSUMS}: it is "
+                              f"incomplete")
+
+
+def _files(folder: str) -> list[str]:
+    """Every file below ``folder`` but the manifest, as sorted paths relative to it."""
+    out = [os.path.relpath(os.path.join(d, name), folder) for d, _, names in os.walk(folder) for name in names]
+    return sorted(name for name in out if name != CHECKSUMS)
+
+
+def _sha256(file: str) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def load_tensors(file: str) -> Any:
+    """``torch.load(weights_only=True)`` on CPU: tensors and plain containers, nothing that could run code."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise distributed.unsafe_checkpoint(os.path.dirname(file), e) from e
 
 
 def check_layout(state: dict[str, Any], stage: int, world_size: int, path: str) -> None:
@@ -227,7 +300,11 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]
 
 
 def rng_state() -> dict[str, Any]:
-    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every random stream of this process, as tensors and plain values (``torch.load(weights_only=True)``
+    reads it back: numpy's key array travels as an int64 tensor, not a pickled ndarray)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -235,7 +312,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -355,14 +355,16 @@ def consolidated_weights(root: str, tag: str) -> dict[str, torch.Tensor]:
     """The whole fp32 weights of the ZeRO-1/2/3 checkpoint ``root/tag``, gathered from every rank's
     partition files on one CPU process (no process group), named as the engine's module names them.
 
-    DeepSpeed's own ``zero_to_fp32`` reader does the gathering; buffers come back as saved.
+    DeepSpeed's own ``zero_to_fp32`` reader does the gathering, under :func:`weights_only_loads`;
+    buffers come back as saved.
     """
     import io
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                weights_only_loads(os.path.join(root, tag)):  # progress lines
             return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' is incomplete or not a DeepSpeed ZeRO "
@@ -370,11 +372,57 @@ def consolidated_weights(root: str, tag: str) -> dict[str, torch.Tensor]:
 
 
 def load_engine(engine: Any, root: str, tag: str) -> None:
-    """Restore model, optimizer and scheduler state from ``root/tag``."""
-    path, _ = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    """Restore model, optimizer and scheduler state from ``root/tag`` (under :func:`weights_only_loads`)."""
+    with weights_only_loads(os.path.join(root, tag)):
+        path, _ = engine.load_checkpoint(root, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise DraftsmithError(f"checkpoint '{os.path.join(root, tag)}' could not be loaded by DeepSpeed; "
                               f"is it complete, and made with the same ZeRO stage and number of processes?")
+
+
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_FORCE_PICKLE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+@contextlib.contextmanager
+def weights_only_loads(path: str) -> Iterator[None]:
+    """Every ``torch.load`` in the block — DeepSpeed's too — unpickles nothing that could run code.
+
+    DeepSpeed's loaders call ``torch.load(..., weights_only=False)``; torch's
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` (read at each call) overrides that, so they read tensors and
+    plain containers, plus the few DeepSpeed types its optimizer state holds (allow-listed here, all
+    plain data: a fragment's address, the ZeRO stage, the loss scaler). Anything else in a file of
+    ``path`` is refused with a one-line :class:`DraftsmithError`, before it is built.
+    """
+    import pickle
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    saved = {key: os.environ.pop(key, None) for key in (_FORCE_WEIGHTS_ONLY, _FORCE_PICKLE)}
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals([fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]):
+            yield
+    except pickle.UnpicklingError as e:
+        raise unsafe_checkpoint(path, e) from e
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def unsafe_checkpoint(path: str, error: Exception) -> DraftsmithError:
+    """The one-line refusal of a checkpoint file that ``torch.load(weights_only=True)`` would not read."""
+    import re
+
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return DraftsmithError(f"checkpoint '{path}' holds objects other than tensors and plain data, which loading could "
+                           f"run as code: refused{f' (it names {found[1]})' if found else ''}. Resume or export only "
+                           f"checkpoints that draftsmith train wrote")
 
 
 def set_peak_lr(engine: Any, lr: float) -> float:
