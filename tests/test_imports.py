@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Iterator
 
 import draftsmith
 
@@ -80,21 +81,21 @@ def file_of(root: str, name: list[str]) -> str:
     return "__init__.py"
 
 
-def file_graph(root: str = ROOT) -> dict[str, set[str]]:
-    """File → the files of the package it imports (relative paths; lazy imports count)."""
-    graph: dict[str, set[str]] = {}
+def package_sources(root: str = ROOT) -> Iterator[tuple[str, str]]:
+    """(path relative to the package root, source) of every module of the package."""
     for rel in package_files(root):
         with open(os.path.join(root, rel), encoding="utf-8") as f:
-            src = f.read()
-        graph[rel] = {file_of(root, t) for t in imported_names(rel, src)} - {rel}
-    return graph
+            yield rel, f.read()
+
+
+def file_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """File → the files of the package it imports (relative paths; lazy imports count)."""
+    return {rel: {file_of(root, t) for t in imported_names(rel, src)} - {rel} for rel, src in package_sources(root)}
 
 
 def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for rel in package_files():
-        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
-            src = f.read()
+    for rel, src in package_sources():
         here = node_of(rel)
         graph.setdefault(here, set()).update(n for n in imported_nodes(rel, src) if n != here)
     return graph
