@@ -189,7 +189,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.overrides)
     with writing(recipe.run_dir):
-        return run_eval_recipe(recipe)
+        code = run_eval_recipe(recipe)
+        if recipe.eval.engine == "llamacpp":  # the same drafter where it is served (export/serve.py)
+            from .export.serve import run_engine_eval
+
+            run_engine_eval(recipe)
+        return code
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -346,8 +351,7 @@ def cmd_drafters(args: argparse.Namespace) -> int:
 
         print(format_rows(parameter_rows()))
         return 0
-    from .drafters.checkpoint import family_summary
-    from .drafters.registry import specs
+    from .drafters.registry import family_summary, specs
 
     for tag, s in specs().items():
         kind = "trainable" if s.trainable else "model-free" if s.model_free else ""

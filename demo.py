@@ -215,6 +215,10 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     t = banner("eval")
     recipe = recipes["eval"]
     run_eval_recipe(recipe)
+    if recipe.eval.engine == "llamacpp":  # the same drafter served in llama.cpp, written into eval_metrics.json
+        from .export.serve import run_engine_eval
+
+        run_engine_eval(recipe)
     times["eval"] = time.perf_counter() - t
     m = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
     speed, ident = m["speed"], m["identity"]

@@ -7,6 +7,9 @@ Rules every config class follows (torchtune/litgpt style):
 * ``Literal[...]`` fields list their valid choices in the error;
 * a field typed as a union of dataclasses is *tagged*: each member has a
   ``type: Literal["name"]`` field and the YAML's ``type:`` key picks the member;
+* a union defined *above* the class that holds it (a drafter family whose own fields are drafter
+  sections, while the registry that builds the union of all families lists that family) is named:
+  the field is ``Section["name"]`` and the module that builds the union calls :func:`define_section`;
 * components (modules, losses, the decoder) receive plain values, never a config object.
 """
 
@@ -18,7 +21,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
@@ -26,6 +29,53 @@ from .errors import ConfigError
 from .files import write_text
 
 T = TypeVar("T")
+_SECTIONS: dict[str, Any] = {}
+
+
+class Section:
+    """A section type named where it is used and defined by the module that builds it.
+
+    ``field: Section["model_drafter"]`` is ``Annotated[Any, Section("model_drafter")]``: type checkers
+    see ``Any``; :func:`from_dict` parses the value as the type :func:`define_section` gave the name.
+    For a type that lies above the class holding it, so that the holder's file need not import the
+    builder's (no import circle, no module global patched from outside).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __class_getitem__(cls, name: str) -> Any:
+        return Annotated[Any, cls(name)]
+
+    def __repr__(self) -> str:
+        return f"Section[{self.name!r}]"
+
+
+def define_section(name: str, tp: Any) -> None:
+    """Give the named section type ``name`` its type (a tagged union of config dataclasses)."""
+    _SECTIONS[name] = tp
+
+
+def section(name: str) -> Any:
+    """The type defined for the named section ``name`` (TypeError when no module defined it)."""
+    if name not in _SECTIONS:
+        raise TypeError(f"section type {name!r} is not defined; import the module that defines it "
+                        f"(the drafter sections: draftsmith.drafters)")
+    return _SECTIONS[name]
+
+
+def choices(tp: Any) -> dict[str, type]:
+    """The members of a tagged union (or of a named section) by their ``type`` tag."""
+    if isinstance(tp, str):
+        tp = section(tp)
+    tags = {}
+    for m in get_args(tp) or (tp,):
+        tag_tp = typing.get_type_hints(m).get("type")
+        if get_origin(tag_tp) is not Literal:
+            raise TypeError(f"{m.__name__} in a tagged union needs a `type: Literal[...]` field")
+        for tag in get_args(tag_tp):
+            tags[tag] = m
+    return tags
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> T:
@@ -33,7 +83,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> 
     data = {} if data is None else data
     if not isinstance(data, Mapping):
         raise ConfigError(f"'{where or cls.__name__}' must be a mapping of keys to values, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
@@ -150,6 +200,10 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *extras = get_args(tp)
+        named = [e for e in extras if isinstance(e, Section)]
+        return _coerce(section(named[0].name) if named else base, value, where)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
@@ -220,13 +274,7 @@ def _yaml11_float(text: str) -> float | str:
 
 
 def _coerce_tagged(members: tuple[type, ...], value: Any, where: str) -> Any:
-    tags = {}
-    for m in members:
-        tag_tp = typing.get_type_hints(m).get("type")
-        if get_origin(tag_tp) is not Literal:
-            raise TypeError(f"{m.__name__} in a tagged union needs a `type: Literal[...]` field")
-        for tag in get_args(tag_tp):
-            tags[tag] = m
+    tags = choices(Union[members])
     if not isinstance(value, Mapping) or "type" not in value:
         raise ConfigError(f"'{where}' needs a 'type' key; choose one of: {', '.join(tags)}")
     tag = value["type"]

@@ -18,6 +18,10 @@ Feature layers: ``Target.forward(..., feature_layers=(2, 15, 27))`` returns, in 
 same forward as the logits, the *output of decoder layer i* (0-based, before the
 final norm; negative ids count from the end) for each requested layer, concatenated
 on the last axis. EAGLE-style drafters name the layers they need.
+
+Conventions written once here, below every user (data/, drafters/, decode/, export/): a layer id's
+range and negative ids (:func:`resolve_layer`), EAGLE-3's default low/mid/high layers
+(:func:`default_eagle3_layers`), and the end-of-sequence set (:func:`end_of_sequence_ids`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import Tensor
 
 from .chat import apply_option, check_option, render_prompt, template_record
 from .devices import cache_dir, detect_device, resolve_dtype
-from .errors import DraftsmithError
+from .errors import ConfigError, DraftsmithError
 from .files import atomic_dir
 from .kernels import cpu_linear
 
@@ -75,6 +79,39 @@ class TargetOutput:
     """[B, S', V] where S' = S, or logits_to_keep when given."""
     features: Tensor | None
     """[B, S, len(feature_layers) * H], or None when no layers were asked for."""
+
+
+def resolve_layer(layer: int, num_layers: int, field: str) -> int:
+    """A feature layer id (negative counts from the end: -1 is the last layer) → 0-based index, or a
+    ConfigError naming ``field`` (the config key, or what asked for the layer)."""
+    idx = layer + num_layers if layer < 0 else layer
+    if not 0 <= idx < num_layers:
+        raise ConfigError(
+            f"{field} = {layer} is out of range: the target has {num_layers} layers (valid ids 0 … {num_layers - 1}, "
+            f"or -{num_layers} … -1 from the end)"
+        )
+    return idx
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high feature layers in our ids (id i = output of decoder layer i, 0-based).
+
+    EAGLE-3 and SGLang capture the *inputs* of layers 2, N//2 and N-3; SpecForge's HF backend
+    hooks the *outputs* of layers 1, N//2-1, N-4 — the same tensors, which are ours.
+    SmolLM2-135M (30 layers): (1, 14, 26); Llama-3.1-8B (32 layers): (1, 15, 28).
+    """
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def end_of_sequence_ids(*sources: Any) -> set[int]:
+    """The end-of-sequence set: every ``eos_token_id`` (one id or a list, Llama-3's end-of-turn ids) of
+    ``sources`` — a generation config, a tokenizer; a source that is None or has none adds nothing."""
+    ids: set[int] = set()
+    for src in sources:
+        eos = getattr(src, "eos_token_id", None)
+        if eos is not None:
+            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ids
 
 
 class Target:
@@ -124,22 +161,12 @@ class Target:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), self.tokenizer):
-            eos = getattr(src, "eos_token_id", None)
-            if eos is None:
-                continue
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-        return ids
+        """The generation config's and the tokenizer's end-of-sequence ids (:func:`end_of_sequence_ids`)."""
+        return end_of_sequence_ids(getattr(self.model, "generation_config", None), self.tokenizer)
 
     def layer_index(self, layer: int) -> int:
-        """Resolve a possibly negative layer id; raise if out of range."""
-        idx = layer + self.num_layers if layer < 0 else layer
-        if not 0 <= idx < self.num_layers:
-            raise DraftsmithError(
-                f"feature layer {layer} is out of range for target '{self.name}' with {self.num_layers} layers"
-            )
-        return idx
+        """Resolve a possibly negative layer id (:func:`resolve_layer`); a ConfigError if out of range."""
+        return resolve_layer(layer, self.num_layers, f"target '{self.name}': feature layer")
 
     # ---- compute
     def new_cache(self) -> Any:

@@ -86,11 +86,11 @@ def cmd_mfu(out: str, batch: int = 16, seq: int = 1024, iters: int = 20) -> int:
     """Time the frozen target's bf16 forward (EAGLE-3's three feature layers captured, as in online training)."""
     import torch
 
-    from draftsmith.drafters.eagle3 import default_feature_layers
+    from draftsmith.target import default_eagle3_layers
     from draftsmith.target import load_target
 
     target = load_target("smollm2-135m-instruct", dtype="bfloat16", device="cuda")
-    layers = default_feature_layers(target.num_layers)
+    layers = default_eagle3_layers(target.num_layers)
     ids = torch.randint(0, target.vocab_size, (batch, seq), device="cuda")
     with torch.inference_mode():
         for _ in range(3):

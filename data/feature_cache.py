@@ -42,17 +42,18 @@ from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
 from ..errors import DraftsmithError
-from ..target import Target
+from ..target import Target, default_eagle3_layers
 from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_digest, sha256_file
 
 FORMAT = "draftsmith-feature-cache/1"
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high layers and the last layer (output of decoder layer i, 0-based)."""
+    """EAGLE-3's low/mid/high layers (:func:`~draftsmith.target.default_eagle3_layers`) and the last layer
+    (output of decoder layer i, 0-based); a target under 5 layers, where those collide: 0, N//2 and N-1."""
     if num_layers < 5:
         return sorted({0, num_layers // 2, num_layers - 1})
-    return [1, num_layers // 2 - 1, num_layers - 4, num_layers - 1]
+    return [*default_eagle3_layers(num_layers), num_layers - 1]
 
 
 def write_feature_cache(

@@ -65,7 +65,7 @@ from ..engines.openai_client import CompletionsClient, RequestFailed, ServedAnsw
 from ..errors import DraftsmithError
 from ..target import Target
 from .config import RegenerateConfig
-from .regenerate import Conversation, answer_text, finish_shard, new_stats
+from .turns import Conversation, answer_text, finish_shard, new_stats
 
 PROBE = [
     {"role": "system", "content": "Tokenizer probe. naïve café, Ünïcödé — “quotes”, 東京 and 서울, 🚀🙂"},

@@ -124,17 +124,17 @@ def render_batch(
 
 
 def stop_token_ids(tokenizer: Any, folder: str | None = None) -> list[int]:
-    """End-of-turn ids: the tokenizer's EOS plus the generation config's (Llama-3 style eot ids)."""
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    """End-of-turn ids: the tokenizer's EOS plus the generation config's in ``folder`` (Llama-3 style eot
+    ids) — the target's end-of-sequence set (:func:`~draftsmith.target.end_of_sequence_ids`), read
+    without loading the model."""
+    from ..target import end_of_sequence_ids  # here: rendering alone needs no torch
+
+    generation = None
     if folder:
         try:
             from transformers import GenerationConfig
 
-            eos = GenerationConfig.from_pretrained(folder).eos_token_id
+            generation = GenerationConfig.from_pretrained(folder)
         except (OSError, ValueError):
-            eos = None
-        if eos is not None:
-            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return sorted(ids)
+            pass  # no generation config there: the tokenizer's EOS alone
+    return sorted(end_of_sequence_ids(tokenizer, generation))

@@ -13,6 +13,8 @@ fewer than N distinct tokens occur, the rest is filled with the lowest unseen id
 size is always N. ``coverage`` is the fraction of loss-masked tokens of the data that
 the draft vocabulary contains (the ceiling on what a drafter with it can accept there).
 Saved as safetensors (``d2t``, ``t2d``) with coverage and sizes in the metadata.
+:func:`check_draft_vocab` is the one check of a pair against this convention (EAGLE-3 heads built
+from a file or a pair, and every export that writes one).
 """
 
 from __future__ import annotations
@@ -29,6 +31,32 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 from ..files import atomic_path
+
+
+def check_draft_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int, where: str,
+                      error: type[DraftsmithError] = DraftsmithError) -> None:
+    """Refuse a (d2t, t2d) pair that breaks the convention above, which an engine (or a head) would misread:
+    d2t not 1-D int64 offsets, t2d not a bool mask over the ``target_vocab`` target ids, no draft token,
+    draft ids mapped outside the target vocabulary or two onto one target id, or a t2d that does not mark
+    exactly the target ids d2t maps to. ``where`` names the file, folder or config key in the message;
+    ``error``: the class raised (ConfigError for a recipe's ``drafter.draft_vocab``)."""
+    if d2t.dtype != torch.int64 or d2t.dim() != 1:
+        raise error(f"{where}: d2t must be a 1-D int64 tensor of offsets, got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.dim() != 1:
+        raise error(f"{where}: t2d must be a 1-D bool mask over the target ids, got {t2d.dtype} {tuple(t2d.shape)}")
+    if t2d.shape[0] != target_vocab:
+        raise error(f"{where}: t2d covers {t2d.shape[0]} tokens but the target's vocabulary has {target_vocab}")
+    vd = d2t.shape[0]
+    if vd == 0:
+        raise error(f"{where}: d2t is empty; a draft vocabulary holds at least one token")
+    ids = torch.arange(vd) + d2t.cpu()
+    if int(ids.min()) < 0 or int(ids.max()) >= target_vocab:
+        raise error(f"{where}: d2t maps draft ids outside the target vocabulary 0 … {target_vocab - 1}")
+    if ids.unique().numel() != vd:
+        raise error(f"{where}: d2t maps two draft ids onto the same target id")
+    mask = t2d.cpu()
+    if int(mask.sum()) != vd or not bool(mask[ids].all()):
+        raise error(f"{where}: t2d does not mark exactly the {vd} target ids that d2t maps to")
 
 
 @dataclass

@@ -9,7 +9,7 @@ add a family by writing its file and that line (the contract is ``registry.Famil
 
 from __future__ import annotations
 
-from .checkpoint import SavedDrafterConfig, families, load, save
+from .checkpoint import SavedDrafterConfig, load, save
 from .draft_lm import DraftLMConfig, DraftLMDrafter
 from .eagle1 import Eagle1Config, Eagle1Head
 from .eagle3 import Eagle3Config, Eagle3Head
@@ -18,7 +18,7 @@ from .layer_skip import LayerSkipConfig
 from .hybrid import HybridConfig
 from .medusa import MedusaConfig, MedusaHeads
 from .prompt_lookup import PromptLookupConfig
-from .registry import DrafterConfig, FamilySpec, spec, specs
+from .registry import DrafterConfig, FamilySpec, families, spec, specs
 from .suffix import SuffixConfig
 
 __all__ = [

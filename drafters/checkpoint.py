@@ -15,10 +15,11 @@ A drafter folder holds
 The folder is written atomically (``files.atomic_dir``): a reader never sees half of it.
 ``load`` refuses a folder made for another target (fingerprint) with a message saying so.
 
-Registry: the families are the specs of ``drafters/registry.py``; :func:`families` maps each
-``type`` tag to its config class. Trainable families (a spec with a ``recipe``) follow
-``registry.TrainableConfig``: ``build_module(target)``, ``runtime(module, target)``,
-``module_for_checkpoint(target, meta)``, ``checkpoint_meta(module)`` and ``target_parts``.
+Families: a folder holds one of the trainable families of ``drafters/registry.py`` (a spec with a
+``recipe``), which follow ``registry.TrainableConfig``: ``build_module(target)``, ``runtime(module,
+target)``, ``module_for_checkpoint(target, meta)``, ``checkpoint_meta(module)`` and
+``target_parts``. This file reads them as the named section ``trainable_drafter`` that the registry
+defines (the registry lists :class:`SavedDrafterConfig`, so this file does not import it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from ..chat import template_mismatch
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_dir
-from ..schema import from_dict, to_dict
+from ..schema import choices, from_dict, to_dict
 from ..target import Target, describe
 
 FORMAT = "draftsmith-drafter"
@@ -43,47 +44,45 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def families() -> dict[str, type]:
-    """``type`` tag → config class, for every family spec in ``drafters/registry.py``."""
-    from .registry import specs
+def save(path: str, config: Any, module: torch.nn.Module | None = None, target: Target | None = None,
+         state_dict: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> None:
+    """Write what was trained to the folder ``path``: ``module``, built by the trainable family config
+    ``config`` for ``target`` (no runtime is rebuilt, no file is read again).
 
-    return {name: s.config for name, s in specs().items()}
+    state_dict: the full state dict to store instead of ``module.state_dict()`` — for ZeRO-3, where
+    rank 0 gathers it (same names as the module's). extra: more JSON-able entries for ``config.json``
+    (e.g. training's ``selection`` of ``drafter-best``), read back by :func:`read_meta` and ignored by
+    :func:`load`. What ``config.json`` records of the family is what its runtime around ``module``
+    runs with (``config.runtime(module, target)``, which only wraps it): EAGLE-3's resolved layers and
+    the size of the vocabulary the head holds, and the target layers the drafter reads.
 
-
-def family_summary(cls: type) -> str:
-    """One line about a family: its config class's docstring, else its module's first line."""
-    import sys
-
-    doc = cls.__doc__ or ""
-    if doc.startswith(cls.__name__ + "("):  # the signature dataclasses put there
-        doc = sys.modules[cls.__module__].__doc__ or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
-
-
-def trainable_families() -> dict[str, type]:
-    """Families whose weights ``save`` can write (their spec names a training recipe)."""
-    from .registry import specs
-
-    return {name: s.config for name, s in specs().items() if s.trainable}
-
-
-def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = None,
-         extra: dict[str, Any] | None = None) -> None:
-    """Write ``drafter`` (a runtime drafter built by a trainable family) to the folder ``path``.
-
-    state_dict: the full state dict to store instead of ``drafter.module.state_dict()`` —
-    for ZeRO-3, where rank 0 gathers it (same names as the module's). extra: more JSON-able
-    entries for ``config.json`` (e.g. training's ``selection`` of ``drafter-best``), read back by
-    :func:`read_meta` and ignored by :func:`load`.
+    The older form ``save(drafter, path)`` — a runtime drafter of a trainable family, whose ``config``,
+    ``module``, ``target_info`` and ``feature_layers`` are written — still works.
     """
-    config = getattr(drafter, "config", None)
-    module = getattr(drafter, "module", None)
-    if config is None or module is None or getattr(config, "type", None) not in trainable_families():
-        kind = getattr(config, "type", type(drafter).__name__)
+    if not isinstance(path, (str, os.PathLike)):  # the older form: save(drafter, path, state_dict=…, extra=…)
+        drafter, path = path, config
+        config = getattr(drafter, "config", None)
+        _check_trainable(config, type(drafter).__name__)
+        _write(path, config, drafter.module, drafter.target_info, drafter.feature_layers, state_dict, extra)
+        return
+    _check_trainable(config, type(config).__name__)
+    if module is None or target is None:
+        raise TypeError("save(path, config, module, target) needs the trained module and its target")
+    drafter = config.runtime(module, target)
+    _write(path, drafter.config, module, describe(target), drafter.feature_layers, state_dict, extra)
+
+
+def _check_trainable(config: Any, kind: str) -> None:
+    trainable = choices("trainable_drafter")
+    if config is None or not isinstance(config, tuple(trainable.values())):
         raise DraftsmithError(
-            f"drafter '{kind}' has no trained weights of its own to save; save works for "
-            f"{', '.join(trainable_families())}"
+            f"drafter '{getattr(config, 'type', kind)}' has no trained weights of its own to save; save works for "
+            f"{', '.join(trainable)}"
         )
+
+
+def _write(path: str, config: Any, module: torch.nn.Module, target_info: dict[str, Any], feature_layers: Any,
+           state_dict: dict[str, torch.Tensor] | None, extra: dict[str, Any] | None) -> None:
     state = module.state_dict() if state_dict is None else state_dict
     tensors, tied = _unique_tensors(state, config.target_parts)
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()})
@@ -91,8 +90,8 @@ def save(drafter: Any, path: str, state_dict: dict[str, torch.Tensor] | None = N
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "drafter": to_dict(config),
-        "target": drafter.target_info,
-        "feature_layers": list(drafter.feature_layers),
+        "target": target_info,
+        "feature_layers": list(feature_layers),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "target_parts": list(config.target_parts),
         "tied": tied,
@@ -162,7 +161,7 @@ def load(path: str, target: Target) -> Any:
         print(f"draftsmith: warning: {mismatch}", file=sys.stderr)
     section = meta.get("drafter", {})
     kind = section.get("type")
-    fams = trainable_families()
+    fams = choices("trainable_drafter")
     if kind not in fams:
         raise DraftsmithError(f"drafter '{path}' has type {kind!r}; this draftsmith loads {', '.join(fams)}")
     config = from_dict(fams[kind], section, where="drafter")

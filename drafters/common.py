@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import ConfigError, DraftsmithError
+from ..errors import DraftsmithError
 from ..kernels import cpu_linear
+from ..target import resolve_layer  # noqa: F401  (the layer-id convention lives in target.py; families import it here)
 
 
 def text_config(arch: Any) -> Any:
@@ -217,17 +218,6 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
-
-
-def resolve_layer(layer: int, num_layers: int, field: str) -> int:
-    """A feature layer id (negative counts from the end) → 0-based index, or a ConfigError naming ``field``."""
-    idx = layer + num_layers if layer < 0 else layer
-    if not 0 <= idx < num_layers:
-        raise ConfigError(
-            f"{field} = {layer} is out of range: the target has {num_layers} layers (valid ids 0 … {num_layers - 1}, "
-            f"or -{num_layers} … -1 from the end)"
-        )
-    return idx
 
 
 def count_parameters(module: nn.Module) -> dict[str, int]:

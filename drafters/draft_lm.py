@@ -20,10 +20,11 @@ them for export (a checkpoint keeps them separate, so save → load is bit-exact
 
 Training API (stable)::
 
-    drafter = DraftLMConfig(num_layers=4).build(target)   # DraftLMDrafter (runtime)
-    model = drafter.module                # a HF causal LM (a peft PeftModel with LoRA)
+    config = DraftLMConfig(num_layers=4)
+    model = config.build_module(target)   # a HF causal LM (a peft PeftModel with LoRA)
     logits = model(input_ids=ids, attention_mask=mask).logits   # ids [B,S] → [B,S,V]; row t predicts x_{t+1}
-    drafters.save(drafter, folder)        # config.json + model.safetensors (all weights, LoRA separate)
+    drafters.save(folder, config, model, target)   # config.json + model.safetensors (all weights, LoRA separate)
+    drafter = config.runtime(model, target)        # DraftLMDrafter: the decoder's view of it
 
 At decoding time it is an ordinary HF causal LM driven by ``hf_lm.HFDrafter``.
 """

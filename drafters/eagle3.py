@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, describe
+from ..target import Target, default_eagle3_layers, describe
 from .common import (
     default_positions,
     draft_layer_config,
@@ -77,16 +77,6 @@ from .common import (
     text_config,
 )
 from .eagle_runtime import EagleDrafter
-
-
-def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """The field's low/mid/high layers in our convention (id i = output of decoder layer i, 0-based).
-
-    EAGLE-3 and SGLang capture the *inputs* of layers 2, N//2 and N-3; SpecForge's HF backend
-    hooks the *outputs* of layers 1, N//2-1, N-4 — the same tensors, which are ours.
-    SmolLM2-135M (30 layers): (1, 14, 26); Llama-3.1-8B (32 layers): (1, 15, 28).
-    """
-    return (1, num_layers // 2 - 1, num_layers - 4)
 
 
 @dataclass
@@ -343,24 +333,6 @@ def vocab_tensors(vocab: Any, target: Target | None = None) -> tuple[Tensor, Ten
     raise ConfigError(f"cannot read a draft vocabulary (d2t, t2d) from {type(vocab).__name__}")
 
 
-def check_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int) -> None:
-    """Refuse a draft vocabulary that does not fit the target (ConfigError naming drafter.draft_vocab)."""
-    where = "drafter.draft_vocab"
-    if d2t.dim() != 1 or d2t.dtype.is_floating_point or t2d.dim() != 1:
-        raise ConfigError(f"{where}: d2t must be a 1-D integer tensor and t2d a 1-D mask")
-    if t2d.shape[0] != target_vocab:
-        raise ConfigError(f"{where}: t2d covers {t2d.shape[0]} tokens but the target's vocabulary has {target_vocab}")
-    vd = d2t.shape[0]
-    if not 0 < vd <= target_vocab:
-        raise ConfigError(f"{where}: {vd} draft tokens for a target vocabulary of {target_vocab}")
-    ids = torch.arange(vd) + d2t.long().cpu()
-    mask = t2d.bool().cpu()
-    if ids.min() < 0 or ids.max() >= target_vocab or ids.unique().numel() != vd:
-        raise ConfigError(f"{where}: d2t maps draft ids outside the target vocabulary or onto the same target id")
-    if int(mask.sum()) != vd or not bool(mask[ids].all()):
-        raise ConfigError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
-
-
 # ---------------------------------------------------------------- builder and config
 
 
@@ -423,7 +395,7 @@ class Eagle3Config:
     def resolve_for(self, n: int, vocab_size: int) -> Eagle3Config:
         """:meth:`resolve` from the target's architecture alone (``n`` layers, ``vocab_size`` tokens)."""
         self.validate()
-        given = self.feature_layers or list(default_feature_layers(n))
+        given = self.feature_layers or list(default_eagle3_layers(n))
         layers = [resolve_layer(x, n, f"drafter.feature_layers[{i}]") for i, x in enumerate(given)]
         if len(set(layers)) != 3:
             raise ConfigError(f"drafter.feature_layers = {given} names the same layer twice; give 3 distinct layers")
@@ -463,8 +435,10 @@ class Eagle3Config:
                     f"to the file written by draftsmith prepare (or 0 for the full vocabulary)"
                 )
             return torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
+        from ..data.vocab import check_draft_vocab
+
         d2t, t2d = vocab_tensors(vocab, target)
-        check_vocab(d2t, t2d, v)
+        check_draft_vocab(d2t, t2d, v, "drafter.draft_vocab", ConfigError)
         if self.draft_vocab_size and self.draft_vocab_size != d2t.shape[0]:
             raise ConfigError(
                 f"drafter.draft_vocab_size = {self.draft_vocab_size} but the draft vocabulary has {d2t.shape[0]} tokens"

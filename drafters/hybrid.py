@@ -33,14 +33,14 @@ from ..decode.protocol import Drafter, Proposal
 from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, DynamicTree, TreeShape, chain_tree, with_chain
 from ..errors import ConfigError
+from ..schema import Section, choices
 from ..target import Target
 from .checkpoint import SavedDrafterConfig
 from .model_free import SourceCounts
 from .prompt_lookup import PromptLookupConfig
 
-DrafterConfig: Any = None
-"""The recipe's drafter union, set by ``registry`` (which lists this family too): the two parts'
-sections are drafter sections themselves."""
+PARTS = {"drafter": "model_drafter", "lookup": "model_free_drafter"}
+"""The named drafter sections (defined by ``registry``, which lists this family too) each part may be."""
 
 
 class HybridDrafter:
@@ -111,9 +111,9 @@ class HybridConfig:
     """hybrid: a trained drafter and a model-free one; the model-free one drafts when it is confident."""
 
     type: Literal["hybrid"] = "hybrid"
-    drafter: DrafterConfig = field(default_factory=SavedDrafterConfig)
+    drafter: Section["model_drafter"] = field(default_factory=SavedDrafterConfig)
     """The trained (or any model) drafter, a drafter section: ``{type: saved, path: runs/…/drafter}``."""
-    lookup: DrafterConfig = field(default_factory=PromptLookupConfig)
+    lookup: Section["model_free_drafter"] = field(default_factory=PromptLookupConfig)
     """The model-free drafter, a drafter section: ``{type: prompt_lookup}`` or ``{type: suffix, …}``."""
     min_confidence: float = 0.1
     """The model-free drafter drafts a round when its confidence in its first draft is at least this. 0.1
@@ -137,14 +137,12 @@ class HybridConfig:
     cheap against the target's (a large target on a GPU), 0 lets it use the decoder's depth."""
 
     def validate(self) -> None:
-        from .registry import spec_of, specs
-
-        free = [n for n, s in specs().items() if s.model_free]
-        if not spec_of(self.lookup).model_free:
-            raise ConfigError(f"drafter.lookup.type = '{self.lookup.type}' is not model-free; choose one of: {', '.join(free)}")
-        if spec_of(self.drafter).model_free or self.drafter.type == "hybrid":
-            raise ConfigError(f"drafter.drafter.type = '{self.drafter.type}': the hybrid's drafter must be a model "
-                              f"(saved, eagle3, layer_skip, …), not {', '.join(free + ['hybrid'])}")
+        for name, kind in PARTS.items():  # a YAML section is parsed as its kind; a config built in code is checked here
+            part, allowed = getattr(self, name), choices(kind)
+            if not isinstance(part, tuple(allowed.values())):
+                what = "a model" if name == "drafter" else "model-free"
+                raise ConfigError(f"drafter.{name}.type = '{part.type}': the hybrid's {name} must be {what}; "
+                                  f"choose one of: {', '.join(allowed)}")
         if self.model_depth < 0:
             raise ConfigError(f"drafter.model_depth = {self.model_depth} must be ≥ 0 (0: the decoder's tree depth)")
         if not 0.0 <= self.min_confidence <= 1.0:

@@ -8,6 +8,13 @@ no weights at all (``model_free``: an evaluation baseline). Like torchtitan's ``
 spec is what every other part reads: the recipe's ``drafter:`` union (:data:`DrafterConfig`),
 ``draftsmith drafters``, checkpoint save/load, ``draftsmith train``, the export registry and the
 evaluation baselines. Adding a family is its file plus one line in :data:`SPECS`.
+
+The family lookups live here (:func:`specs`, :func:`families`, :func:`trainable_families`, …). Two
+families hold drafter sections themselves — the hybrid's parts, and the saved folder whose
+``config.json`` names its family — while this file lists them, so their files cannot import this
+one: this file defines the named sections they parse with (``schema.Section``): ``model_drafter``,
+``model_free_drafter`` and ``trainable_drafter``. No file of ``drafters/`` imports this one but
+the package's ``__init__`` (``tests/test_imports.py`` checks files for cycles).
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from torch import nn
 
 from ..decode.protocol import Drafter
 from ..errors import ConfigError
+from ..schema import define_section
 from ..target import Target
-from . import hybrid
 from .checkpoint import SavedDrafterConfig
 from .dflash import DFlashConfig
 from .draft_lm import DraftLMConfig
@@ -130,7 +137,9 @@ SPECS: tuple[FamilySpec, ...] = (
 )
 
 DrafterConfig = Union[tuple(s.config for s in SPECS)]  # type: ignore[valid-type]  # the recipe's tagged drafter section
-hybrid.DrafterConfig = DrafterConfig  # HybridConfig's own fields are drafter sections of this same union
+define_section("model_drafter", Union[tuple(s.config for s in SPECS if not s.model_free and s.config is not HybridConfig)])
+define_section("model_free_drafter", Union[tuple(s.config for s in SPECS if s.model_free)])
+define_section("trainable_drafter", Union[tuple(s.config for s in SPECS if s.trainable)])
 
 
 def specs() -> dict[str, FamilySpec]:
@@ -144,6 +153,26 @@ def spec(name: str) -> FamilySpec:
     if name not in table:
         raise ConfigError(f"drafter type '{name}' is not a drafter family; the families are: {', '.join(table)}")
     return table[name]
+
+
+def families() -> dict[str, type]:
+    """``type`` tag → config class, for every family spec."""
+    return {name: s.config for name, s in specs().items()}
+
+
+def trainable_families() -> dict[str, type]:
+    """Families whose weights ``drafters.save`` can write (their spec names a training recipe)."""
+    return {name: s.config for name, s in specs().items() if s.trainable}
+
+
+def family_summary(cls: type) -> str:
+    """One line about a family: its config class's docstring, else its module's first line."""
+    import sys
+
+    doc = cls.__doc__ or ""
+    if doc.startswith(cls.__name__ + "("):  # the signature dataclasses put there
+        doc = sys.modules[cls.__module__].__doc__ or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
 def spec_of(config: Any) -> FamilySpec:

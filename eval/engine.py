@@ -28,7 +28,7 @@ from typing import Any
 
 from ..engines import llamacpp
 from .costs import median_interval
-from .run import paired_runs
+from .paired import paired_runs
 
 TARGET = "target"
 NGRAM_METHODS = ("ngram-simple", "ngram-cache", "ngram-mod")
@@ -156,37 +156,3 @@ def table(result: dict[str, Any], title: str = "in llama.cpp") -> str:
         lines.append("* first sight of each prompt only (its state outlives a request)")
     lines.append("tau counts the bonus token; same = outputs identical to llama.cpp's target alone")
     return "\n".join(lines)
-
-
-def target_gguf_for(target_spec: str, kind: str, target: Any) -> str:
-    """The target's GGUF to serve: the file it was loaded from (``as-loaded``; an F32 conversion for a target that
-    came as an HF folder), else a conversion cached once per fingerprint."""
-    from ..engines.targets import original_gguf, target_gguf
-
-    return target_gguf(target, "f32" if kind == "as-loaded" and original_gguf(target_spec) is None else kind)
-
-
-def evaluate_in_llamacpp(recipe: Any, prompts: Sequence[Sequence[int]], target: Any) -> dict[str, Any]:
-    """``eval.engine=llamacpp``: the recipe's saved drafter exported to GGUF (``<run_dir>/engine``) and measured in
-    llama.cpp against llama.cpp's target alone (:func:`measure`) on the same prompts and max_new_tokens."""
-    import os
-
-    from ..errors import ConfigError
-    from ..export import export
-
-    path = getattr(recipe.drafter, "path", None)
-    if not path:
-        raise ConfigError("eval.engine=llamacpp serves a saved drafter: set drafter.type=saved and drafter.path")
-    ev = recipe.eval
-    out = os.path.join(recipe.run_dir, "engine", "draft")
-    info = export(path, "gguf", out, target=recipe.target.name, force=True, gguf_type=ev.engine_draft_type)
-    target_file = target_gguf_for(recipe.target.name, ev.engine_target_type, target)
-    threads = ev.engine_threads or (os.cpu_count() or 1)
-    ks = ev.engine_k or [recipe.decode.k]
-    print(f"in llama.cpp: {info['gguf']['spec_type']} draft ({info['gguf']['type']}) on the target "
-          f"{os.path.basename(target_file)} ({ev.engine_target_type}), k = {ks}, {threads} thread(s)", flush=True)
-    result = measure(target_file, prompts, recipe.decode.max_new_tokens, draft_gguf=os.path.join(out, "draft.gguf"),
-                     family=info["source"]["family"], ks=ks, threads=threads, repeats=ev.repeats,
-                     ngram=ev.engine_ngram, hybrid=True)
-    result.update(target_type=ev.engine_target_type, draft_type=info["gguf"]["type"])
-    return result

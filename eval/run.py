@@ -37,6 +37,7 @@ from ..target import Target, describe, load_target
 from .baselines import baseline_configs, baseline_lines, baseline_rows
 from .config import DecodeConfig
 from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs
+from .paired import paired_runs
 from .prompts import Question, fields_note, load_questions
 from .reference import target_greedy
 
@@ -167,26 +168,6 @@ def evaluate(
 
 MAIN, TARGET = "drafter", "target"
 """The method names of :func:`evaluate`'s timed runs (``wall_s_runs``); a baseline's name is its own."""
-
-
-def paired_runs(methods: dict[str, Callable[[list[int]], tuple[Any, float]]], prompt: list[int], repeats: int,
-                start: int = 0) -> dict[str, tuple[tuple[Any, float], list[float]]]:
-    """Run every method on one prompt ``repeats`` times; name → (the fastest run's (output, seconds), all seconds).
-
-    Run r goes through the methods starting at position ``(start + r) % len(methods)``, so who runs first
-    rotates (with two methods and two runs: A B, B A), and a load change mid-prompt hits every method alike.
-    """
-    names = list(methods)
-    best: dict[str, tuple[Any, float]] = {}
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        shift = (start + r) % len(names)
-        for name in names[shift:] + names[:shift]:
-            got = methods[name](prompt)
-            runs[name].append(got[1])
-            if name not in best or got[1] < best[name][1]:
-                best[name] = got
-    return {name: (best[name], runs[name]) for name in names}
 
 
 def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: DecodeConfig) -> DecodeResult:
@@ -320,16 +301,10 @@ def run_eval_recipe(recipe: Any) -> int:
     extra: dict[str, Any] = {"drafter": to_dict(recipe.drafter), "decode": to_dict(recipe.decode), "baselines": baselines}
     if identity is not None:
         extra["identity"] = identity
-    if recipe.eval.engine == "llamacpp":
-        from .engine import evaluate_in_llamacpp, table
-
-        extra["engine"] = evaluate_in_llamacpp(recipe, [target.render_chat(q.messages()) for q in questions], target)
     metrics = write_eval(recipe.run_dir, described, result, extra)
     print_eval(metrics)
     print("\n".join(line for entry in baseline_lines(baselines) for line in wrapped(entry))
           or "no baselines (eval.baselines=[])")
-    if "engine" in metrics:
-        print(table(metrics["engine"]))
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     return 0
 

@@ -26,7 +26,8 @@ engines name the same tensor differently:
 **Draft vocabulary.** ``d2t`` [Vd] int64 holds offsets, ``target_id = draft_id + d2t[draft_id]``;
 ``t2d`` [V] bool marks the target ids in the draft vocabulary (EAGLE-3 / SGLang / vLLM /
 speculators all use this). :func:`check_draft_vocab` refuses a pair that is out of range or
-inconsistent.
+inconsistent; it is the draft vocabulary's own check, written once in ``data/vocab.py`` below both
+the drafters that read a pair and the exports that write one.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-import torch
-from torch import Tensor
-
+from ..data.vocab import check_draft_vocab  # noqa: F401  (exports check the pair they write here)
 from ..errors import DraftsmithError
 
 Engine = Literal["vllm", "speculators", "sglang", "llamacpp"]
@@ -70,22 +69,3 @@ def native_layer_ids(theirs: Sequence[int], num_layers: int, engine: Engine) -> 
                 f"{engine} layer id {j} names no decoder output of a {num_layers}-layer target "
                 f"({engine} ids run {ENGINE_OFFSET[engine]} … {num_layers - 1 + ENGINE_OFFSET[engine]})")
     return out
-
-
-def check_draft_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int, where: str) -> None:
-    """Refuse a (d2t, t2d) pair an engine would misread: wrong dtypes, ids out of range, duplicates,
-    or a t2d that does not mark exactly the target ids d2t maps to. ``where`` names the folder."""
-    if d2t.dtype != torch.int64 or d2t.dim() != 1:
-        raise DraftsmithError(f"{where}: d2t must be a 1-D int64 tensor of offsets, got {d2t.dtype} {tuple(d2t.shape)}")
-    if t2d.dtype != torch.bool or tuple(t2d.shape) != (target_vocab,):
-        raise DraftsmithError(f"{where}: t2d must be a bool mask over the {target_vocab} target ids, got {t2d.dtype} "
-                              f"{tuple(t2d.shape)}")
-    vd = d2t.shape[0]
-    ids = torch.arange(vd) + d2t.cpu()
-    if vd == 0 or int(ids.min()) < 0 or int(ids.max()) >= target_vocab:
-        raise DraftsmithError(f"{where}: d2t maps draft ids outside the target vocabulary 0 … {target_vocab - 1}")
-    if ids.unique().numel() != vd:
-        raise DraftsmithError(f"{where}: d2t maps two draft ids onto the same target id")
-    mask = t2d.cpu()
-    if int(mask.sum()) != vd or not bool(mask[ids].all()):
-        raise DraftsmithError(f"{where}: t2d does not mark exactly the {vd} target ids that d2t maps to")

@@ -238,7 +238,7 @@ def check_target(folder: str, info: dict[str, Any]) -> list[str]:
     lines = [f"{gguf.TARGET_FILE}: a {meta.get('general.architecture')} GGUF ({info['gguf']['type']}) of "
              f"'{info['target']['name']}', {len(meta['__tensors__'])} tensors"]
     target = load_target(info["target"]["name"], "float32", "cpu")
-    from ..eval.reference import target_greedy
+    from ..decode.reference import target_greedy
 
     ids = default_prompts(target)[0]
     with llamacpp.serving(llamacpp.ServerSpec(model=path)) as server:

@@ -99,7 +99,7 @@ def _open_drafter(path: str, target_spec: str | None) -> Source:
 
 
 def _open_checkpoint(path: str, target_spec: str | None) -> Source:
-    from ..drafters.checkpoint import trainable_families
+    from ..drafters.registry import trainable_families
     from ..schema import from_dict
     from ..train.checkpoint import read_checkpoint
 

@@ -255,7 +255,7 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
     if recipe.eval.engine == "llamacpp":  # the first drafter served in llama.cpp, chains of decode.k
         name, _ = entries[0]
         print(f"report [{name}]: served in llama.cpp (k = {recipe.decode.k})", flush=True)
-        from ..eval.engine import evaluate_in_llamacpp
+        from ..export.serve import evaluate_in_llamacpp
 
         served = replace(recipe, eval=replace(recipe.eval, engine_k=[recipe.decode.k]))
         measured = evaluate_in_llamacpp(served, [target.render_chat(q.messages()) for q in questions], target)

@@ -64,3 +64,30 @@ def test_errors():
         build_draft_vocab(DATA, target_vocab_size=8, size=2)
     with pytest.raises(DraftsmithError, match="does not exist"):
         DraftVocab.load("/nonexistent/v.safetensors")
+
+
+def test_check_draft_vocab_is_the_one_check_of_the_convention():
+    """data/vocab.py's check, used by EAGLE-3 heads (ConfigError naming drafter.draft_vocab) and by exports
+    (DraftsmithError naming the folder): what it accepts and each refusal's message."""
+    from draftsmith.data.vocab import check_draft_vocab
+    from draftsmith.errors import ConfigError
+
+    vocab = build_draft_vocab(DATA, target_vocab_size=12, size=4)  # target ids 3, 5, 7, 9
+    d2t, t2d = vocab.d2t, vocab.t2d
+    check_draft_vocab(d2t, t2d, 12, "v")
+    twice = torch.tensor([3, 4, 5, 5])  # draft ids 2 and 3 both → target id 8 … and 7, 8: two onto one
+    cases = [
+        ((d2t.int(), t2d), "v: d2t must be a 1-D int64 tensor of offsets, got torch.int32 (4,)"),
+        ((d2t, t2d.long()), "v: t2d must be a 1-D bool mask over the target ids, got torch.int64 (12,)"),
+        ((d2t, t2d[:10]), "v: t2d covers 10 tokens but the target's vocabulary has 12"),
+        ((d2t[:0], t2d), "v: d2t is empty; a draft vocabulary holds at least one token"),
+        ((d2t + 3, t2d), "v: d2t maps draft ids outside the target vocabulary 0 … 11"),
+        ((torch.tensor([3, 4, 4, 3]), t2d), "v: d2t maps two draft ids onto the same target id"),
+        ((twice, t2d), "v: t2d does not mark exactly the 4 target ids that d2t maps to"),
+    ]
+    for (a, b), msg in cases:
+        with pytest.raises(DraftsmithError) as e:
+            check_draft_vocab(a, b, 12, "v")
+        assert str(e.value) == msg and type(e.value) is DraftsmithError
+    with pytest.raises(ConfigError, match="^drafter.draft_vocab: d2t maps two draft ids"):
+        check_draft_vocab(torch.tensor([3, 4, 4, 3]), t2d, 12, "drafter.draft_vocab", ConfigError)

@@ -86,6 +86,61 @@ def test_save_load_bit_exact(tiny_target, tmp_path, family):
         assert not [k for k in f.keys() if k.startswith(loaded.config.target_parts)]
 
 
+def folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A drafter folder's config.json and tensors."""
+    from safetensors.torch import load_file
+
+    return json.load(open(os.path.join(path, "config.json"))), load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_save_what_was_trained_writes_what_the_runtime_form_writes(tiny_target, tmp_path, family):
+    """drafters.save(path, config, module, target) — the recipe's config and the trained module, no runtime —
+    writes the folder save(drafter, path) writes: the same config.json (tied weights stored once) and tensors."""
+    config = FAMILIES[family]
+    module = config.build_module(tiny_target)
+    perturb(module)
+    drafters.save(str(tmp_path / "new"), config, module, tiny_target)
+    drafters.save(config.runtime(module, tiny_target), str(tmp_path / "old"))
+    (meta, tensors), (meta_old, tensors_old) = folder(str(tmp_path / "new")), folder(str(tmp_path / "old"))
+    assert meta == meta_old
+    assert tensors.keys() == tensors_old.keys() and all(torch.equal(t, tensors_old[k]) for k, t in tensors.items())
+    if family == "draft_lm":  # the tiny target ties its embedding and lm_head, and so does its draft LM
+        assert meta["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_save_what_was_trained_reads_no_vocabulary_file_again(tiny_target, tmp_path):
+    """An EAGLE-3 head built from a draft-vocabulary file is saved after the file is gone: config.json records
+    the resolved layers and the vocabulary the head holds, not the file, and the folder loads bit-exactly."""
+    from draftsmith.data.vocab import DraftVocab
+
+    ids = torch.arange(3, 49152, 5)
+    t2d = torch.zeros(49152, dtype=torch.bool)
+    t2d[ids] = True
+    vocab = tmp_path / "vocab.safetensors"
+    DraftVocab(ids - torch.arange(ids.numel()), t2d, coverage=0.9, tokenizer_hash=tiny_target.tokenizer_hash).save(str(vocab))
+    config = Eagle3Config(feature_layers=[0, 2, -1], draft_vocab=str(vocab), seed=5)
+    module = config.build_module(tiny_target)
+    perturb(module)
+    os.remove(vocab)
+    drafters.save(str(tmp_path / "d"), config, module, tiny_target)
+    meta, _ = folder(str(tmp_path / "d"))
+    assert meta["drafter"]["feature_layers"] == [0, 2, 3] and meta["feature_layers"] == [0, 2, 3]
+    assert meta["drafter"]["draft_vocab"] == "" and meta["drafter"]["draft_vocab_size"] == ids.numel()
+    loaded = drafters.load(str(tmp_path / "d"), tiny_target)
+    for (t0, q0), (t1, q1) in zip(replay(tiny_target, config.runtime(module, tiny_target)), replay(tiny_target, loaded)):
+        assert torch.equal(t0, t1) and torch.equal(q0, q1)
+
+
+def test_save_refuses_a_family_without_trained_weights(tiny_target, tmp_path):
+    from draftsmith.drafters.layer_skip import LayerSkipConfig
+
+    with pytest.raises(DraftsmithError, match="drafter 'layer_skip' has no trained weights of its own to save; save works "
+                                              "for draft_lm, eagle1, eagle3, medusa"):
+        drafters.save(str(tmp_path / "x"), LayerSkipConfig(num_layers=2), tiny_target.model, tiny_target)
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_eagle3_reduced_vocab_round_trips(tiny_target, tmp_path):
     """d2t/t2d are stored in model.safetensors (EAGLE-3/SGLang names) and restored on load."""
     ids = torch.arange(0, 49152, 7)

@@ -11,9 +11,9 @@ import torch
 from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.common import causal_mask, shift_left
 from draftsmith.drafters.eagle1 import Eagle1Config
-from draftsmith.drafters.eagle3 import Eagle3Config, attend, default_feature_layers
+from draftsmith.drafters.eagle3 import Eagle3Config, attend
 from draftsmith.errors import ConfigError
-from draftsmith.target import Target
+from draftsmith.target import Target, default_eagle3_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest
 
@@ -191,8 +191,8 @@ def eagle31(tiny_target):
 
 
 def test_eagle3_default_layers_follow_the_field():
-    assert default_feature_layers(30) == (1, 14, 26)  # SmolLM2-135M
-    assert default_feature_layers(32) == (1, 15, 28)  # Llama-3.1-8B: SGLang captures 2, 16, 29 (inputs)
+    assert default_eagle3_layers(30) == (1, 14, 26)  # SmolLM2-135M
+    assert default_eagle3_layers(32) == (1, 15, 28)  # Llama-3.1-8B: SGLang captures 2, 16, 29 (inputs)
 
 
 def test_eagle3_shapes_dtypes_vocab_and_trainable_parts(tiny_target, eagle3):

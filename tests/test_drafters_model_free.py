@@ -336,10 +336,22 @@ def test_hybrid_and_baseline_configs_are_checked():
     r = load_recipe(None, ["drafter.type=hybrid", "drafter.drafter.type=eagle3", "drafter.lookup.type=suffix",
                            "drafter.lookup.max_depth=12"])
     assert r.drafter.lookup.max_depth == 12 and r.drafter.drafter.type == "eagle3"
-    with pytest.raises(ConfigError, match="not model-free"):
+    # each part is parsed as the named section the registry defines for it: the valid types are listed
+    with pytest.raises(ConfigError, match=r"'drafter.lookup.type' = 'eagle3' is not valid; choose one of: "
+                                          r"prompt_lookup, suffix$"):
         load_recipe(None, ["drafter.type=hybrid", "drafter.lookup.type=eagle3"])
-    with pytest.raises(ConfigError, match="must be a model"):
+    models = "layer_skip, hf, draft_lm, eagle1, eagle3, medusa"
+    with pytest.raises(ConfigError, match=rf"'drafter.drafter.type' = 'suffix' is not valid; choose one of: {models}"):
         load_recipe(None, ["drafter.type=hybrid", "drafter.drafter.type=suffix"])
+    with pytest.raises(ConfigError, match="'drafter.drafter.type' = 'hybrid' is not valid"):
+        load_recipe(None, ["drafter.type=hybrid", "drafter.drafter.type=hybrid"])
+    # a config built in code is checked by validate, against the same sections
+    from draftsmith.drafters import Eagle3Config, HybridConfig, PromptLookupConfig
+    with pytest.raises(ConfigError, match="the hybrid's lookup must be model-free; choose one of: prompt_lookup, suffix$"):
+        HybridConfig(lookup=Eagle3Config()).validate()
+    with pytest.raises(ConfigError, match=rf"drafter.drafter.type = 'prompt_lookup': the hybrid's drafter must be a model; "
+                                          rf"choose one of: {models}"):
+        HybridConfig(drafter=PromptLookupConfig()).validate()
     with pytest.raises(ConfigError, match="lookup.max_depth' = 'x'|must be an integer"):
         load_recipe(None, ["drafter.type=hybrid", "drafter.lookup.type=suffix", "drafter.lookup.max_depth=x"])
     with pytest.raises(ConfigError, match="cannot be a baseline"):

@@ -205,14 +205,13 @@ def test_the_server_dies_with_a_killed_client(llama, target_gguf, tmp_path):
 
 
 def test_eval_serves_the_drafter_in_llamacpp_beside_its_ngram_methods(llama, draft_lm, tiny_target_dir, tmp_path):
-    from draftsmith.config import load_recipe
-    from draftsmith.eval.run import run_eval_recipe
-
-    recipe = load_recipe(None, [
+    overrides = [
         f"target.name={tiny_target_dir}", "target.dtype=float32", "drafter.type=saved", f"drafter.path={draft_lm}",
         "eval.num_prompts=2", "eval.repeats=1", "eval.baselines=[]", "decode.k=2", "decode.max_new_tokens=16",
-        "eval.engine=llamacpp", "eval.engine_threads=1", "eval.engine_k=[1,2]", f"run_dir={tmp_path}"])
-    run_eval_recipe(recipe)
+        "eval.engine=llamacpp", "eval.engine_threads=1", "eval.engine_k=[1,2]", f"run_dir={tmp_path}"]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("{}\n")
+    assert main(["eval", "-c", str(recipe), *overrides]) == 0
     m = json.loads((tmp_path / "eval_metrics.json").read_text())["engine"]
     rows = m["methods"]
     assert list(rows) == ["target", "drafter k=1", "drafter k=2", "drafter+ngram k=2", "ngram-simple", "ngram-mod"]

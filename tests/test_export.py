@@ -14,12 +14,11 @@ import torch
 from draftsmith import drafters
 from draftsmith.cli import main
 from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, MedusaConfig
-from draftsmith.drafters.eagle3 import default_feature_layers
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import FORMATS, check, export
 from draftsmith.export.adapters import adapter
 from draftsmith.export.conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
-from draftsmith.target import load_target
+from draftsmith.target import default_eagle3_layers, load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,8 +74,8 @@ def test_layer_ids_for_30_and_32_layer_targets():
     assert engine_layer_ids([1, 14, 26], 30, "sglang") == [1, 14, 26]  # SGLang adds 1 itself
     assert engine_layer_ids([1, 15, 28], 32, "vllm") == [2, 16, 29]  # Llama-3.1-8B
     for n in (30, 32):  # our defaults are the engines' defaults: capture before layers 2, N//2, N-3
-        assert engine_layer_ids(default_feature_layers(n), n, "vllm") == [2, n // 2, n - 3]
-        assert native_layer_ids([2, n // 2, n - 3], n, "vllm") == list(default_feature_layers(n))
+        assert engine_layer_ids(default_eagle3_layers(n), n, "vllm") == [2, n // 2, n - 3]
+        assert native_layer_ids([2, n // 2, n - 3], n, "vllm") == list(default_eagle3_layers(n))
     with pytest.raises(DraftsmithError, match="not a layer"):
         engine_layer_ids([30], 30, "vllm")
     with pytest.raises(DraftsmithError, match="names no decoder output"):

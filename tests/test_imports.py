@@ -1,16 +1,22 @@
-"""The import graph of the package's folders and top-level modules has no cycle, and the
-decoder core sits below its users (STYLE.md: a folder imports only the folders below it).
+"""The import graphs of the package — between folders and top-level modules, and between files —
+have no cycle, and the decoder core sits below its users (STYLE.md: a folder imports only the
+folders below it).
 
 Every ``.py`` file of the package is parsed with ``ast`` (imports inside functions count, as
 a lazy import is still an arrow); ``from ..x import y``, ``from draftsmith.x import y`` and
 ``import draftsmith.x`` all name node ``x``: a folder (``drafters``) or a top-level module
-(``config``). Imports within one folder are not arrows between nodes.
+(``config``). Imports within one folder are not arrows between nodes. Between files, an import
+names the file it executes: ``from .registry import specs`` → ``drafters/registry.py``,
+``from . import hybrid`` → ``drafters/hybrid.py``, ``from ..drafters import save`` →
+``drafters/__init__.py`` (the parent packages an import initializes on the way are not counted:
+every file of a folder would otherwise close a circle through its ``__init__``).
 """
 
 from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Iterator
 
 import draftsmith
 
@@ -19,12 +25,12 @@ SKIP_DIRS = {"tests", "benchmarks", "runs", "configs", "__pycache__"}
 DECODE_MAY_IMPORT = {"target", "errors", "files", "devices"}
 
 
-def package_files() -> list[str]:
+def package_files(root: str = ROOT) -> list[str]:
     """Paths relative to the package root of every module of the package (tests and benchmarks excluded)."""
     out = []
-    for folder, dirs, files in os.walk(ROOT):
+    for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
-        out += [os.path.relpath(os.path.join(folder, f), ROOT) for f in sorted(files) if f.endswith(".py")]
+        out += [os.path.relpath(os.path.join(folder, f), root) for f in sorted(files) if f.endswith(".py")]
     return out
 
 
@@ -34,10 +40,12 @@ def node_of(rel_path: str) -> str:
     return parts[0]
 
 
-def imported_nodes(rel_path: str, source: str) -> set[str]:
-    """The nodes (folders / top-level modules of draftsmith) that one file imports."""
+def imported_names(rel_path: str, source: str) -> list[list[str]]:
+    """The dotted names within draftsmith that one file imports, without the leading ``draftsmith``:
+    ``from .registry import specs`` in drafters/ → ``["drafters", "registry", "specs"]`` (the last part
+    of a from-import may be a module or a name in one)."""
     package = ["draftsmith", *rel_path[: -len(".py")].split(os.sep)[:-1]]  # the file's package
-    out: set[str] = set()
+    out: list[list[str]] = []
     for node in ast.walk(ast.parse(source, filename=rel_path)):
         if isinstance(node, ast.Import):
             targets = [a.name.split(".") for a in node.names]
@@ -49,21 +57,45 @@ def imported_nodes(rel_path: str, source: str) -> set[str]:
             else:
                 base = []
             mod = base + (node.module.split(".") if node.module else [])
-            # `from .. import x` / `from draftsmith import x`: x may itself be a module
-            targets = [mod + [a.name] for a in node.names] if len(mod) == 1 else [mod]
+            targets = [mod + [a.name] for a in node.names]
         else:
             continue
-        for t in targets:
-            if t[0] == "draftsmith" and len(t) > 1:
-                out.add(t[1])
+        out += [t[1:] for t in targets if t[0] == "draftsmith"]
     return out
+
+
+def imported_nodes(rel_path: str, source: str) -> set[str]:
+    """The nodes (folders / top-level modules of draftsmith) that one file imports."""
+    return {t[0] for t in imported_names(rel_path, source) if t}
+
+
+def file_of(root: str, name: list[str]) -> str:
+    """The file that importing the dotted ``name`` executes: the longest prefix that is a module
+    (``x/y.py``) or a package (``x/y/__init__.py``); the package's own ``__init__.py`` otherwise."""
+    for n in range(len(name), 0, -1):
+        path = os.path.join(*name[:n])
+        if os.path.isfile(os.path.join(root, path + ".py")):
+            return path + ".py"
+        if os.path.isfile(os.path.join(root, path, "__init__.py")):
+            return os.path.join(path, "__init__.py")
+    return "__init__.py"
+
+
+def package_sources(root: str = ROOT) -> Iterator[tuple[str, str]]:
+    """(path relative to the package root, source) of every module of the package."""
+    for rel in package_files(root):
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            yield rel, f.read()
+
+
+def file_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """File → the files of the package it imports (relative paths; lazy imports count)."""
+    return {rel: {file_of(root, t) for t in imported_names(rel, src)} - {rel} for rel, src in package_sources(root)}
 
 
 def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for rel in package_files():
-        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
-            src = f.read()
+    for rel, src in package_sources():
         here = node_of(rel)
         graph.setdefault(here, set()).update(n for n in imported_nodes(rel, src) if n != here)
     return graph
@@ -127,3 +159,30 @@ def test_no_import_cycle_between_folders_and_top_level_modules():
 def test_decode_imports_only_what_lies_below_it():
     graph = import_graph()
     assert graph["decode"] <= DECODE_MAY_IMPORT, f"decode/ imports {sorted(graph['decode'] - DECODE_MAY_IMPORT)}"
+
+
+def test_find_cycle_sees_a_circle_between_files(tmp_path):
+    """A circle planted in a package tree, closed by a lazy import inside a function, is found between
+    files; the same tree without that import has none."""
+    for rel, src in {
+        "__init__.py": "",
+        "pkg/__init__.py": "from .a import f\n",
+        "pkg/a.py": "from .b import g\ndef f():\n    return g()\n",
+        "pkg/b.py": "def g():\n    from draftsmith.pkg import c\n    return c.h()\n",
+        "pkg/c.py": "def h():\n    from . import a\n    return a\n",
+        "other.py": "from .pkg import f\nfrom .pkg.c import h\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(src)
+    graph = file_graph(str(tmp_path))
+    assert graph["other.py"] == {os.path.join("pkg", "__init__.py"), os.path.join("pkg", "c.py")}
+    assert find_cycle(graph) == [os.path.join("pkg", n) for n in ("a.py", "b.py", "c.py", "a.py")]
+    (tmp_path / "pkg" / "c.py").write_text("def h():\n    return 1\n")
+    assert find_cycle(file_graph(str(tmp_path))) is None
+
+
+def test_no_import_cycle_between_files():
+    graph = file_graph()
+    assert {os.path.join("drafters", "registry.py"), "target.py", "cli.py"} <= set(graph)  # the walk saw them
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between files: " + " → ".join(cycle)

@@ -13,8 +13,9 @@ import sys
 import pytest
 
 from draftsmith.config import CONFIG_DIR, load_recipe
-from draftsmith.drafters.eagle3 import Eagle3Config, default_feature_layers
+from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.params import TARGETS, VARIANTS, count, meta_module, parameter_rows, target_parameters
+from draftsmith.target import default_eagle3_layers
 
 ROOT = os.path.dirname(CONFIG_DIR)
 ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "archs")
@@ -81,7 +82,7 @@ def test_eagle3_recipes_feature_layers_and_vocab(name):
     recipe = load_recipe(name)
     n = config.num_hidden_layers
     resolved = recipe.drafter.resolve_for(n, config.vocab_size)
-    assert tuple(resolved.feature_layers) == default_feature_layers(n)
+    assert tuple(resolved.feature_layers) == default_eagle3_layers(n)
     assert resolved.feature_layers == {"Llama-3.1-8B": [1, 15, 28], "Qwen3-8B": [1, 17, 32]}[target]
     # SGLang / vLLM count "inputs of layer i" = our id + 1: EAGLE-3's published 2, N/2, N-3
     assert [i + 1 for i in resolved.feature_layers] == [2, n // 2, n - 3]

@@ -89,8 +89,57 @@ def test_logits_to_keep_and_cache(smollm2):
     torch.testing.assert_close(last.logits[:, -1], full.logits[:, 5], atol=1e-4, rtol=1e-4)
 
 
+def test_layer_ids_resolve_in_one_place(smollm2_tokenizer):
+    """target.resolve_layer: negative ids count from the end; out of range is a ConfigError naming the key
+    (drafters, the feature cache and Target.forward all resolve through it)."""
+    from draftsmith.errors import ConfigError
+    from draftsmith.target import resolve_layer
+
+    assert [resolve_layer(i, 30, "k") for i in (0, 29, -1, -30)] == [0, 29, 29, 0]
+    for bad in (30, -31):
+        with pytest.raises(ConfigError) as e:
+            resolve_layer(bad, 30, "data.features.layer_ids[0]")
+        assert str(e.value) == (f"data.features.layer_ids[0] = {bad} is out of range: the target has 30 layers "
+                                f"(valid ids 0 … 29, or -30 … -1 from the end)")
+    target = Target(tiny_llama(layers=4), smollm2_tokenizer, name="tiny", fingerprint="f")
+    assert target.layer_index(-1) == 3
+    with pytest.raises(ConfigError, match="^target 'tiny': feature layer = 4 is out of range: the target has 4 layers"):
+        target.layer_index(4)
+
+
+def test_default_eagle3_layers_are_the_fields_choice():
+    """Outputs of layers 1, N//2-1, N-4 (= the inputs of 2, N//2, N-3 that EAGLE-3 and SGLang capture); the feature
+    cache adds the last layer (EAGLE-1's feature) to the same three."""
+    from draftsmith.data.feature_cache import default_layer_ids
+    from draftsmith.target import default_eagle3_layers
+
+    assert default_eagle3_layers(30) == (1, 14, 26) and default_eagle3_layers(32) == (1, 15, 28)
+    assert default_layer_ids(32) == [*default_eagle3_layers(32), 31]
+
+
+def test_the_end_of_sequence_set_is_the_union_of_every_source(smollm2_tokenizer, tmp_path):
+    """target.end_of_sequence_ids: one id or a list per source, None sources and None ids skipped; the Target's
+    set and prepare's stop ids (data/render.py) are both this."""
+    from types import SimpleNamespace as NS
+
+    from draftsmith.data.render import stop_token_ids
+    from draftsmith.target import end_of_sequence_ids
+
+    assert end_of_sequence_ids(NS(eos_token_id=[128001, 128009]), NS(eos_token_id=128009), None, NS(eos_token_id=None),
+                               NS()) == {128001, 128009}
+    assert end_of_sequence_ids() == set()
+    from transformers import GenerationConfig
+
+    tok, eos = smollm2_tokenizer, smollm2_tokenizer.eos_token_id
+    target = Target(tiny_llama(layers=2), tok, name="tiny", fingerprint="f")
+    target.model.generation_config.eos_token_id = [7, 9]
+    GenerationConfig(eos_token_id=[7, 9]).save_pretrained(str(tmp_path))
+    assert target.eos_token_ids == {eos, 7, 9} and stop_token_ids(tok, str(tmp_path)) == sorted({eos, 7, 9})
+    assert stop_token_ids(tok) == [eos] and stop_token_ids(tok, str(tmp_path / "none")) == [eos]
+
+
 def test_bad_feature_layer(smollm2):
-    with pytest.raises(DraftsmithError, match="feature layer 30 is out of range .* 30 layers"):
+    with pytest.raises(DraftsmithError, match="feature layer = 30 is out of range: the target has 30 layers"):
         smollm2.forward(IDS, feature_layers=(30,))
 
 

@@ -35,18 +35,14 @@ BEST = "drafter-best"
 
 def save_drafter(run: Run, engine: Any, name: str = "drafter", extra: dict[str, Any] | None = None) -> str:
     """Write the drafter in the drafters format to ``<run_dir>/<name>`` (ZeRO-3 weights gathered;
-    ``extra``: more config.json entries). All ranks call this together."""
+    ``extra``: more config.json entries). All ranks call this together; rank 0 writes the trained
+    module itself while its weights are whole (tied weights stay tied: stored once)."""
     from ..drafters import save as save_folder
 
     path = os.path.join(run.run_dir, name)
     with distributed.full_weights(engine) as module:
-        drafter = module.drafter
-        state = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()} if run.world.is_main else None
-    if run.world.is_main:
-        config = run.recipe.drafter
-        fresh = config.build_module(run.target)
-        fresh.load_state_dict(state)
-        save_folder(config.runtime(fresh, run.target), path, extra=extra)
+        if run.world.is_main:
+            save_folder(path, run.recipe.drafter, module.drafter, run.target, extra=extra)
     distributed.barrier()
     return path
 

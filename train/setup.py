@@ -104,7 +104,7 @@ class Run:
 
 def trainable(recipe: Any) -> Any:
     """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
-    from ..drafters.checkpoint import trainable_families
+    from ..drafters.registry import trainable_families
 
     if recipe.drafter.type not in trainable_families():
         raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
