@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.drafters import load
     from draftsmith.engines import llamacpp
-    from draftsmith.eval.engine import measure, table, target_gguf_for
+    from draftsmith.eval.engine import measure, table
+    from draftsmith.export.serve import target_gguf_for
     from draftsmith.eval.prompts import load_questions
     from draftsmith.export import export, gguf
     from draftsmith.target import load_target
