@@ -126,6 +126,17 @@ def check_features(kind: str, num_tokens: int, num_features: int, feature_layers
         )
 
 
+def take_committed(state: Any, kind: str, tokens: Tensor, features: Tensor | None) -> None:
+    """The drafter protocol's ``update`` for a feature-reading runtime: append the committed tokens [m'] to
+    ``state.tokens`` and queue their target features [m, F] in ``state._pending`` (counted in
+    ``state.num_features``), then check :func:`check_features`."""
+    state.tokens.extend(tokens.tolist())
+    if features is not None and features.shape[0] > 0:
+        state._pending.append(features)
+        state.num_features += features.shape[0]
+    check_features(kind, len(state.tokens), state.num_features, state.feature_layers)
+
+
 def shift_left(x: Tensor, n: int, fill: float | int = 0) -> Tensor:
     """Shift ``x`` left by n along dim 1: ``out[:, t] = x[:, t + n]``, the last n rows = fill.
 

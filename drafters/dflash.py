@@ -52,13 +52,13 @@ from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
 from ..target import Target, describe
 from .common import (
-    check_features,
     draft_layer_config,
     frozen_target_parts,
     place,
     placeholder_parts,
     resolve_layer,
     seeded,
+    take_committed,
     target_parts,
     text_config,
 )
@@ -248,11 +248,7 @@ class DFlashDrafter:
         self.stop_below = min_confidence
 
     def update(self, tokens: Tensor, features: Tensor | None) -> None:
-        self.tokens.extend(tokens.tolist())
-        if features is not None and features.shape[0] > 0:
-            self._pending.append(features)
-            self.num_features += features.shape[0]
-        check_features("DFlash", len(self.tokens), self.num_features, self.feature_layers)
+        take_committed(self, "DFlash", tokens, features)
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:

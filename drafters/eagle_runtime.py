@@ -31,7 +31,7 @@ from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import DraftsmithError
 from ..target import crop_cache
-from .common import check_features
+from .common import take_committed
 
 
 class EagleDrafter:
@@ -75,11 +75,7 @@ class EagleDrafter:
 
     def update(self, tokens: Tensor, features: Tensor | None) -> None:
         """Append committed tokens [m'] and the target features [m, F] of committed positions."""
-        self.tokens.extend(tokens.tolist())
-        if features is not None and features.shape[0] > 0:
-            self._pending.append(features)
-            self.num_features += features.shape[0]
-        check_features("EAGLE", len(self.tokens), self.num_features, self.feature_layers)
+        take_committed(self, "EAGLE", tokens, features)
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:

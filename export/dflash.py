@@ -43,7 +43,7 @@ from ..target import Target
 from .adapters import adapter
 from .conventions import engine_layer_ids, native_layer_ids
 from .eagle3 import layer_fields, verifier_path
-from .tensors import DTYPES, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
+from .tensors import DTYPES, loaded_mismatch, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
     write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -240,9 +240,7 @@ def reference_model(folder: str, fmt: str, target: Target) -> tuple[Any, list[st
         file = read_safetensors(os.path.join(folder, WEIGHTS))
     loaded = model.state_dict()
     from_verifier = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
-    missing = sorted(set(loaded) - set(file) - from_verifier)
-    unexpected = sorted(set(file) - set(loaded))
-    stale = sorted(k for k in set(loaded) & set(file) if not torch.equal(loaded[k].to(file[k].dtype), file[k]))
+    missing, unexpected, stale = loaded_mismatch(loaded, file, from_verifier)
     if missing or unexpected or stale:
         raise DraftsmithError(f"speculators' DFlashDraftModel leaves tensors missing {missing}, finds unexpected "
                               f"{unexpected}, or holds values other than the file's {stale}")

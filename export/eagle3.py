@@ -42,7 +42,7 @@ from ..errors import DraftsmithError
 from ..target import Target, describe
 from .adapters import adapter
 from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
-from .tensors import DTYPES, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
+from .tensors import DTYPES, loaded_mismatch, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
     write_json_file, write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -331,9 +331,7 @@ def speculators_logits(folder: str, input_ids: Tensor, features: Tensor, steps: 
     file = read_safetensors(os.path.join(folder, WEIGHTS))
     loaded = model.state_dict()
     training_only = {"verifier_norm.weight", "verifier_lm_head.weight"}
-    missing = sorted(set(loaded) - set(file) - training_only)
-    unexpected = sorted(set(file) - set(loaded))
-    stale = sorted(k for k in set(loaded) & set(file) if not torch.equal(loaded[k].to(file[k].dtype), file[k]))
+    missing, unexpected, stale = loaded_mismatch(loaded, file, training_only)
     if missing or unexpected or stale:
         raise DraftsmithError(f"{folder}: speculators' Eagle3DraftModel leaves tensors missing {missing}, finds "
                               f"unexpected {unexpected}, or holds values other than the file's (uninitialized) {stale}")

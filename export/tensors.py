@@ -85,3 +85,13 @@ def check_tensors(found: dict[str, Tensor], expected: dict[str, TensorSpec], whe
                  if unexpected else "", f"wrong shape/dtype {wrong}" if wrong else ""]
         raise DraftsmithError(f"{where}: " + "; ".join(p for p in parts if p))
     return [f"{len(expected)} tensors: every name, shape and dtype the loader reads, and no other"]
+
+
+def loaded_mismatch(loaded: dict[str, Tensor], file: dict[str, Tensor],
+                    not_in_file: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """What a reference loader's state dict ``loaded`` makes of the export's tensors ``file``: (names it has that the
+    file lacks, beyond ``not_in_file``; names of the file it has not; names whose values differ from the file's)."""
+    missing = sorted(set(loaded) - set(file) - not_in_file)
+    unexpected = sorted(set(file) - set(loaded))
+    stale = sorted(k for k in set(loaded) & set(file) if not torch.equal(loaded[k].to(file[k].dtype), file[k]))
+    return missing, unexpected, stale
