@@ -15,7 +15,6 @@ Time it on a quiet machine (llama.cpp's threads spin: under load its speed colla
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -42,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.drafters import load
     from draftsmith.engines import llamacpp
+    from draftsmith.files import write_json
     from draftsmith.eval.engine import measure, table
     from draftsmith.export.serve import target_gguf_for
     from draftsmith.eval.prompts import load_questions
@@ -59,19 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     drafters = dict(d.split("=", 1) for d in args.drafter) or {"none": ""}
     for name, path in drafters.items():
         entry: dict = {"path": path, "by_target_type": {}}
-        exports = {}
+        exports, family = {}, None
         for kind in types:
             draft = None
             if path:
                 dtype = "bf16" if kind == "bf16" else "f32"
                 if dtype not in exports:
                     out = os.path.join(HERE, "out", "engine", name, dtype)
-                    export(path, "gguf", out, target=args.target, force=True, gguf_type=dtype)
+                    info = export(path, "gguf", out, target=args.target, force=True, gguf_type=dtype)
                     exports[dtype] = os.path.join(out, gguf.DRAFT_FILE)
+                    family = info["source"]["family"]
                 draft = exports[dtype]
             t0 = time.time()
             r = measure(target_gguf_for(args.target, kind, target), prompts, args.max_new_tokens, draft_gguf=draft,
-                        family="eagle3" if path else None, ks=ks, threads=args.threads, repeats=args.repeats,
+                        family=family if path else None, ks=ks, threads=args.threads, repeats=args.repeats,
                         ngram=ngram)
             r["seconds"] = round(time.time() - t0, 1)
             entry["by_target_type"][kind] = r
@@ -93,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"| llama.cpp (F32) {a['llamacpp_f32']} tau {a['llamacpp_tau']}")
         results["drafters"][name] = entry
     results["load_after"] = os.getloadavg()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

@@ -65,7 +65,16 @@ def measure(target_gguf: str, prompts: Sequence[Sequence[int]], max_new_tokens: 
             warmup: int = 1, ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True,
             progress: Any = None) -> dict[str, Any]:
     """Every method of :func:`methods` over ``prompts`` (token ids); returns name → its row (module docstring)."""
-    todo = methods(target_gguf, draft_gguf, family, ks, threads, ngram, hybrid)
+    result = measure_methods(methods(target_gguf, draft_gguf, family, ks, threads, ngram, hybrid), prompts,
+                             max_new_tokens, repeats, warmup, progress)
+    result.update(threads=threads, target_gguf=target_gguf, draft_gguf=draft_gguf)
+    return result
+
+
+def measure_methods(todo: Sequence[Method], prompts: Sequence[Sequence[int]], max_new_tokens: int, repeats: int = 2,
+                    warmup: int = 1, progress: Any = None) -> dict[str, Any]:
+    """Any list of methods (the target alone first, named :data:`TARGET`) over ``prompts``, timed as :func:`measure`
+    times them; returns name → its row."""
     paired = [m for m in todo if m.name not in FIRST_SIGHT]
     outputs: dict[str, list[llamacpp.EngineRun]] = {m.name: [] for m in todo}
     seconds: dict[str, list[float]] = {m.name: [] for m in todo}
@@ -107,9 +116,8 @@ def measure(target_gguf: str, prompts: Sequence[Sequence[int]], max_new_tokens: 
     alone = outputs[TARGET]
     for m in todo:
         rows[m.name] = row(m, outputs[m.name], seconds[m.name], alone, seconds[TARGET])
-    return {"methods": rows, "threads": threads, "repeats": repeats, "warmup": warmup, "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "target_gguf": target_gguf, "draft_gguf": draft_gguf,
-            "llama_cpp": llamacpp.LLAMA_CPP_BIN}
+    return {"methods": rows, "threads": todo[0].spec.threads, "repeats": repeats, "warmup": warmup,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "llama_cpp": llamacpp.LLAMA_CPP_BIN}
 
 
 def row(m: Method, runs: list[llamacpp.EngineRun], secs: list[float], alone: list[llamacpp.EngineRun],
