@@ -43,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slots", default="1,4,8,16", help="llama-server -np values (requests in flight = slots)")
     p.add_argument("--threads", default="1,2", help="llama-server -t values")
     p.add_argument("--types", default="as-loaded,bf16,f32", help="target GGUF types: as-loaded (Q4_1), bf16, f32, …")
+    p.add_argument("--server-flags", default="", help="extra llama-server flags for every server, e.g. '-fa on -ub 1024'")
     p.add_argument("--rounds", type=int, default=1, help="rounds over every configuration (median reported)")
     p.add_argument("--out", default="benchmarks/out/regen_server.json")
     return p.parse_args(argv)
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
         for kind, slots, threads in grid:
             name = f"{kind} np={slots} t={threads}"
             spec = llamacpp.ServerSpec(model=ggufs[kind], threads=threads, slots=slots,
-                                       ctx=args.max_length + args.new_tokens)
+                                       ctx=args.max_length + args.new_tokens, extra=tuple(args.server_flags.split()))
             with llamacpp.serving(spec) as server:
                 server.complete(target.render_chat([{"role": "user", "content": "Hi"}]), 4)  # warm-up
                 cfg = RegenerateConfig(method="server", server=ServerConfig(url=server.url, concurrency=slots), **common)
