@@ -1,4 +1,4 @@
-"""The built-in speculative decoder: chain drafting, batch size 1, lossless.
+"""The built-in speculative decoder: the round skeleton chain and tree decoding share, and the chain.
 
 One round (gpt-fast style): the drafter proposes d_1..d_k after the last committed
 token t; the target runs once over [t, d_1..d_k] and gives p at k+1 positions; the
@@ -6,11 +6,17 @@ pure accept rule (``sampling.py``) keeps n drafts and emits one more token; both
 caches drop what was not kept. The target's cache always holds every committed token
 but the last (t is fed at the start of the next round), so no accepted token is ever
 recomputed.
+
+:func:`decode_rounds` is that loop, written once: prefill, then rounds until EOS or the token
+limit, each one a :data:`Round` (draft → verify forward → accept → cut the target's cache) followed
+by the EOS cut, the stats and the drafter's ``update``. A chain round (:func:`speculative_decode`)
+and a tree round (``tree.py:tree_decode``) differ only inside the :data:`Round`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,7 +25,7 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 from ..target import Target, crop_cache
-from .protocol import Drafter
+from .protocol import BindsTargetCache, Drafter, Gated
 from .sampling import Warp, greedy_accept, speculative_accept
 from .stats import DecodeStats, first_eos
 
@@ -30,6 +36,73 @@ class DecodeResult:
     """New tokens only (the prompt excluded), ending with EOS if one was produced."""
     finish_reason: Literal["eos", "length"]
     stats: DecodeStats
+
+
+@dataclass
+class Verified:
+    """One round's outcome, the target's cache already cut to it."""
+
+    kept: list[int]
+    """The accepted drafts (a tree: the tokens of the accepted path)."""
+    token: int
+    """The token after them: resampled at the first rejection, or the bonus token."""
+    features: Tensor | None
+    """[n+1, F] the target's features at t and the n kept drafts, or None."""
+    depth: int
+    """Drafts on the longest path verified (a chain: its length)."""
+    nodes: int
+    """Drafts verified (a tree's size; a chain: its length)."""
+
+
+Round = Callable[[int, int, int], Verified]
+"""round(token, committed, room) → :class:`Verified`: draft at most ``room`` tokens after the last committed
+``token``, verify them in one target forward after the ``committed`` tokens in the cache (every committed token
+but ``token``), and leave the cache holding those, ``token`` and the accepted drafts."""
+
+
+def decode_rounds(
+    target: Target, drafter: Drafter, prompt_ids: list[int], round_: Round, *, cache: object,
+    generator: torch.Generator, warp: Warp, depth: int, max_new_tokens: int, min_confidence: float,
+) -> DecodeResult:
+    """The speculative loop both decoders run: at most ``depth`` drafts a round, ``max_new_tokens`` in all.
+
+    The drafter is reset, bound to ``cache`` if it drafts inside it (:class:`BindsTargetCache`) and given
+    ``min_confidence``, the confidence gate the round applies to its chains (:class:`Gated`), before the prefill.
+    """
+    if max_new_tokens < 1:
+        raise DraftsmithError(f"max_new_tokens = {max_new_tokens} must be at least 1")
+    check_prompt(target, prompt_ids, max_new_tokens)
+    eos = target.eos_token_ids
+    stats = DecodeStats(k=depth, sequences=1)
+    start = time.perf_counter()
+
+    drafter.reset()
+    if isinstance(drafter, BindsTargetCache):
+        drafter.bind(cache)
+    if isinstance(drafter, Gated):
+        drafter.set_gate(min_confidence)
+    token = prefill(target, drafter, prompt_ids, cache, warp, generator, stats)
+    tokens = [token]
+
+    while token not in eos and len(tokens) < max_new_tokens:
+        room = min(depth, max_new_tokens - len(tokens) - 1)  # a round emits at most room + 1 tokens
+        committed = len(prompt_ids) + len(tokens) - 1  # in the cache: every committed token but the last
+        out = round_(token, committed, room)
+        cut = first_eos(out.kept, eos)
+        if cut is not None:  # an accepted draft was EOS: the sequence ends there, and only what is emitted counts
+            stats.record_round(cut + 1, cut + 1, nodes=out.nodes, bonus=False)
+            tokens.extend(out.kept[: cut + 1])
+            break
+        emitted = out.kept + [out.token]
+        stats.record_round(out.depth, len(out.kept), nodes=out.nodes)
+        tokens.extend(emitted)
+        token = out.token
+        drafter.update(torch.tensor(emitted, device=target.device), out.features)
+
+    tokens, reason = finish(tokens, eos, max_new_tokens)
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - start
+    return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
 
 
 @torch.inference_mode()
@@ -51,36 +124,18 @@ def speculative_decode(
     """
     if k < 1:
         raise DraftsmithError(f"k = {k}: the number of draft tokens per round must be at least 1")
-    if max_new_tokens < 1:
-        raise DraftsmithError(f"max_new_tokens = {max_new_tokens} must be at least 1")
-    check_prompt(target, prompt_ids, max_new_tokens)
     device = target.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos = target.eos_token_ids
-    stats = DecodeStats(k=k, sequences=1)
-    start = time.perf_counter()
-
     cache = target.new_cache()
-    drafter.reset()
-    bind = getattr(drafter, "bind", None)  # optional: self-speculative drafters share the target's cache
-    if bind is not None:
-        bind(cache)
-    set_gate = getattr(drafter, "set_gate", None)  # optional: stop drafting where the gate would cut
-    if set_gate is not None:
-        set_gate(min_confidence)
-    verify = getattr(drafter, "verify", None)  # optional: their verification forward reuses drafting work
-    token = prefill(target, drafter, prompt_ids, cache, warp, gen, stats)
-    tokens = [token]
+    # a self-speculative drafter's verification forward reuses its drafting work
+    verify = drafter.verify if isinstance(drafter, BindsTargetCache) else None
     no_draft = torch.empty(0, dtype=torch.long, device=device)
 
-    while token not in eos and len(tokens) < max_new_tokens:
-        # never draft past max_new_tokens: the round emits at most k_round + 1 tokens
-        k_round = min(k, max_new_tokens - len(tokens) - 1)
-        proposal = drafter.propose(k_round, warp, gen) if k_round > 0 else None
-        draft = proposal.tokens[:k_round] if proposal is not None else no_draft  # [k'] — a drafter may propose fewer
+    def chain_round(token: int, committed: int, room: int) -> Verified:
+        proposal = drafter.propose(room, warp, gen) if room > 0 else None
+        draft = proposal.tokens[:room] if proposal is not None else no_draft  # [k'] — a drafter may propose fewer
         if min_confidence > 0 and proposal is not None and proposal.confidence is not None:
             draft = draft[: gate(proposal.confidence[: draft.shape[0]], min_confidence)]
-        committed = len(prompt_ids) + len(tokens) - 1  # in the cache: every committed token but the last
         verify_ids = torch.cat([torch.tensor([token], device=device), draft])[None]  # [1, k'+1]
         if verify is not None:
             out = verify(verify_ids)
@@ -93,21 +148,11 @@ def speculative_decode(
             q = _draft_probs(proposal, draft, logits.shape[-1])
             n, token = speculative_accept(warp.probs(logits), q, draft, gen)
         crop_cache(cache, committed + 1 + n)  # keep t, d_1..d_n; the new token is fed next round
-        kept = draft[:n].tolist()
-        cut = first_eos(kept, eos)
-        if cut is not None:  # an accepted draft was EOS: the sequence ends there, and only what is emitted counts
-            stats.record_round(cut + 1, cut + 1, nodes=draft.shape[0], bonus=False)
-            tokens.extend(kept[: cut + 1])
-            break
-        emitted = kept + [token]
-        stats.record_round(draft.shape[0], n)
-        tokens.extend(emitted)
-        drafter.update(torch.tensor(emitted, device=device), first_features(out.features, n + 1))
+        k_verified = draft.shape[0]
+        return Verified(draft[:n].tolist(), token, first_features(out.features, n + 1), k_verified, k_verified)
 
-    tokens, reason = finish(tokens, eos, max_new_tokens)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - start
-    return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
+    return decode_rounds(target, drafter, prompt_ids, chain_round, cache=cache, generator=gen, warp=warp, depth=k,
+                         max_new_tokens=max_new_tokens, min_confidence=min_confidence)
 
 
 def gate(confidence: Tensor, threshold: float) -> int:

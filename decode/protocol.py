@@ -23,35 +23,39 @@ rejected) is its own business to roll back on the next ``update``: it knows what
 proposed and sees what was committed. Drafters never see a config object. A chain drafter's
 ``propose`` is its own state handling around :func:`draft_chain`, the one draft loop.
 
-Optional, for self-speculative drafters that run *inside the target* (layer skip); the
-decoder uses them only when present, so the three methods above stay the whole contract:
+**Optional abilities.** Those three methods are the whole required contract. A drafter may also
+have an ability, one small protocol each (``ABILITIES``): the decoders ask ``isinstance(drafter,
+Ability)`` and use it, else decode without it; a wrapper (``TimedDrafter``) passes on
+what the drafter it wraps has (:func:`ability_methods`).
 
-``bind(cache)``
-    called after ``reset()`` and before the prefill with the target's KV cache, which the
-    drafter may extend while drafting;
-``verify(input_ids [1, k'+1]) -> TargetOutput``
-    the target's verification forward over (last committed token, drafts), replacing
-    ``target.forward``; it must leave every cache layer holding the same positions (the
-    decoder then crops them all to the accepted length) and return the target's logits.
-
-Optional for any drafter with a cost per draft step:
-
-``set_gate(min_confidence)``
-    called after ``reset()`` with the decoder's confidence gate (0 = none): the drafter may stop
-    drafting at the first draft whose running confidence product falls below it, since the gate
-    drops every draft from there on (``draft_chain(stop_below=)``). The output is unchanged;
-    the draft steps that would have been dropped are not computed.
+:class:`BindsTargetCache` — ``bind(cache)``, ``verify(input_ids [1, k'+1]) -> TargetOutput``
+    a self-speculative drafter that runs *inside the target* (layer skip): ``bind`` is called
+    after ``reset()`` and before the prefill with the target's KV cache, which the drafter may
+    extend while drafting; ``verify`` is the target's verification forward over (last committed
+    token, drafts), replacing ``target.forward``; it must leave every cache layer holding the
+    same positions (the decoder then crops them all to the accepted length) and return the
+    target's logits. Chain decoding only: tree decoding and the hybrid refuse such a drafter.
+:class:`Gated` — ``set_gate(min_confidence)``
+    a drafter with a cost per draft step: called after ``reset()`` with the confidence gate the
+    decoder applies to its chains (0 = none), it may stop drafting at the first draft whose running
+    confidence product falls below it, since the gate drops every draft from there on
+    (``draft_chain(stop_below=)``). The output is unchanged; the draft steps that would have been
+    dropped are not computed.
+:class:`TreeDrafter` — ``propose_tree(shape, warp, generator) -> DraftTree``
+    a drafter that drafts trees (``decode/tree.py``); tree decoding verifies any other drafter's
+    ``propose`` chain as the one-branch tree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from ..target import TargetOutput
 from .sampling import Warp
 
 
@@ -81,6 +85,42 @@ class Drafter(Protocol):
     def update(self, tokens: Tensor, features: Tensor | None) -> None: ...
 
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal: ...
+
+
+@runtime_checkable
+class BindsTargetCache(Protocol):
+    """Optional ability: drafts inside the target's KV cache and replaces its verification forward."""
+
+    def bind(self, cache: Any) -> None: ...
+
+    def verify(self, input_ids: Tensor) -> TargetOutput: ...
+
+
+@runtime_checkable
+class Gated(Protocol):
+    """Optional ability: stops drafting where the decoder's confidence gate would cut the chain."""
+
+    def set_gate(self, min_confidence: float) -> None: ...
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """Optional ability: drafts a tree of the decoder's shape.
+
+    ``TreeShape`` and ``DraftTree`` are defined in ``decode/tree.py``, which imports this module, so
+    they are named here without an import (annotations are never evaluated)."""
+
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree: ...  # noqa: F821
+
+
+ABILITIES: tuple[type, ...] = (BindsTargetCache, Gated, TreeDrafter)
+"""Every optional ability, for wrappers that pass on those of the drafter they wrap."""
+
+
+def ability_methods(drafter: object) -> dict[str, Callable[..., Any]]:
+    """The methods of every optional ability ``drafter`` has, by name (bound to it)."""
+    return {name: getattr(drafter, name) for ability in ABILITIES if isinstance(drafter, ability)
+            for name in vars(ability) if not name.startswith("_")}
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ the verification exact (see above).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,10 +55,9 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 from ..target import Target, keep_cache_rows
-from .chain import DecodeResult, check_prompt, finish, gate, prefill
-from .protocol import Drafter, Proposal
+from .chain import DecodeResult, Verified, decode_rounds, gate
+from .protocol import BindsTargetCache, Drafter, Proposal, TreeDrafter
 from .sampling import Warp
-from .stats import DecodeStats, first_eos
 
 # ------------------------------------------------------------------ tree shapes
 
@@ -490,50 +488,33 @@ def tree_decode(
 ) -> DecodeResult:
     """Decode one prompt with draft trees of ``tree``'s shape. Greedy mode reproduces the target's greedy output.
 
-    A drafter with ``propose_tree(shape, warp, generator) -> DraftTree`` drafts trees; any other drafter's
-    ``propose(depth, …)`` chain is verified as the degenerate tree, behind the shape's confidence gate
-    (``min_confidence``) as in the chain decoder: the chain is cut where the running product of its
-    confidences falls under the gate, and a drafter with ``set_gate`` stops drafting there. Drafters that draft inside the target's
-    cache (``bind``) are refused: their drafted rows would sit in the cache a tree verification writes.
+    A :class:`~.protocol.TreeDrafter` drafts trees; any other drafter's ``propose(depth, …)`` chain is verified
+    as the one-branch tree, behind the shape's confidence gate (``min_confidence``) as in the chain decoder:
+    the chain is cut where the running product of its confidences falls under the gate, and a
+    :class:`~.protocol.Gated` drafter stops drafting there. A :class:`~.protocol.BindsTargetCache` drafter is
+    refused: its drafted rows would sit in the cache a tree verification writes.
     """
-    if max_new_tokens < 1:
-        raise DraftsmithError(f"max_new_tokens = {max_new_tokens} must be at least 1")
-    if hasattr(drafter, "bind"):
+    if isinstance(drafter, BindsTargetCache):
         raise DraftsmithError("a drafter that drafts inside the target's KV cache (layer skip with "
                               "drafter.share_cache=true) cannot draft trees; use decode.tree=none or "
                               "drafter.share_cache=false")
-    check_prompt(target, prompt_ids, max_new_tokens)
     device = target.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    eos = target.eos_token_ids
-    depth = tree.depth
-    stats = DecodeStats(k=depth, sequences=1)
-    start = time.perf_counter()
-    propose_tree = getattr(drafter, "propose_tree", None)
+    cache = target.new_cache()
+    drafts_trees = isinstance(drafter, TreeDrafter)
     threshold = getattr(tree, "min_confidence", 0.0)  # a dynamic tree's gate; static trees have none
 
-    cache = target.new_cache()
-    drafter.reset()
-    set_gate = getattr(drafter, "set_gate", None)  # a chain drafter stops where the gate would cut
-    if propose_tree is None and set_gate is not None:
-        set_gate(threshold)
-    token = prefill(target, drafter, prompt_ids, cache, warp, gen, stats)
-    tokens = [token]
-
-    while token not in eos and len(tokens) < max_new_tokens:
-        room = min(depth, max_new_tokens - len(tokens) - 1)  # a round emits at most depth + 1 tokens
-        if room > 0:
-            if propose_tree is not None:
-                draft = propose_tree(tree, warp, gen).truncated(room)
-            else:
-                proposal = drafter.propose(room, warp, gen)
-                draft = chain_tree(proposal)
-                if threshold > 0 and proposal.confidence is not None:  # reads the drafter only: lossless
-                    draft = draft.truncated(gate(proposal.confidence[: draft.size], threshold))
-        else:
+    def tree_round(token: int, committed: int, room: int) -> Verified:
+        if room == 0:
             draft = DraftTree(torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device),
                               None if warp.greedy else torch.zeros(1, target.vocab_size, device=device))
-        committed = len(prompt_ids) + len(tokens) - 1  # in the cache: every committed token but the last
+        elif drafts_trees:
+            draft = drafter.propose_tree(tree, warp, gen).truncated(room)
+        else:
+            proposal = drafter.propose(room, warp, gen)
+            draft = chain_tree(proposal)
+            if threshold > 0 and proposal.confidence is not None:  # reads the drafter only: lossless
+                draft = draft.truncated(gate(proposal.confidence[: draft.size], threshold))
         ids = torch.cat([torch.tensor([token], device=device), draft.tokens])[None]  # [1, N+1]
         out = target.forward(ids, cache, drafter.feature_layers,
                              position_ids=tree_position_ids(draft, committed, device),
@@ -545,19 +526,9 @@ def tree_decode(
             path, token = verify_sampling(draft, warp.probs(logits), gen)
         rows = torch.tensor([0] + [i + 1 for i in path], device=device)  # [n+1] rows of t and the accepted path
         keep_cache_rows(cache, committed, rows)  # t and the accepted path; the next token is fed next round
-        kept = draft.tokens[path].tolist()
-        cut = first_eos(kept, eos)
-        if cut is not None:  # an accepted node was EOS: the sequence ends there, and only what is emitted counts
-            stats.record_round(cut + 1, cut + 1, nodes=draft.size, bonus=False)
-            tokens.extend(kept[: cut + 1])
-            break
-        emitted = kept + [token]
-        stats.record_round(max(draft.depths(), default=0), len(path), nodes=draft.size)
-        tokens.extend(emitted)
         features = None if out.features is None else out.features[0, rows]  # [n+1, F]
-        drafter.update(torch.tensor(emitted, device=device), features)
+        return Verified(draft.tokens[path].tolist(), token, features, max(draft.depths(), default=0), draft.size)
 
-    tokens, reason = finish(tokens, eos, max_new_tokens)
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - start
-    return DecodeResult(tokens=tokens, finish_reason=reason, stats=stats)
+    return decode_rounds(target, drafter, prompt_ids, tree_round, cache=cache, generator=gen, warp=warp,
+                         depth=tree.depth, max_new_tokens=max_new_tokens,
+                         min_confidence=0.0 if drafts_trees else threshold)

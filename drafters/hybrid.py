@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from ..decode.protocol import Drafter, Proposal
+from ..decode.protocol import BindsTargetCache, Drafter, Gated, Proposal, TreeDrafter
 from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, DynamicTree, TreeShape, chain_tree, with_chain
 from ..errors import ConfigError
@@ -58,9 +58,8 @@ class HybridDrafter:
 
     def set_gate(self, min_confidence: float) -> None:
         """The trained part stops its chain where the decoder's gate would cut it."""
-        set_gate = getattr(self.model, "set_gate", None)
-        if set_gate is not None:
-            set_gate(min_confidence)
+        if isinstance(self.model, Gated):
+            self.model.set_gate(min_confidence)
 
     def update(self, tokens: Tensor, features: Tensor | None) -> None:
         self.model.update(tokens, features)
@@ -100,10 +99,9 @@ class HybridDrafter:
         depth = min(shape.depth, self.model_depth or shape.depth)
         if isinstance(shape, DynamicTree) and depth < shape.depth:
             shape = replace(shape, depth=depth)  # fewer levels: fewer model forwards
-        model_tree = getattr(self.model, "propose_tree", None)
-        if model_tree is None:
+        if not isinstance(self.model, TreeDrafter):
             return chain_tree(self.model.propose(depth, warp, generator))
-        return model_tree(shape, warp, generator).truncated(depth)
+        return self.model.propose_tree(shape, warp, generator).truncated(depth)
 
 
 @dataclass
@@ -151,7 +149,7 @@ class HybridConfig:
     def build(self, target: Target) -> HybridDrafter:
         self.validate()
         model = self.drafter.build(target)
-        if hasattr(model, "bind") or hasattr(model, "verify"):
+        if isinstance(model, BindsTargetCache):
             raise ConfigError("the hybrid's drafter drafts inside the target's cache (layer_skip with share_cache); "
                               "set drafter.drafter.share_cache=false")
         return HybridDrafter(model, self.lookup.build(target), self.min_confidence, self.combine, self.model_depth)

@@ -71,7 +71,7 @@ def supports_self_speculation(model: torch.nn.Module) -> bool:
 class SelfSpeculativeDrafter:
     """Drafts with the target's first N layers inside the target's KV cache (see the module docstring).
 
-    Protocol extension (optional methods the decoder uses when present):
+    Optional ability ``BindsTargetCache`` (``decode/protocol.py``), used by the chain decoder:
     ``bind(cache)`` hands over the target's cache before the prefill, and ``verify(ids)``
     replaces the target's verification forward. Cache invariant between rounds (kept by the
     decoder's crop): every layer holds all committed tokens but the last.

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..decode.chain import speculative_decode
-from ..decode.protocol import Proposal
+from ..decode.protocol import Proposal, ability_methods
 from ..decode.sampling import Warp
 from ..decode.stats import conditional_acceptance, tau_from_acceptance  # noqa: F401 — conditional_acceptance re-exported
 from ..target import Target, crop_cache
@@ -113,22 +113,23 @@ def predicted_speedup(conditional: Sequence[float], k: int, v: float, c: float) 
 
 
 class TimedDrafter:
-    """Wraps a drafter and adds up the seconds it spends drafting (``propose`` and ``update``).
+    """Wraps a drafter and adds up the seconds it spends drafting (``propose``, ``update`` and the drafting
+    abilities, ``DRAFTING``); ``drafted`` counts the draft tokens proposed (a tree's nodes).
 
-    The optional ``bind`` / ``verify`` of self-speculative drafters and ``set_gate`` pass through
-    untimed: ``verify`` is the target's own forward. ``drafted`` counts the draft tokens proposed.
+    Every optional ability of the wrapped drafter (``decode/protocol.py``) is passed on, so the decoders
+    use the same abilities through the wrapper: the drafting ones timed, the others as they are (``verify``
+    of a self-speculative drafter is the target's own forward).
     """
+
+    DRAFTING = ("propose_tree",)
 
     def __init__(self, drafter: Any):
         self.inner = drafter
         self.feature_layers = drafter.feature_layers
         self.seconds = 0.0
         self.drafted = 0
-        for name in ("bind", "verify", "set_gate"):
-            if hasattr(drafter, name):
-                setattr(self, name, getattr(drafter, name))
-        if hasattr(drafter, "propose_tree"):  # a tree runtime: timed too, ``drafted`` counts tree nodes
-            self.propose_tree = self._propose_tree
+        for name, method in ability_methods(drafter).items():
+            setattr(self, name, self._timed(method) if name in self.DRAFTING else method)
 
     def reset(self) -> None:
         self.inner.reset()
@@ -139,21 +140,19 @@ class TimedDrafter:
         self.seconds += time.perf_counter() - t0
 
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
-        t0 = time.perf_counter()
-        out = self.inner.propose(k, warp, generator)
-        _sync(out.tokens)
-        self.seconds += time.perf_counter() - t0
-        self.drafted += int(out.tokens.shape[0])
-        return out
+        return self._timed(self.inner.propose)(k, warp, generator)
 
+    def _timed(self, draft: Callable[..., Any]) -> Callable[..., Any]:
+        """``draft`` (a method returning drafts with ``tokens``: a Proposal, a DraftTree), timed and counted."""
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = draft(*args)
+            _sync(out.tokens)
+            self.seconds += time.perf_counter() - t0
+            self.drafted += int(out.tokens.shape[0])
+            return out
 
-    def _propose_tree(self, shape: Any, warp: Warp, generator: torch.Generator | None) -> Any:
-        t0 = time.perf_counter()
-        out = self.inner.propose_tree(shape, warp, generator)
-        _sync(out.tokens)
-        self.seconds += time.perf_counter() - t0
-        self.drafted += out.size
-        return out
+        return timed
 
 
 def median_interval(ratios: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:

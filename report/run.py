@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..decode.protocol import common_prefix
+from ..decode.protocol import BindsTargetCache, common_prefix
 from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
@@ -133,7 +133,7 @@ def alignment_pass(target: Target, cfg: Any, asked: list[Question], turn_of: lis
                    recipe: Any) -> dict[str, Any]:
     """The offline alignment of one drafter (two instances: teacher-forced and rollout)."""
     teacher, rollout = cfg.build(target), cfg.build(target)
-    if hasattr(teacher, "bind"):
+    if isinstance(teacher, BindsTargetCache):
         return {"skipped": "a self-speculative drafter drafts inside the target's KV cache; run the same drafts "
                            "with drafter.share_cache=false for the offline alignment"}
     module = getattr(teacher, "module", None)
