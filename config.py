@@ -16,7 +16,8 @@ from .data.config import DataConfig
 from .drafters import DrafterConfig
 from .errors import ConfigError
 from .drafters.layer_skip import LayerSkipConfig
-from .eval.config import DecodeConfig, EvalConfig
+from .eval.config import EvalConfig
+from .measure.config import DecodeConfig
 from .report.config import ReportConfig
 from .schema import from_dict, load_yaml, merge, parse_overrides
 from .target import TargetConfig

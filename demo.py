@@ -153,7 +153,7 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
                  f"decode.k={size.k if size.drafter == 'eagle3' else DFLASH['block_size'] - 1}",
                  f"decode.min_confidence={size.min_confidence}", f"decode.max_new_tokens={size.max_new_tokens}",
-                 # the same drafter served in llama.cpp against llama.cpp's target alone (eval/engine.py); a DFlash
+                 # the same drafter served in llama.cpp against llama.cpp's target alone (measure/engine.py); a DFlash
                  # block is served whole (llama.cpp's block is n_max + 1 rows: n_max = block size - 1)
                  "eval.engine=llamacpp",
                  f"eval.engine_k={list(size.engine_k) if size.drafter == 'eagle3' else [DFLASH['block_size'] - 1]}"]
@@ -261,7 +261,7 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     write_json(os.path.join(run_dir, "demo_summary.json"), summary)
     print("\n".join(format_table(rows, times, run_dir, speed, ident, passed if check else None, size)))
     if "engine" in m:
-        from .eval.engine import table
+        from .measure.engine import table
 
         print("\n" + table(m["engine"], title="The same head in llama.cpp, vs llama.cpp's target alone"))
     return summary

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from draftsmith.eval.costs import bench_ceiling, format_ceiling
-from draftsmith.eval.prompts import load_questions
+from draftsmith.measure.costs import bench_ceiling, format_ceiling
+from draftsmith.measure.prompts import load_questions
 from draftsmith.files import write_json
 from draftsmith.target import describe, load_target
 

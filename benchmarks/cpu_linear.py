@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.eval.prompts import load_questions
-from draftsmith.eval.reference import target_greedy
+from draftsmith.measure.prompts import load_questions
+from draftsmith.measure.reference import target_greedy
 from draftsmith.kernels import cpu_linear
 from draftsmith.target import crop_cache, load_target
 

@@ -1,7 +1,7 @@
 """c: the cost of one draft step of each drafter family, relative to one one-token target step.
 
 Each drafter (untrained: cost does not depend on the weights) decodes a few MT-bench first turns
-at k drafts per round in the built-in decoder; :class:`~draftsmith.eval.costs.TimedDrafter` adds
+at k drafts per round in the built-in decoder; :class:`~draftsmith.measure.costs.TimedDrafter` adds
 up the seconds spent in ``propose`` + ``update``, divided by the draft tokens proposed, and by the
 median one-token target forward measured in the same process. ``c per round`` divides by the
 rounds instead: what all k drafts of a round cost together — k·c for a chain drafter, one forward
@@ -23,8 +23,8 @@ import torch
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, LayerSkipConfig, MedusaConfig
 from draftsmith.drafters.dflash import DFlashConfig
-from draftsmith.eval.costs import TimedDrafter, target_step_seconds, verify_costs
-from draftsmith.eval.prompts import load_questions
+from draftsmith.measure.costs import TimedDrafter, target_step_seconds, verify_costs
+from draftsmith.measure.prompts import load_questions
 from draftsmith.files import write_json
 from draftsmith.target import describe, load_target
 

@@ -2,7 +2,7 @@
 
 For each drafter (a saved drafter folder, exported here to GGUF by llama.cpp's own converter) and each target GGUF
 type: the drafter at k = 1…4, the drafter mixed with ngram-simple, and llama.cpp's n-gram methods, each against
-llama.cpp's target alone on the same MT-bench first turns, in paired rotating runs (``eval/engine.py``). Then the
+llama.cpp's target alone on the same MT-bench first turns, in paired rotating runs (``measure/engine.py``). Then the
 acceptance by position of the same drafter in draftsmith's chain decoder (fp32 HF target, greedy, same prompts, same
 k) beside llama.cpp's on the F32 target: the proof that the served drafter is the trained one.
 
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.drafters import load
     from draftsmith.engines import llamacpp
     from draftsmith.files import write_json
-    from draftsmith.eval.engine import measure, table
+    from draftsmith.measure.engine import measure, table
     from draftsmith.export.serve import target_gguf_for
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure.prompts import load_questions
     from draftsmith.export import export, gguf
     from draftsmith.target import load_target
 

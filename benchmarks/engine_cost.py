@@ -10,7 +10,7 @@ need not match the target); only the timing is used.
 For each target GGUF type and each drafter (a saved drafter folder, exported to GGUF by llama.cpp's converter; its
 family decides the spec type, a DFlash block is served whole: k = block − 1) and each k: the drafter with its real
 acceptance, and at every L ≤ k + 1 of ``--tau``; all against the target alone, paired per prompt in rotating order
-(``eval/engine.py``). Per row: the realised τ from the server's per-round log, the median per-prompt speedup, and the
+(``measure/engine.py``). Per row: the realised τ from the server's per-round log, the median per-prompt speedup, and the
 round cost in target steps; per (drafter, k) the break-even τ, interpolated where the speedup crosses 1.0.
 
     python benchmarks/engine_cost.py --drafter eagle3=runs/demo/eagle3/drafter-best \\
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftsmith.engines import llamacpp
     from draftsmith.files import write_json
-    from draftsmith.eval.engine import TARGET, Method, measure_methods
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure.engine import TARGET, Method, measure_methods
+    from draftsmith.measure.prompts import load_questions
     from draftsmith.export import export, gguf
     from draftsmith.export.serve import target_gguf_for
     from draftsmith.target import load_target

@@ -3,7 +3,7 @@
     python benchmarks/gate.py runs/demo/eagle3/drafter --prompts 5 --max-new-tokens 64 \\
         --settings 1:0,1:0.3,1:0.5,2:0.4 [--dtype bfloat16]
 
-Each setting ``k:min_confidence`` is one ``eval.run.evaluate`` over the same MT-bench first turns,
+Each setting ``k:min_confidence`` is one ``measure.evaluate.evaluate`` over the same MT-bench first turns,
 which times the target alone per prompt, interleaved (so every row has its own target figure). The
 gate (``decode.min_confidence``) is lossless; this measures whether it pays. Figures: RESULTS.md.
 """
@@ -14,9 +14,9 @@ import argparse
 import json
 
 from draftsmith.config import load_recipe
-from draftsmith.eval.config import DecodeConfig
-from draftsmith.eval.prompts import load_questions
-from draftsmith.eval.run import evaluate
+from draftsmith.measure.config import DecodeConfig
+from draftsmith.measure.prompts import load_questions
+from draftsmith.measure.evaluate import evaluate
 from draftsmith.target import load_target
 
 

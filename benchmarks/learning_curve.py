@@ -10,7 +10,7 @@ kinds of figure, kept apart on the plot:
   top-1 agreement with the target at the first draft and ``sim_tau`` (τ simulated at the recipe's k from
   the per-position held-out acceptance), against the target tokens the run had trained on by then;
 * **measured, at the end** (with ``--prompts > 0``): each run's final drafter decodes the same MT-bench
-  first turns in one process, through ``eval.run.evaluate``, which times the target alone per prompt
+  first turns in one process, through ``measure.evaluate.evaluate``, which times the target alone per prompt
   (interleaved, after a warm-up): τ (bonus counted) and ``speedup_vs_target``, in ``--dtype`` (bf16 by
   default: the speed dtype).
 
@@ -57,9 +57,9 @@ def run_name(run_dir: str) -> str:
 
 def measure(run_dirs: list[str], args: argparse.Namespace) -> list[dict]:
     from draftsmith.config import load_recipe
-    from draftsmith.eval.config import DecodeConfig
-    from draftsmith.eval.prompts import load_questions
-    from draftsmith.eval.run import evaluate
+    from draftsmith.measure.config import DecodeConfig
+    from draftsmith.measure.prompts import load_questions
+    from draftsmith.measure.evaluate import evaluate
     from draftsmith.target import load_target
 
     base = load_recipe("smollm2-135m-eagle3", [f"target.dtype={args.dtype}"])

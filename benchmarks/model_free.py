@@ -48,10 +48,10 @@ from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.drafters.suffix import SuffixDrafter
 from draftsmith.eval.bench import ForwardCounter
-from draftsmith.eval.prompts import load_questions
-from draftsmith.eval.reference import hf_generate, target_greedy
-from draftsmith.eval.costs import median_interval
-from draftsmith.eval.run import paired_runs
+from draftsmith.measure.prompts import load_questions
+from draftsmith.measure.reference import hf_generate, target_greedy
+from draftsmith.measure.costs import median_interval
+from draftsmith.measure.paired import paired_runs
 from draftsmith.files import write_json
 from draftsmith.kernels import cpu_linear
 from draftsmith.target import Target, load_target
@@ -84,7 +84,7 @@ def drafter_overrides(drafter_path: str, corpus: str, both: bool = False, head_d
 
 def interleaved(prompts: list[list[int]], methods: dict[str, Callable[[list[int]], list[int]]],
                 warmup: int = 1, repeats: int = 1) -> dict[str, dict[str, Any]]:
-    """Run every method on every prompt ``repeats`` times in a rotating order (``eval.run.paired_runs``: the
+    """Run every method on every prompt ``repeats`` times in a rotating order (``measure.paired.paired_runs``: the
     fastest run of each counts); per method: total wall s, new tokens, per-prompt outputs and seconds."""
     names = list(methods)
     for p in prompts[:warmup]:

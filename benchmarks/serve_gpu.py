@@ -160,7 +160,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure.prompts import load_questions
     from draftsmith.export import export
     from draftsmith.target import load_target, resolve_target_folder
 

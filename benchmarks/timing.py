@@ -25,9 +25,9 @@ import torch
 from draftsmith.config import load_recipe
 from draftsmith.decode.protocol import Proposal
 from draftsmith.drafters.registry import model_free_config
-from draftsmith.eval.costs import median_interval
-from draftsmith.eval.prompts import load_questions
-from draftsmith.eval.run import MAIN, TARGET, evaluate
+from draftsmith.measure.costs import median_interval
+from draftsmith.measure.prompts import load_questions
+from draftsmith.measure.evaluate import MAIN, TARGET, evaluate
 from draftsmith.target import load_target
 
 

@@ -28,7 +28,7 @@ short-run
     ``--steps`` steps of EAGLE-3 training (offline by default), then the trained head and the
     untrained one (same seed) are measured by the same code: held-out expected acceptance
     Σ min(p, q) per unrolled step (``train`` held-out metrics, before the first and after the last
-    step) and τ in the built-in speculative decoder (``draftsmith.eval.run.evaluate``, greedy, on
+    step) and τ in the built-in speculative decoder (``draftsmith.measure.evaluate.evaluate``, greedy, on
     the first ``--prompts`` MT-bench questions).
 
 Writes ``benchmarks/out/train_<mode>.json``; the figures go to benchmarks/RESULTS.md.
@@ -158,8 +158,8 @@ def throughput(args: argparse.Namespace, data: dict[str, str]) -> dict:
 def short_run(args: argparse.Namespace, data: dict[str, str]) -> dict:
     import shutil
 
-    from draftsmith.eval.prompts import load_questions
-    from draftsmith.eval.run import evaluate
+    from draftsmith.measure.prompts import load_questions
+    from draftsmith.measure.evaluate import evaluate
     from draftsmith.target import load_target
     from draftsmith.train.heldout import step_rates
     from draftsmith.train.run import run_training

@@ -88,7 +88,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.decode.tree import tree_decode
     from draftsmith.drafters import Eagle3Config, load
-    from draftsmith.eval.reference import target_greedy
+    from draftsmith.measure.reference import target_greedy
     from draftsmith.target import describe, load_target
 
     target = load_target(args.target, dtype=dtype)
@@ -164,7 +164,7 @@ def format_rows(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from draftsmith.errors import DraftsmithError
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure.prompts import load_questions
     from draftsmith.files import write_json
 
     args = parse(argv)

@@ -4,5 +4,5 @@
 drafters and targets to GGUF with llama.cpp's own converter, and runs ``llama-server`` on a
 loopback port, always stopped by its own PID. This folder imports only ``devices``, ``errors``,
 ``files`` and ``decode.stats`` (to read llama.cpp's rounds as draftsmith's stats): data/, export/ and
-eval/ stand on it.
+measure/ stand on it.
 """

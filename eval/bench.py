@@ -34,7 +34,7 @@ from ..decode.chain import speculative_decode
 from ..decode.stats import DecodeStats
 from ..drafters.layer_skip import layer_skip_drafter, truncated_model
 from ..target import Target
-from .reference import hf_generate, target_greedy
+from ..measure.reference import hf_generate, target_greedy
 
 
 def hf_assistant(target: Target, num_layers: int, k: int) -> torch.nn.Module:
@@ -253,7 +253,7 @@ def run_bench_decode(
     """Load the target per dtype, run :func:`bench_decode` (and the sweep), print tables, write JSON."""
     from ..files import write_json
     from ..target import describe, load_target
-    from .prompts import load_questions
+    from ..measure.prompts import load_questions
 
     if threads > 0:
         torch.set_num_threads(threads)

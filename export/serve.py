@@ -2,7 +2,7 @@
 
 ``draftsmith eval`` and the demo call :func:`run_engine_eval` after the built-in decoder's evaluation, and
 ``draftsmith report`` calls :func:`evaluate_in_llamacpp`: export sits above the measurement layer
-(``eval/engine.py`` measures a GGUF in llama.cpp; exporting one is this folder's job), so the stage commands
+(``measure/engine.py`` measures a GGUF in llama.cpp; exporting one is this folder's job), so the stage commands
 that want both come here.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..engines.targets import original_gguf, target_gguf
-from ..eval.engine import measure, table
+from ..measure.engine import measure, table
 from ..files import write_json
 from .run import export
 
@@ -53,7 +53,7 @@ def evaluate_in_llamacpp(recipe: Any, prompts: Sequence[Sequence[int]], target: 
 def run_engine_eval(recipe: Any) -> dict[str, Any]:
     """After ``draftsmith eval`` wrote ``eval_metrics.json``: the same prompts through llama.cpp, written into it
     under "engine", and printed."""
-    from ..eval.prompts import load_questions
+    from ..measure.prompts import load_questions
     from ..target import load_target
 
     target = load_target(recipe.target.name, "float32", "cpu")

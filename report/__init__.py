@@ -6,6 +6,6 @@ the target's own answers (α by position teacher-forced and along the drafter's 
 calibration, vocabulary coverage, failing tokens), the prediction of one from the other, and the
 fp32 lossless audit. ``run.py`` is the command; each other file computes one part.
 
-It sits above eval/, decode/, drafters/ and data/; nothing below imports it (the recipe's
+It sits above measure/, export/, decode/, drafters/ and data/; nothing below imports it (the recipe's
 ``report`` section lives in ``config.py`` here and is imported by the top-level ``config``).
 """

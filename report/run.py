@@ -7,7 +7,7 @@ Order of work (the target is loaded at most twice):
    offline alignment and the reference of the lossless audit. Per drafter: the offline alignment
    (``alignment.py``) and the audit (greedy speculative decoding in fp32 compared token for token).
 2. **the recipe's dtype** (bf16 for speed on a CPU) — per drafter: greedy decoding timed against
-   the target alone (``eval.run.evaluate``: tokens/s, speedup_vs_target, the cost model c, v(k)),
+   the target alone (``measure.evaluate.evaluate``: tokens/s, speedup_vs_target, the cost model c, v(k)),
    then one sampled decode at ``report.temperature`` per seed in ``report.seeds``. When the recipe's
    dtype is fp32 the timed greedy decode is also the audit's.
 
@@ -29,10 +29,10 @@ from ..decode.protocol import BindsTargetCache, common_prefix
 from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
-from ..eval.baselines import baseline_configs
-from ..eval.prompts import Question, load_questions
-from ..eval.reference import target_greedy
-from ..eval.run import Evaluation, evaluate
+from ..measure.baselines import baseline_configs
+from ..measure.prompts import Question, load_questions
+from ..measure.reference import target_greedy
+from ..measure.evaluate import Evaluation, evaluate
 from ..files import write_json, write_text
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target

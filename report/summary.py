@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..eval.costs import conditional_acceptance, predicted_speedup, tau_from_acceptance
+from ..measure.costs import conditional_acceptance, predicted_speedup, tau_from_acceptance
 from .alignment import AnswerAlignment, expected_rounds
 
 
@@ -49,7 +49,7 @@ def _stack(items: list[np.ndarray], k: int) -> np.ndarray:
 
 
 def tau_of(cumulative: list[float | None]) -> float:
-    """1 + Σ_j cumulative α_j, through eval/costs (τ from the conditional acceptances they imply)."""
+    """1 + Σ_j cumulative α_j, through measure/costs (τ from the conditional acceptances they imply)."""
     cond = conditional_acceptance(cumulative)
     return tau_from_acceptance(cond, len(cond))
 
@@ -143,7 +143,7 @@ def summarize_alignment(aligned: list[AnswerAlignment], k: int, max_new_tokens: 
                     "start m accepting >= j drafts with the cumulative acceptance at m (greedy: top-1, exact in fp32 - "
                     "the decoder's replay; sampled: alpha along the drafter's own argmax rollout, or teacher-forced), "
                     "rounds cut short at the answer's end included; tau_steady = 1 + sum_j cumulative alpha_j, the "
-                    "tau of full rounds of k drafts (eval/costs.tau_from_acceptance), the figure the cost model uses",
+                    "tau of full rounds of k drafts (measure/costs.tau_from_acceptance), the figure the cost model uses",
         },
         "failing_tokens": failing_tokens(aligned, worst, decode_text),
         "failing_contexts": failing_contexts(aligned, worst, decode_text),
@@ -207,7 +207,7 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 def group_records(records: list[dict[str, Any]], key: str = "") -> dict[str, Any]:
     """τ (bonus counted), its SE over prompts, accepted-length histogram and the per-prompt spread
-    of τ and speedup for one group of decoder records (``eval.run.evaluate``'s)."""
+    of τ and speedup for one group of decoder records (``measure.evaluate.evaluate``'s)."""
     rounds = [r["stats"]["verify_rounds"] for r in records]
     emitted = [r["stats"]["accepted"] + r["stats"]["verify_rounds"] - r["stats"].get("eos_rounds", 0) for r in records]
     hist = [sum(col) for col in zip(*(r["stats"]["accepted_length_histogram"] for r in records))]
@@ -261,7 +261,7 @@ def null_round_se(predicted_hist: Sequence[float], rounds: int) -> float:
 
 
 def speedup_prediction(cumulative: list[float | None], k: int, cost_model: dict[str, Any]) -> float | None:
-    """τ / (v(k) + k c) with the measured v(k) and c of the speed pass (eval/costs.py)."""
+    """τ / (v(k) + k c) with the measured v(k) and c of the speed pass (measure/costs.py)."""
     v = cost_model.get("verify_cost_by_k", {})
     vk = v.get(k, v.get(str(k)))
     if vk is None:

@@ -88,7 +88,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def mtbench_first_turns() -> list[str]:
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure.prompts import load_questions
 
     return [q.turns[0] for q in load_questions("mtbench")]
 
@@ -106,7 +106,7 @@ def mtbench_prompts(smollm2, mtbench_first_turns) -> list[list[int]]:
 def mtbench_greedy(smollm2, mtbench_prompts) -> list[list[int]]:
     """The target's own greedy decoding of each, MTBENCH_GREEDY_TOKENS new tokens (greedy is
     deterministic: its first n tokens are the greedy decoding of n tokens)."""
-    from draftsmith.eval.reference import target_greedy
+    from draftsmith.measure.reference import target_greedy
 
     return [target_greedy(smollm2, p, MTBENCH_GREEDY_TOKENS) for p in mtbench_prompts]
 

@@ -60,7 +60,7 @@ def test_the_saved_base_tokenizer_has_no_template(base_target_dir):
 
 
 def test_eval_renders_raw_prompts_for_a_base_model(capsys, tmp_path, base_target_dir, smollm2_tokenizer):
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure.prompts import load_questions
 
     run_dir = tmp_path / "run"
     code, out, err = run(capsys, "eval", "-c", "smollm2-135m-layerskip", f"target.name={base_target_dir}",

@@ -37,8 +37,8 @@ from draftsmith.drafters.layer_skip import layer_skip_drafter
 from draftsmith.drafters.medusa import MedusaConfig
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.eval.config import DecodeConfig
-from draftsmith.eval.reference import target_greedy
+from draftsmith.measure.config import DecodeConfig
+from draftsmith.measure.reference import target_greedy
 from draftsmith.target import Target
 
 from .conftest import tiny_llama

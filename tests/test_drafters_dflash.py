@@ -18,7 +18,7 @@ from draftsmith.drafters.dflash import (
     default_target_layers,
 )
 from draftsmith.errors import ConfigError
-from draftsmith.eval.reference import target_greedy
+from draftsmith.measure.reference import target_greedy
 from draftsmith.target import Target
 from draftsmith.train.dflash import block_labels, position_weights, sample_anchors
 

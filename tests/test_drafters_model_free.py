@@ -375,8 +375,8 @@ def test_hybrid_refuses_a_drafter_inside_the_targets_cache(tiny_target):
 
 
 def test_copyheavy_set_is_what_its_builder_writes():
-    from draftsmith.eval import copyheavy
-    from draftsmith.eval.prompts import load_questions
+    from draftsmith.measure import copyheavy
+    from draftsmith.measure.prompts import load_questions
 
     with open(copyheavy.SHIPPED, encoding="utf-8") as f:
         assert f.read() == copyheavy.render(copyheavy.build())

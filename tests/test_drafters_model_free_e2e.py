@@ -13,8 +13,8 @@ from draftsmith.config import load_recipe
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.decode.tree import DynamicTree, tree_decode
-from draftsmith.eval.prompts import load_questions
-from draftsmith.eval.reference import target_greedy
+from draftsmith.measure.prompts import load_questions
+from draftsmith.measure.reference import target_greedy
 
 pytestmark = pytest.mark.e2e
 

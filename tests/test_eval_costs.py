@@ -10,8 +10,8 @@ import torch
 
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters.layer_skip import layer_skip_drafter
-from draftsmith.eval.config import DecodeConfig
-from draftsmith.eval.costs import (
+from draftsmith.measure.config import DecodeConfig
+from draftsmith.measure.costs import (
     OracleDrafter,
     TimedDrafter,
     bench_ceiling,
@@ -22,10 +22,11 @@ from draftsmith.eval.costs import (
     tau_from_acceptance,
     verify_costs,
 )
-from draftsmith.eval.prompts import Question
-from draftsmith.eval.reference import target_greedy
+from draftsmith.measure.prompts import Question
+from draftsmith.measure.reference import target_greedy
 from draftsmith.drafters.registry import model_free_config
-from draftsmith.eval.run import evaluate, paired_runs
+from draftsmith.measure.evaluate import evaluate
+from draftsmith.measure.paired import paired_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

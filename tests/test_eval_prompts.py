@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.prompts import fields_note, load_questions
+from draftsmith.measure.prompts import fields_note, load_questions
 
 
 def _jsonl(path, records) -> str:

@@ -1,6 +1,6 @@
 """pyproject.toml lists every folder the wheel ships files from, so setuptools neither drops nor warns about one.
 
-setuptools ≥ 69 warns "Package 'draftsmith.eval.prompts' is absent from the `packages` configuration" on
+setuptools ≥ 69 warns "Package 'draftsmith.measure.prompts' is absent from the `packages` configuration" on
 ``pip install -e .`` when package data lies in a folder that is not itself a listed package (issue 29).
 """
 
@@ -24,7 +24,7 @@ def setuptools_config() -> dict:
 
 
 def folder_of(package: str) -> str:
-    """'draftsmith.eval.prompts' → ROOT/eval/prompts (the package-dir maps draftsmith to the root)."""
+    """'draftsmith.measure.prompts' → ROOT/measure/prompts (the package-dir maps draftsmith to the root)."""
     return os.path.join(ROOT, *package.split(".")[1:])
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.eval.prompts import Question
+from draftsmith.measure.prompts import Question
 from draftsmith.report.alignment import expected_rounds
 from draftsmith.report.run import drafter_entries, reference_answers
 from draftsmith.report.summary import calibration, compare, null_round_se, ratio_se, tau_of
@@ -101,7 +101,7 @@ def test_alignment_figures_are_consistent(report):
     for name, res in data["drafters"].items():
         al = res["alignment"]
         tf, ro, pred = al["teacher_forced"], al["rollout"], al["prediction"]
-        # τ of full rounds = 1 + Σ_j cumulative α_j (eval/costs' formula)
+        # τ of full rounds = 1 + Σ_j cumulative α_j (measure/costs' formula)
         assert pred["tau_steady_greedy"] == pytest.approx(1 + sum(tf["cumulative_top1"]), abs=1e-3)
         assert pred["tau_steady_sampled"] == pytest.approx(1 + sum(ro["cumulative_alpha"]), abs=1e-3)
         # greedy verifies draft j only after 1..j-1 matched: forced and rollout contexts coincide

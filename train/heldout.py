@@ -136,8 +136,8 @@ def decoder_eval(run: Run, path: str) -> dict[str, Any] | None:
     summary = None
     if run.world.is_main:
         from ..drafters import load
-        from ..eval.prompts import load_questions
-        from ..eval.run import evaluate
+        from ..measure.prompts import load_questions
+        from ..measure.evaluate import evaluate
 
         questions = load_questions(run.recipe.eval.prompts, run.cfg.eval.decoder_prompts)
         stats = evaluate(run.target, load(path, run.target), questions, run.recipe.decode, progress=False).stats

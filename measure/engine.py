@@ -5,7 +5,7 @@ target alone, the drafter at each draft length k, llama.cpp's own model-free met
 ``ngram-cache``, ``ngram-mod``) and the drafter mixed with ``ngram-simple`` (llama.cpp lets a draft model and an
 n-gram method run together: the n-gram draft wins where it has one) — greedy, with the same build, the same
 threads and the same prompts, in paired runs as the built-in decoder's evaluation times them
-(``eval.run.paired_runs``: every prompt through every method, the order rotating from run to run, each method's
+(``measure.paired.paired_runs``: every prompt through every method, the order rotating from run to run, each method's
 fastest run counted, after a warm-up). Per method: τ (bonus token counted, from the server's per-round log),
 acceptance by position, tokens/s, the median of per-prompt speedups against the target alone with its 90 %
 bootstrap interval, how many outputs are identical to the target alone's, and the engine's cost of one round

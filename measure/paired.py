@@ -1,7 +1,7 @@
 """Paired timing: every method on the same prompt, the order rotating from run to run.
 
-Its own file because both ``draftsmith eval`` (``run.py``) and the engine comparison (``engine.py``,
-which ``run.py`` calls) time this way.
+Its own file because both the built-in decoder's evaluation (``evaluate.py``) and the engine comparison
+(``engine.py``) time this way.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def baseline_rows(
 ) -> dict[str, dict[str, Any]]:
     """name → the baseline's stats summary, its drafter section and its speed against the target alone.
 
-    result: the :class:`~draftsmith.eval.run.Evaluation` whose ``baselines`` decoded these drafters beside
+    result: the :class:`~draftsmith.measure.evaluate.Evaluation` whose ``baselines`` decoded these drafters beside
     the main one (same prompts, paired timing); check_identity: the main run's outputs were checked against
     the target's, so a baseline's must equal them (raises on a difference).
     """
