@@ -4,7 +4,6 @@
     draftsmith train --config RECIPE [key.sub=value …]   the recipe's drafter, through DeepSpeed (resumable)
     draftsmith eval  --config RECIPE [key.sub=value …]   drafter in the built-in decoder, metrics on disk
     draftsmith report --config RECIPE [--compare DIR …]  the alignment report: decoding, offline α, prediction, audit
-    draftsmith bench decode [--k N …]                    speed side by side: ours, HF assisted, plain greedy
     draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
     draftsmith export --check DIR                        load an export back and prove it (gguf: in llama.cpp)
     draftsmith engine build|path                         llama.cpp, built once per machine into the cache
@@ -12,6 +11,7 @@
 
 RECIPE is a YAML path or the name of a recipe in ``configs/`` (``draftsmith configs``
 lists them). Overrides use dotted keys: ``decode.k=5 target.dtype=bfloat16``.
+Speed benchmarks are scripts in ``benchmarks/`` (``python benchmarks/decode.py`` …), not commands.
 """
 
 from __future__ import annotations
@@ -114,24 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", choices=("eagle3", "dflash"), default=None,
                    help="what to train on the same data: eagle3 (default) or dflash (a block drafter, k = 7 per forward)")
     p.set_defaults(func=cmd_demo)
-
-    p = sub.add_parser("bench", help="speed benchmarks measured side by side in one run (see benchmarks/)")
-    bench = p.add_subparsers(title="benchmarks", metavar="BENCH")
-    b = bench.add_parser("decode", help="draftsmith's decoder vs HF assisted generation vs plain greedy",
-                         description="On MT-bench first turns, batch 1, the same layer-skip drafter and k for both "
-                                     "speculative methods: time draftsmith's decoder, HF transformers assisted "
-                                     "generation and the target's plain greedy generate, interleaved per prompt after "
-                                     "a warm-up; print medians, ratios and token identity with greedy.")
-    b.add_argument("--target", default="smollm2-135m-instruct", help="target spec (default: the builtin SmolLM2)")
-    b.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run (default: %(default)s)")
-    b.add_argument("--layers", type=int, default=None, help="layer-skip depth (default: the layer-skip recipe's)")
-    b.add_argument("--k", type=int, default=None, help="draft tokens per round (default: the layer-skip recipe's)")
-    b.add_argument("--prompts", type=int, default=10, help="timed MT-bench prompts, after 1 warm-up (default: 10)")
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--sweep-layers", default="", help="also measure acceptance at these depths, e.g. 8,16,24")
-    b.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    b.add_argument("--out", default="benchmarks/out/decode.json", help="where the JSON results go")
-    b.set_defaults(func=cmd_bench_decode)
 
     p = sub.add_parser("export", help="write a drafter in a serving engine's format; --check proves an export",
                        description="Write the drafter of SOURCE (a drafter folder, <run_dir>/drafter, or a training "
@@ -260,25 +242,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with writing(run_dir):
         summary = run_demo(run_dir, size, check=True)
     return 0 if summary["passed"] else 1
-
-
-def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from .config import load_recipe
-    from .errors import ConfigError
-    from .eval.bench import run_bench_decode
-
-    recipe = load_recipe("smollm2-135m-layerskip")
-    layers = args.layers if args.layers is not None else recipe.drafter.num_layers
-    k = args.k if args.k is not None else recipe.decode.k
-    if k < 1 or args.prompts < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--k, --prompts and --max-new-tokens must be at least 1")
-    try:
-        sweep = [int(x) for x in args.sweep_layers.split(",") if x.strip()]
-    except ValueError as e:
-        raise ConfigError(f"--sweep-layers must be comma-separated integers, got '{args.sweep_layers}'") from e
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    run_bench_decode(args.target, dtypes, layers, k, args.prompts, args.max_new_tokens, sweep, args.threads, args.out)
-    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -47,7 +47,7 @@ from draftsmith.decode.stats import DecodeStats
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.drafters.suffix import SuffixDrafter
-from draftsmith.eval.bench import ForwardCounter
+from draftsmith.measure.forwards import ForwardCounter
 from draftsmith.measure.prompts import load_questions
 from draftsmith.measure.reference import hf_generate, target_greedy
 from draftsmith.measure.costs import median_interval

@@ -29,11 +29,11 @@ from ..decode.protocol import BindsTargetCache, common_prefix
 from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
+from ..files import write_json, write_text
 from ..measure.baselines import baseline_configs
+from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import Question, load_questions
 from ..measure.reference import target_greedy
-from ..measure.evaluate import Evaluation, evaluate
-from ..files import write_json, write_text
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
 from . import summary as S

@@ -6,7 +6,9 @@ Tests import the *installed* ``draftsmith`` (pytest ``--import-mode=importlib``)
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -18,6 +20,18 @@ import torch
 from draftsmith.target import Target, load_target, resolve_target_folder
 
 SMOLLM2 = "smollm2-135m-instruct"
+
+
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` loaded as a module (benchmarks are scripts, not part of the package)."""
+    import draftsmith
+
+    root = os.path.dirname(os.path.abspath(draftsmith.__file__))
+    spec = importlib.util.spec_from_file_location(f"draftsmith_bench_{name}", os.path.join(root, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,11 +37,8 @@ def test_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("eval", "bench", "demo", "configs"):
+    for cmd in ("prepare", "train", "eval", "report", "export", "demo", "configs"):
         assert cmd in out
-    with pytest.raises(SystemExit):
-        main(["bench", "decode", "--help"])
-    assert "HF transformers assisted generation" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("override,fragments", [
@@ -98,11 +95,6 @@ def test_drafter_with_another_vocab_size(capsys, tmp_path, smollm2_folder):
                  "predicts 50000 token ids but the target predicts 49152")
 
 
-def test_bad_bench_arguments(capsys):
-    expect_error(capsys, ["bench", "decode", "--k", "0"], "--k")
-    expect_error(capsys, ["bench", "decode", "--sweep-layers", "8,x"], "--sweep-layers")
-
-
 def test_console_script_prints_the_error_without_traceback(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "draftsmith")
     proc = subprocess.run([exe, "eval", f"run_dir={tmp_path}", "decode.k=0"], capture_output=True, text=True, timeout=120)
@@ -138,18 +130,3 @@ def test_eval_writes_config_outputs_and_metrics(capsys, tmp_path, smollm2_folder
     lines = [json.loads(x) for x in (run_dir / "eval_outputs.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(rec["identical_to_target"] for rec in lines)
     assert sum(len(rec["tokens"]) for rec in lines) == metrics["new_tokens"]
-
-
-@pytest.mark.e2e
-def test_bench_decode_runs_all_three_and_checks_identity(capsys, tmp_path, smollm2_folder):
-    out_json = tmp_path / "decode.json"
-    code, out, err = run_cli(capsys, "bench", "decode", "--dtypes", "float32", "--prompts", "1", "--max-new-tokens", "6",
-                             "--layers", "24", "--k", "2", "--threads", "1", "--out", str(out_json))
-    assert code == 0, err
-    assert "draftsmith / hf_assisted" in out
-    res = json.loads(out_json.read_text())["results"]["float32"]
-    s = res["summary"]
-    assert s["draftsmith"]["identical_to_greedy"] == 1 and s["hf_assisted"]["identical_to_greedy"] == 1
-    # both speculative methods did the same number of verification rounds: same drafter, same k
-    assert s["draftsmith"]["target_forwards"] == s["hf_assisted"]["target_forwards"]
-    assert s["greedy"]["new_tokens"] == s["draftsmith"]["new_tokens"]

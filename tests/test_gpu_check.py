@@ -3,7 +3,6 @@ and says "no GPU"; benchmarks/host_syncs.py counts the decoder's host reads per 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,19 +13,13 @@ import torch
 
 from draftsmith.config import CONFIG_DIR
 
+from .conftest import benchmark_script
+
 ROOT = os.path.dirname(CONFIG_DIR)
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"draftsmith_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_host_reads_are_counted_and_the_methods_restored():
-    hs = load("host_syncs")
+    hs = benchmark_script("host_syncs")
     t = torch.tensor([3, 4])
     item = torch.Tensor.item
     with hs.count_host_reads() as reads:
@@ -40,7 +33,7 @@ def test_host_reads_are_counted_and_the_methods_restored():
 
 
 def test_decoder_host_reads_per_round_within_budget():
-    hs = load("host_syncs")
+    hs = benchmark_script("host_syncs")
     torch.set_num_threads(1)
     target = hs.tiny_target()
     for name, drafter in hs.drafters_for(target).items():
@@ -51,7 +44,7 @@ def test_decoder_host_reads_per_round_within_budget():
 
 
 def test_peak_table_matches_device_names():
-    gc = load("gpu_check")
+    gc = benchmark_script("gpu_check")
     assert gc.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert gc.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gc.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0

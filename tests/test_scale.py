@@ -5,7 +5,6 @@ benchmarks/scale.py equal to what the recipes' headers and docs/scale.md say."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
@@ -16,6 +15,8 @@ from draftsmith.config import CONFIG_DIR, load_recipe
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.params import TARGETS, VARIANTS, count, meta_module, parameter_rows, target_parameters
 from draftsmith.target import default_eagle3_layers
+
+from .conftest import benchmark_script
 
 ROOT = os.path.dirname(CONFIG_DIR)
 ARCHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "archs")
@@ -121,12 +122,8 @@ def test_recipe_headers_hold_launch_commands(name):
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("draftsmith_bench_scale", os.path.join(ROOT, "benchmarks", "scale.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield benchmark_script("scale")
+    del sys.modules["draftsmith_bench_scale"]
 
 
 def test_state_bytes_per_zero_stage(scale):

@@ -1,0 +1,92 @@
+"""The benchmark harnesses of ``benchmarks/`` that measure the decoder itself, loaded from their files (they are
+scripts, not part of the package): the ceiling's oracle drafter (``ceiling.py``) and the decode comparison against HF
+assisted generation (``decode.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from draftsmith.decode.chain import speculative_decode
+from draftsmith.measure.reference import target_greedy
+
+from .conftest import benchmark_script
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ceiling():
+    yield benchmark_script("ceiling")
+    del sys.modules["draftsmith_bench_ceiling"]
+
+
+@pytest.fixture(scope="module")
+def decode():
+    yield benchmark_script("decode")
+    del sys.modules["draftsmith_bench_decode"]
+
+
+# ---------------------------------------------------------------- benchmarks/ceiling.py
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_oracle_is_always_accepted_in_fp32(ceiling, tiny_target, k):
+    prompt = [1, 2, 3, 4, 5]
+    ref = ceiling.oracle_reference(tiny_target, prompt, k, max_new_tokens=31)
+    res = speculative_decode(tiny_target, ceiling.OracleDrafter(ref), prompt, k=k, max_new_tokens=31)
+    assert res.tokens == target_greedy(tiny_target, prompt, 31) == ref[len(prompt):]
+    # every round accepts all k drafts: τ = k + 1 exactly (the last round may be cut by max_new_tokens)
+    full = [n for n in range(k + 1) if res.stats.accept_hist[n]]
+    assert res.stats.accept_hist[k] >= res.stats.rounds - 1 and len(full) <= 2
+    assert res.stats.accepted == res.stats.drafted
+
+
+def test_a_wrong_oracle_is_rejected_and_then_drafts_nothing(ceiling, tiny_target):
+    prompt = [1, 2, 3, 4, 5]
+    ref = ceiling.oracle_reference(tiny_target, prompt, 2, max_new_tokens=12)
+    # new token 0 comes from the prefill; round 1 proposes new tokens 1 and 2, and 2 is wrong
+    wrong = ref[: len(prompt) + 2] + [(t + 1) % 100 for t in ref[len(prompt) + 2:]]
+    res = speculative_decode(tiny_target, ceiling.OracleDrafter(wrong), prompt, k=2, max_new_tokens=12)
+    assert res.tokens == ref[len(prompt):]  # lossless anyway
+    assert (res.stats.drafted, res.stats.accepted) == (2, 1)  # off the reference after the rejection: no drafts
+
+
+def test_ceiling_reports_the_oracle_end_to_end_and_with_the_prefill_taken_out(ceiling, tiny_target):
+    prompts = [list(range(10, 40)), list(range(50, 90)), list(range(100, 125))]
+    res = ceiling.bench_ceiling(tiny_target, prompts, [1, 3], max_new_tokens=12)
+    assert res["prompts"] == 2 and [r["k"] for r in res["table"]] == [1, 3]
+    for r in res["table"]:
+        assert r["oracle_tau"] == pytest.approx(r["k"] + 1, abs=0.5)  # fp32: the oracle is always accepted
+        assert r["prefill_s"] > 0 and r["decode_phase_speedup"] > 0
+        assert r["decode_phase_share_of_bound"] == pytest.approx(r["decode_phase_speedup"] / r["bound"], rel=2e-2)
+        # the prefill is paid on both sides, so the end-to-end bound lies between 1 and the decode bound
+        assert 1.0 < r["end_to_end_bound"] < r["bound"] and r["share_of_end_to_end_bound"] > 0
+
+
+# ---------------------------------------------------------------- benchmarks/decode.py
+
+
+@pytest.mark.parametrize("argv,fragment", [(["--k", "0"], "--k"), (["--sweep-layers", "8,x"], "--sweep-layers")])
+def test_bad_arguments_exit_2_naming_the_option(decode, capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        decode.main(argv)
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_decode_runs_all_three_and_checks_identity(decode, capsys, tmp_path, smollm2_folder):
+    out_json = tmp_path / "decode.json"
+    code = decode.main(["--dtypes", "float32", "--prompts", "1", "--max-new-tokens", "6", "--layers", "24", "--k", "2",
+                        "--threads", "1", "--out", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "draftsmith / hf_assisted" in out
+    res = json.loads(out_json.read_text())["results"]["float32"]
+    s = res["summary"]
+    assert s["draftsmith"]["identical_to_greedy"] == 1 and s["hf_assisted"]["identical_to_greedy"] == 1
+    # both speculative methods did the same number of verification rounds: same drafter, same k
+    assert s["draftsmith"]["target_forwards"] == s["hf_assisted"]["target_forwards"]
+    assert s["greedy"]["new_tokens"] == s["draftsmith"]["new_tokens"]
