@@ -171,12 +171,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.config, args.overrides)
     with writing(recipe.run_dir):
-        code = run_eval_recipe(recipe)
-        if recipe.eval.engine == "llamacpp":  # the same drafter where it is served (export/serve.py)
-            from .export.serve import run_engine_eval
-
-            run_engine_eval(recipe)
-        return code
+        run_eval_recipe(recipe)
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -195,24 +191,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from .config import load_recipe
-    from .data import run_prepare
-    from .schema import save_recipe
-
-    recipe = load_recipe(args.config, args.overrides)
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        with writing(recipe.data.resolve_out_dir(recipe.run_dir)):
-            save_recipe(recipe)
-            run_prepare(recipe, restart=args.restart)
-        return 0
-    # under torchrun / the deepspeed launcher: the processes split regenerate and features
-    from .data.shards import Workers
+    from .data import run_prepare_recipe
     from .train import distributed
 
-    with distributed.process_group() as world, writing(recipe.data.resolve_out_dir(recipe.run_dir)):
-        if world.is_main:
-            save_recipe(recipe)
-        run_prepare(recipe, workers=Workers(world.rank, world.world_size, distributed.barrier, distributed.all_sum),
-                    restart=args.restart)
+    recipe = load_recipe(args.config, args.overrides)
+    with writing(recipe.data.resolve_out_dir(recipe.run_dir)):  # under a launcher the processes share the shards
+        run_prepare_recipe(recipe, restart=args.restart, workers=distributed.sharing)
     return 0
 
 

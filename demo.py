@@ -189,9 +189,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     """Run the three stages; with ``check``, the summary's ``passed`` says whether the trained head
     ran faster than the target alone (speedup_vs_target > 1.0, bf16) with fp32-identical outputs."""
     from .config import load_recipe
-    from .data import run_prepare
+    from .data import run_prepare_recipe
     from .eval.run import run_eval_recipe
-    from .schema import save_recipe
     from .train.run import run_training
 
     size = size or DemoSize()
@@ -205,8 +204,7 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         return time.perf_counter()
 
     t = banner("prepare")
-    save_recipe(recipes["prepare"])
-    run_prepare(recipes["prepare"])
+    run_prepare_recipe(recipes["prepare"])
     times["prepare"] = time.perf_counter() - t
 
     t = banner("train")
@@ -215,13 +213,8 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
 
     t = banner("eval")
     recipe = recipes["eval"]
-    run_eval_recipe(recipe)
-    if recipe.eval.engine == "llamacpp":  # the same drafter served in llama.cpp, written into eval_metrics.json
-        from .export.serve import run_engine_eval
-
-        run_engine_eval(recipe)
+    m = run_eval_recipe(recipe)  # eval_metrics.json's content; with eval.engine=llamacpp also the drafter in llama.cpp
     times["eval"] = time.perf_counter() - t
-    m = _read_json(os.path.join(recipe.run_dir, "eval_metrics.json"))
     speed, ident = m["speed"], m["identity"]
     rows = [
         {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
@@ -284,11 +277,6 @@ def sized(name: str, **overrides: Any) -> DemoSize:
 def _best_step(train_summary: dict[str, Any]) -> Any:
     """The step of the drafter training kept as best (``drafter-best``), or "?" when the summary lacks it."""
     return (train_summary.get("best") or {}).get("step", "?")
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def format_table(rows: list[dict[str, Any]], times: dict[str, float], run_dir: str, speed: dict[str, Any],

@@ -1,6 +1,7 @@
 """Data: sources → normalized conversations → chat template + loss mask → regenerate → feature cache → draft vocab.
 
-``draftsmith prepare --config RECIPE`` (:func:`run_prepare`) writes, under
+``draftsmith prepare --config RECIPE`` (:func:`run_prepare_recipe`, which writes ``<run_dir>/config.yaml`` and
+runs :func:`run_prepare`) writes, under
 ``data.out_dir`` (default ``<run_dir>/data``; :class:`PreparedPaths` names each path):
 
 * ``tokenized/`` — what training reads: a `datasets.Dataset` (``save_to_disk``) with
@@ -24,7 +25,7 @@
 """
 
 from .feature_cache import FeatureCache, default_layer_ids, write_feature_cache
-from .prepare import PreparedPaths, PrepareSummary, run_prepare
+from .prepare import PreparedPaths, PrepareSummary, run_prepare, run_prepare_recipe
 from .tokenized import load_tokenized
 from .vocab import DraftVocab, build_draft_vocab
 

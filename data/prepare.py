@@ -29,13 +29,14 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import DraftsmithError
 from ..files import write_json
+from ..schema import save_recipe
 from ..tables import WIDTH, text_table, wrapped
 from .config import STAGE_ORDER, DataConfig
 from .conversations import FORMAT as CONVERSATIONS_FORMAT
@@ -98,6 +99,21 @@ class PrepareSummary:
     def to_dict(self) -> dict[str, Any]:
         return {"out_dir": self.out_dir, "stages": [asdict(r) for r in self.rows],
                 "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
+
+
+def run_prepare_recipe(recipe: Any, restart: bool = False,
+                       workers: Callable[[], AbstractContextManager[Workers]] = lambda: nullcontext(SOLO)) -> dict[str, Any]:
+    """``draftsmith prepare``: the whole command (the CLI and the demo call it). Opens ``workers`` for the run,
+    writes the resolved recipe to ``<run_dir>/config.yaml`` (process 0), runs :func:`run_prepare` and returns
+    its summary (``summary.json``'s content).
+
+    workers: opens the processes that share regenerate and features — one process by default; under a
+    launcher the CLI hands in ``train.distributed.sharing``, which opens the process group: data/ never
+    touches the process group itself (``shards.Workers``)."""
+    with workers() as w:
+        if w.is_main:
+            save_recipe(recipe)
+        return run_prepare(recipe, workers=w, restart=restart).to_dict()
 
 
 def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO, restart: bool = False) -> PrepareSummary:

@@ -47,9 +47,11 @@ def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, ex
     return metrics
 
 
-def run_eval_recipe(recipe: Any) -> int:
+def run_eval_recipe(recipe: Any) -> dict[str, Any]:
     """``draftsmith eval``: decode the recipe's prompts with its drafter and with the target alone in the
-    recipe's dtype (speed), check greedy identity in fp32 (``eval.check_identity``), write and print the metrics.
+    recipe's dtype (speed), check greedy identity in fp32 (``eval.check_identity``), write and print the metrics,
+    and with ``eval.engine=llamacpp`` measure the same drafter where it is served (``export/serve.py``, written
+    into eval_metrics.json under "engine"). Writes ``<run_dir>/config.yaml`` first; returns the metrics.
 
     When the recipe's dtype is not fp32 the identity audit is a second pass: the target reloaded in fp32,
     the drafter rebuilt for it, every prompt decoded speculatively and by the target alone, compared token
@@ -95,7 +97,13 @@ def run_eval_recipe(recipe: Any) -> int:
     print("\n".join(line for entry in baseline_lines(baselines) for line in wrapped(entry))
           or "no baselines (eval.baselines=[])")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
-    return 0
+    if recipe.eval.engine == "llamacpp":
+        from ..export.serve import run_engine_eval
+
+        target = drafter = None  # freed first: the target is loaded again there (fp32, CPU) to serve it
+        gc.collect()
+        metrics["engine"] = run_engine_eval(recipe)
+    return metrics
 
 
 def eval_lines(m: dict[str, Any], width: int = WIDTH) -> list[str]:

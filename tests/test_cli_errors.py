@@ -59,7 +59,7 @@ def test_demo_refuses_zero_steps_before_it_prepares(capsys, tmp_path, monkeypatc
     def prepare(*args, **kwargs):
         raise AssertionError("prepare ran")
 
-    monkeypatch.setattr(draftsmith.data, "run_prepare", prepare)
+    monkeypatch.setattr(draftsmith.data, "run_prepare_recipe", prepare)
     expect_error(capsys, ["demo", "--steps", "0", "--run-dir", str(tmp_path / "demo")], "train.steps = 0 must be at least 1")
     assert not os.path.exists(tmp_path / "demo")
 

@@ -75,9 +75,10 @@ def test_eval_reports_model_free_baselines(smollm2, tmp_path):
     recipe = load_recipe("smollm2-135m-layerskip", [
         f"run_dir={tmp_path}", "eval.prompts=copyheavy", "eval.num_prompts=1", "eval.check_identity=true",
         "decode.max_new_tokens=16", "drafter.num_layers=4", "eval.baselines=[prompt_lookup, suffix]"])
-    assert run_eval_recipe(recipe) == 0
+    returned = run_eval_recipe(recipe)
     with open(os.path.join(tmp_path, "eval_metrics.json"), encoding="utf-8") as f:
         metrics = json.load(f)
+    assert returned == metrics  # the runner returns what it wrote
     assert set(metrics["baselines"]) == {"prompt_lookup", "suffix"}
     for row in metrics["baselines"].values():
         assert row["new_tokens"] == metrics["new_tokens"]

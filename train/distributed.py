@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..data.shards import SOLO, Workers
 from ..devices import cache_dir
 from ..errors import ConfigError, DraftsmithError
 
@@ -116,6 +117,18 @@ def process_group() -> Iterator[World]:
         shutdown(wait_for_peers=False)
         raise
     shutdown()
+
+
+@contextlib.contextmanager
+def sharing() -> Iterator[Workers]:
+    """The processes that share ``draftsmith prepare``'s sharded stages (``data.shards.Workers``): under
+    torchrun / the deepspeed launcher the process group for the block, else one process and no group
+    (prepare's cheap stages need none, and one process must not pay DeepSpeed's start-up)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        yield SOLO
+        return
+    with process_group() as world:
+        yield Workers(world.rank, world.world_size, barrier, all_sum)
 
 
 def shutdown(wait_for_peers: bool = True) -> None:
