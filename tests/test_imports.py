@@ -18,11 +18,32 @@ import ast
 import os
 from collections.abc import Iterator
 
+import pytest
+
 import draftsmith
 
 ROOT = os.path.dirname(os.path.abspath(draftsmith.__file__))
 SKIP_DIRS = {"tests", "benchmarks", "runs", "configs", "__pycache__"}
 DECODE_MAY_IMPORT = {"target", "errors", "files", "devices"}
+LAYERS = [
+    {"__init__", "__version__", "errors", "files", "tables", "kernels"},
+    {"devices", "schema", "chat"},
+    {"target"},
+    {"decode"},
+    {"engines"},
+    {"data"},
+    {"drafters"},
+    {"measure"},
+    {"train"},
+    {"export"},
+    {"eval", "report"},
+    {"config"},
+    {"demo"},
+    {"cli"},
+]
+"""The package bottom to top (docs/conventions.md, "Layout"): a folder or top-level module imports only the layers
+below its own. ``measure/`` is the measurement layer the stages share: below ``train/``, ``export/``, ``eval/`` and
+``report/``, which stand on it side by side, and above the decoder and the drafters it measures."""
 
 
 def package_files(root: str = ROOT) -> list[str]:
@@ -154,6 +175,25 @@ def test_no_import_cycle_between_folders_and_top_level_modules():
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " → ".join(cycle) + "; arrows: " + "; ".join(
         f"{n} → {', '.join(sorted(graph[n]))}" for n in sorted(graph) if graph[n])
+
+
+def test_every_node_imports_only_the_layers_below_it():
+    graph = import_graph()
+    level = {n: i for i, layer in enumerate(LAYERS) for n in layer}
+    seen = set(graph) | {m for targets in graph.values() for m in targets}
+    assert seen <= set(level), f"not in LAYERS: {sorted(seen - set(level))}"
+    upward = sorted(f"{n} → {m}" for n, targets in graph.items() for m in targets if level[m] >= level[n])
+    assert not upward, "imports of a layer not below: " + "; ".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import(monkeypatch):
+    import sys
+
+    module = sys.modules[__name__]
+    real = import_graph()
+    monkeypatch.setattr(module, "import_graph", lambda: {**real, "measure": real["measure"] | {"eval"}})
+    with pytest.raises(AssertionError, match="measure → eval"):
+        test_every_node_imports_only_the_layers_below_it()
 
 
 def test_decode_imports_only_what_lies_below_it():
