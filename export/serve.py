@@ -1,9 +1,9 @@
 """The saved drafter exported to GGUF and measured where it is served (``eval.engine=llamacpp``).
 
-``draftsmith eval`` and the demo call :func:`run_engine_eval` after the built-in decoder's evaluation, and
-``draftsmith report`` calls :func:`evaluate_in_llamacpp`: export sits above the measurement layer
-(``measure/engine.py`` measures a GGUF in llama.cpp; exporting one is this folder's job), so the stage commands
-that want both come here.
+``draftsmith eval`` (``eval.run.run_eval_recipe``, for the demo too) calls :func:`run_engine_eval` after the
+built-in decoder's evaluation, and ``draftsmith report`` calls :func:`evaluate_in_llamacpp`: export sits above the
+measurement layer (``measure/engine.py`` measures a GGUF in llama.cpp; exporting one is this folder's job), so the
+stage commands that want both come here.
 """
 
 from __future__ import annotations
