@@ -354,8 +354,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     rounded to bf16 — so fp32 and bf16 loads of one checkpoint agree, and the cost is
     tiny even for an 8B model. Any fine-tune changes it with overwhelming probability.
     """
-    samples = ((name, tuple(p.shape), p.detach().reshape(-1)[torch.as_tensor(_sample_index(p.numel()), device=p.device)])
-               for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]) if p.device.type != "meta")
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    index = lambda p: torch.as_tensor(_sample_index(p.numel()), device=p.device)  # noqa: E731
+    samples = ((name, tuple(p.shape), p.detach().reshape(-1)[index(p)])
+               for name, p in params if p.device.type != "meta")
     return _fingerprint(getattr(model, "config", None), samples)
 
 

@@ -75,9 +75,9 @@ def regenerate_conversations(
 ) -> RegenReport:
     """Regenerate every assistant turn of ``conversations`` (a Dataset of {conv_id, source, messages})
     into JSONL shards under ``folder``; resumable. ``target``: a loaded :class:`~draftsmith.target.Target` for the
-    in-process methods; for method='server' its files are enough (``load_target_files``). A prompt must leave room for an answer within
-    ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
-    each process answers its share of the shards (see :mod:`~draftsmith.data.shards`, which also says what
+    in-process methods; for method='server' its files are enough (``load_target_files``). A prompt must leave
+    room for an answer within ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several
+    ``workers`` each process answers its share of the shards (see :mod:`~draftsmith.data.shards`, which also says what
     a re-run keeps; ``restart`` lets it discard finished shards that changed settings or inputs invalidate)."""
     spec = {"target": target.fingerprint, "tokenizer": target.tokenizer_hash, "data.render.max_length": max_length,
             **_answer_settings(settings, target)}

@@ -497,16 +497,18 @@ def test_a_killed_demo_prepare_through_a_launched_server_resumes_without_re_aski
                     regenerate_method="server")
 
     def overrides(out):  # the demo's, on the tiny target and these conversations; 2 slots on 1 thread (a shared CPU)
-        return [*demo_stages(str(out), size)["prepare"], f"target.name={tiny_target_dir}", f"data.sources=[{{path: {src}}}]",
-                "data.stages=[regenerate]", "data.regenerate.shard_size=8", "data.regenerate.server.slots=2",
-                "data.regenerate.server.concurrency=2", "data.regenerate.server.threads=1"]
+        return [*demo_stages(str(out), size)["prepare"], f"target.name={tiny_target_dir}",
+                f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", "data.regenerate.shard_size=8",
+                "data.regenerate.server.slots=2", "data.regenerate.server.concurrency=2",
+                "data.regenerate.server.threads=1"]
 
     recipe = load_recipe(STAGE_RECIPES["prepare"], overrides(tmp_path / "killed"))
     r = recipe.data.regenerate
     assert (r.method, r.server.launch, r.server.gguf_type, r.max_turns) == ("server", "llamacpp", "f32", 1)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "prepare", "--config", STAGE_RECIPES["prepare"],
-                             *overrides(tmp_path / "killed")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *overrides(tmp_path / "killed")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     folder = tmp_path / "killed" / "prepare" / "data" / "regenerate"
 
     def journaled() -> dict[tuple[int, int, int], dict]:  # (shard, conversation, turn) → entry

@@ -216,7 +216,8 @@ def test_tiny_target_reports_its_facts(tiny_target):
 def _tiny_family(name: str) -> torch.nn.Module:
     """Tiny models of the families whose checkpoints the file fingerprint must read as the model: tied (Llama,
     SmolLM2's shape) and untied embeddings, q/k norms (Qwen3), q/k/v biases (Qwen2), Mistral."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(1)
     shape = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
