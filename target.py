@@ -114,34 +114,29 @@ def end_of_sequence_ids(*sources: Any) -> set[int]:
     return ids
 
 
-class Target:
-    """A frozen causal LM with its tokenizer and fingerprint. Holds no config object."""
+class TargetFiles:
+    """A target as its files describe it, with no model built: name, tokenizer (its chat template applied),
+    HF config, generation config and fingerprint (:func:`files_fingerprint`) — what a client needs when a
+    server computes for the target (``data.regenerate.method: server``). A :class:`Target` is one too, with
+    the model; :func:`load_target_files` reads one."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None,
+    def __init__(self, config: Any, generation_config: Any, tokenizer: Any, name: str, fingerprint: str,
                  chat_option: str | None = None):
-        """chat_option: the ``target.chat_template`` the tokenizer's template came from, when known (drafters
-        record it, ``describe``)."""
-        check_architecture(model, name, need="decode")
-        freeze(model)
-        self.model = model
+        self._config = config
+        self._generation_config = generation_config
         self.tokenizer = tokenizer
         self.name = name
-        self.fingerprint = fingerprint or model_fingerprint(model)
+        self.fingerprint = fingerprint
         self.tokenizer_hash = tokenizer_fingerprint(tokenizer)
         self.chat_option = chat_option
 
-    # ---- facts about the model
     @property
     def config(self) -> Any:
-        return self.model.config
+        return self._config
 
     @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+    def generation_config(self) -> Any:
+        return self._generation_config
 
     @property
     def num_layers(self) -> int:
@@ -152,21 +147,56 @@ class Target:
         return int(self.config.hidden_size)
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    @property
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
     @property
     def eos_token_ids(self) -> set[int]:
         """The generation config's and the tokenizer's end-of-sequence ids (:func:`end_of_sequence_ids`)."""
-        return end_of_sequence_ids(getattr(self.model, "generation_config", None), self.tokenizer)
+        return end_of_sequence_ids(self.generation_config, self.tokenizer)
 
     def layer_index(self, layer: int) -> int:
         """Resolve a possibly negative layer id (:func:`resolve_layer`); a ConfigError if out of range."""
         return resolve_layer(layer, self.num_layers, f"target '{self.name}': feature layer")
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the target's chat template (a lone user prompt raw
+        when there is none; see ``chat.py`` and ``target.chat_template``)."""
+        return render_prompt(self.tokenizer, messages, add_generation_prompt, self.name)
+
+
+class Target(TargetFiles):
+    """A frozen causal LM with its tokenizer and fingerprint. Holds no config object."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, fingerprint: str | None = None,
+                 chat_option: str | None = None):
+        """chat_option: the ``target.chat_template`` the tokenizer's template came from, when known (drafters
+        record it, ``describe``)."""
+        check_architecture(model, name, need="decode")
+        freeze(model)
+        self.model = model
+        super().__init__(model.config, None, tokenizer, name, fingerprint or model_fingerprint(model), chat_option)
+
+    # ---- facts about the model
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        return getattr(self.model, "generation_config", None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
 
     # ---- compute
     def new_cache(self) -> Any:
@@ -216,11 +246,6 @@ class Target:
         if feature_layers:
             features = torch.cat([captured[self.layer_index(layer)] for layer in feature_layers], dim=-1)
         return TargetOutput(logits=out.logits, features=features)
-
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the target's chat template (a lone user prompt raw
-        when there is none; see ``chat.py`` and ``target.chat_template``)."""
-        return render_prompt(self.tokenizer, messages, add_generation_prompt, self.name)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -329,21 +354,87 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     rounded to bf16 — so fp32 and bf16 loads of one checkpoint agree, and the cost is
     tiny even for an 8B model. Any fine-tune changes it with overwhelming probability.
     """
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    index = lambda p: torch.as_tensor(_sample_index(p.numel()), device=p.device)  # noqa: E731
+    samples = ((name, tuple(p.shape), p.detach().reshape(-1)[index(p)])
+               for name, p in params if p.device.type != "meta")
+    return _fingerprint(getattr(model, "config", None), samples)
+
+
+def _sample_index(n: int) -> np.ndarray:
+    """The flat indices of the elements a fingerprint samples from a tensor of ``n``: [min(n, 4096)] int64."""
+    m = min(n, _SAMPLES_PER_TENSOR)
+    return np.arange(m, dtype=np.int64) * (n - 1) // max(m - 1, 1)
+
+
+def _fingerprint(config: Any, samples: Any) -> str:
+    """The hash of :func:`model_fingerprint` over (name, shape, sampled values [≤ 4096], any float dtype)."""
     h = hashlib.sha256()
-    cfg = getattr(model, "config", None)
-    arch = {k: getattr(cfg, k, None) for k in _ARCH_KEYS} if cfg is not None else {}
+    arch = {k: getattr(config, k, None) for k in _ARCH_KEYS} if config is not None else {}
     h.update(json.dumps(arch, sort_keys=True, default=str).encode())
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if p.device.type == "meta":
-            continue
-        flat = p.detach().reshape(-1)
-        n, m = flat.numel(), min(flat.numel(), _SAMPLES_PER_TENSOR)
-        idx = torch.arange(m, device=flat.device) * (n - 1) // max(m - 1, 1)
-        vals = flat[idx].to(torch.bfloat16).view(torch.int16).cpu().numpy()
+    for name, shape, vals in samples:
         h.update(name.encode())
-        h.update(np.asarray(p.shape, dtype=np.int64).tobytes())
-        h.update(vals.tobytes())
+        h.update(np.asarray(shape, dtype=np.int64).tobytes())
+        h.update(vals.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+_SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<i2"}
+"""safetensors dtype → the numpy dtype its elements are read as (bf16: its bits, viewed back in torch)."""
+
+
+def files_fingerprint(folder: str, config: Any) -> str | None:
+    """:func:`model_fingerprint` of the model in ``folder`` (a local HF folder, or a hub id: its safetensors are
+    fetched into the HF cache) read from its safetensors files without building the model: each sampled element
+    is read through a memory map, so only the pages that hold them are read. The files' tensor names are the
+    model's parameter names for the families draftsmith supports (``tests/test_target.py`` compares the two);
+    a tied output embedding is not a parameter of its own. None when the folder has no safetensors
+    (``pytorch_model.bin``) or holds a tensor of another dtype than a float (quantized): hash the loaded model."""
+    files = _safetensors_files(folder)
+    if not files:
+        return None
+    tensors: dict[str, tuple[str, int, str, tuple[int, ...]]] = {}  # name → (file, byte offset, dtype, shape)
+    for path in files:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name, t in header.items():
+            tensors[name] = (path, 8 + size + t["data_offsets"][0], t["dtype"], tuple(t["shape"]))
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # the input embedding's parameter, hashed under its own name
+    if any(dtype not in _SAFETENSORS_DTYPES for _, _, dtype, _ in tensors.values()):
+        return None
+
+    def sample(path: str, offset: int, dtype: str, shape: tuple[int, ...]) -> Tensor:
+        n = int(np.prod(shape, dtype=np.int64))
+        if n == 0:
+            return torch.zeros(0)
+        flat = np.memmap(path, dtype=_SAFETENSORS_DTYPES[dtype], mode="r", offset=offset, shape=(n,))
+        vals = torch.from_numpy(np.ascontiguousarray(flat[_sample_index(n)]).astype(flat.dtype.newbyteorder("=")))
+        return vals.view(torch.bfloat16) if dtype == "BF16" else vals
+
+    return _fingerprint(config, ((name, shape, sample(path, offset, dtype, shape))
+                                 for name, (path, offset, dtype, shape) in sorted(tensors.items())))
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    """The safetensors files transformers loads ``folder``'s weights from (the index's shards, or
+    ``model.safetensors``); a hub id's are fetched into the HF cache first. Empty when there are none."""
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(folder, allow_patterns=["model*.safetensors", "model.safetensors.index.json"])
+        except Exception:  # offline, gated, no such repo: the caller loads the model, which says why
+            return []
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, n) for n in names]
+    single = os.path.join(folder, "model.safetensors")
+    return [single] if os.path.isfile(single) else []
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -384,6 +475,28 @@ def load_target(
     model.to(dev)
     cpu_linear.install(model)  # CPU: fp32 on oneDNN, bf16 on an AVX2 CPU on our kernel (flat cost for 1-8 tokens)
     return Target(model, apply_option(tokenizer, chat_template), name=spec, chat_option=chat_template)
+
+
+def load_target_files(spec: str | TargetConfig, chat_template: str = "auto") -> TargetFiles:
+    """The target as its files describe it (:class:`TargetFiles`): tokenizer, config, generation config and the
+    fingerprint read from the safetensors (:func:`files_fingerprint`), no model built; only where the weights are
+    not float safetensors is the model loaded (bf16, on the CPU) to hash it."""
+    if isinstance(spec, TargetConfig):
+        spec, chat_template = spec.name, spec.chat_template
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = resolve_target_folder(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"could not load target '{spec}': {e}") from e
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError):  # none saved: transformers derives the model's from its config
+        generation = GenerationConfig.from_model_config(config)
+    fingerprint = files_fingerprint(folder, config) or load_target(spec, "bfloat16", "cpu").fingerprint
+    return TargetFiles(config, generation, apply_option(tokenizer, chat_template), spec, fingerprint, chat_template)
 
 
 def resolve_target_folder(spec: str) -> str:
@@ -470,11 +583,14 @@ __all__ = [
     "BUILTINS",
     "Target",
     "TargetConfig",
+    "TargetFiles",
     "TargetOutput",
     "check_architecture",
     "crop_cache",
     "describe",
+    "files_fingerprint",
     "load_target",
+    "load_target_files",
     "model_fingerprint",
     "render_chat",
     "rollback_cache",

@@ -160,11 +160,14 @@ def _main_first(workers: Workers) -> Iterator[None]:
 
 
 class _Env:
-    """The target, loaded only when a stage needs the model; the tokenizer alone otherwise."""
+    """The target, loaded once, when the first stage that needs the model starts (regenerate in process,
+    features); what its files say (tokenizer, config, fingerprint) for the stages that need no model
+    (tokenize, vocab, regenerate through a server)."""
 
     def __init__(self, recipe: Any):
         self.recipe = recipe
         self._target = None
+        self._files = None
         self._tokenizer = None
 
     @property
@@ -180,9 +183,19 @@ class _Env:
             self._target = load_target(self.recipe.target)
         return self._target
 
-    def tokenizer(self) -> Any:
+    def files(self) -> Any:
+        """The loaded target if a stage loaded it, else the target as its files describe it (no model built)."""
         if self._target is not None:
-            return self._target.tokenizer
+            return self._target
+        if self._files is None:
+            from ..target import load_target_files
+
+            self._files = load_target_files(self.recipe.target)
+        return self._files
+
+    def tokenizer(self) -> Any:
+        if self._target is not None or self._files is not None:
+            return self.files().tokenizer
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -243,9 +256,9 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
 
     r = cfg.regenerate
     if r.method == "server":
-        # the client needs the tokenizer, the template and the fingerprint, not a device: a bf16 copy on the CPU
-        # leaves every GPU of the node to the server (vLLM, SGLang) that answers
-        target = load_target(env.recipe.target.name, "bfloat16", "cpu", env.recipe.target.chat_template)
+        # the client needs the tokenizer, the template, the end-of-turn ids and the fingerprint, not the model:
+        # no weights in memory, every GPU of the node left to the server (vLLM, SGLang) that answers
+        target = env.files()
     else:
         target = env.target()
     if r.method != "server" and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":

@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import DraftsmithError
-from ..target import Target
+from ..target import Target, TargetFiles
 from .config import RegenerateConfig
 from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_digest
 from .turns import Conversation, answer_text, finish_shard, new_stats
@@ -65,7 +65,7 @@ class RegenReport:
 def regenerate_conversations(
     conversations: Any,
     folder: str,
-    target: Target,
+    target: TargetFiles,
     settings: RegenerateConfig,
     max_length: int,
     drafter: Any = None,
@@ -74,9 +74,10 @@ def regenerate_conversations(
     restart: bool = False,
 ) -> RegenReport:
     """Regenerate every assistant turn of ``conversations`` (a Dataset of {conv_id, source, messages})
-    into JSONL shards under ``folder``; resumable. A prompt must leave room for an answer within
-    ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several ``workers``
-    each process answers its share of the shards (see :mod:`~draftsmith.data.shards`, which also says what
+    into JSONL shards under ``folder``; resumable. ``target``: a loaded :class:`~draftsmith.target.Target` for the
+    in-process methods; for method='server' its files are enough (``load_target_files``). A prompt must leave
+    room for an answer within ``max_length`` tokens. ``drafter`` is needed for method='speculative'. With several
+    ``workers`` each process answers its share of the shards (see :mod:`~draftsmith.data.shards`, which also says what
     a re-run keeps; ``restart`` lets it discard finished shards that changed settings or inputs invalidate)."""
     spec = {"target": target.fingerprint, "tokenizer": target.tokenizer_hash, "data.render.max_length": max_length,
             **_answer_settings(settings, target)}
@@ -129,7 +130,7 @@ def regenerate_conversations(
     return _report_from(shards, report, note=report.note)
 
 
-def _answer_settings(st: RegenerateConfig, target: Target) -> dict[str, Any]:
+def _answer_settings(st: RegenerateConfig, target: TargetFiles) -> dict[str, Any]:
     """The settings that change a regenerated record, recorded in the job's spec (a change keeps no shard
     it invalidates; see :mod:`~draftsmith.data.shards`). Not: batch and shard sizes, ``dtype`` (the dtype it
     resolves to is recorded instead), and ``k`` unless the speculative decoder samples with it — a record

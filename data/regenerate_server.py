@@ -63,7 +63,7 @@ from tqdm import tqdm
 
 from ..engines.openai_client import CompletionsClient, RequestFailed, ServedAnswer, ServerDown
 from ..errors import DraftsmithError
-from ..target import Target
+from ..target import TargetFiles
 from .config import RegenerateConfig
 from .turns import Conversation, answer_text, finish_shard, new_stats
 
@@ -86,7 +86,7 @@ def check_model(client: CompletionsClient) -> None:
                           f"'{client.model}': set data.regenerate.server.model to the name it serves the target under")
 
 
-def check_tokenizer(client: CompletionsClient, target: Target) -> None:
+def check_tokenizer(client: CompletionsClient, target: TargetFiles) -> None:
     """Refuse a server whose tokenizer gives other ids than the target's for :data:`PROBE` (module docstring)."""
     from ..chat import has_template
 
@@ -108,7 +108,7 @@ def check_tokenizer(client: CompletionsClient, target: Target) -> None:
 
 
 @contextlib.contextmanager
-def server_for(target: Target, st: RegenerateConfig, max_length: int) -> Iterator[tuple[CompletionsClient, Any]]:
+def server_for(target: TargetFiles, st: RegenerateConfig, max_length: int) -> Iterator[tuple[CompletionsClient, Any]]:
     """(client, launched llama-server or None): the configured server, started here when ``launch: llamacpp``
     (on the target's GGUF of ``gguf_type``, one context of ``max_length + max_new_tokens`` per slot) and
     stopped on leaving, whatever happens."""
@@ -184,7 +184,7 @@ def _read_journal(path: str) -> dict[tuple[int, int], dict[str, Any]]:
 
 def regenerate_through_server(
     shards: list[int], rows: Callable[[int], list[dict[str, Any]]],
-    commit: Callable[[int, list[dict[str, Any]], dict[str, Any]], None], folder: str, target: Target,
+    commit: Callable[[int, list[dict[str, Any]], dict[str, Any]], None], folder: str, target: TargetFiles,
     st: RegenerateConfig, max_length: int, bar: tqdm, tags: dict[int, str] | None = None,
 ) -> None:
     """Answer every turn of ``shards`` (their conversations from ``rows(s)``) through the configured server and
@@ -208,7 +208,7 @@ def regenerate_through_server(
 
 
 class _Run:
-    def __init__(self, client: CompletionsClient, folder: str, target: Target, st: RegenerateConfig,
+    def __init__(self, client: CompletionsClient, folder: str, target: TargetFiles, st: RegenerateConfig,
                  max_length: int, bar: tqdm, commit: Callable[..., None], tags: dict[int, str] | None = None):
         self.client, self.folder, self.target, self.st = client, folder, target, st
         self.max_length, self.bar, self.commit, self.tags = max_length, bar, commit, tags or {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..target import Target
+from ..target import TargetFiles
 from .config import RegenerateConfig
 
 
@@ -27,7 +27,7 @@ class Conversation:
     def answered(self) -> int:
         return sum(m["role"] == "assistant" for m in self.done)
 
-    def next_prompt(self, target: Target, st: RegenerateConfig, max_length: int) -> list[int] | None:
+    def next_prompt(self, target: TargetFiles, st: RegenerateConfig, max_length: int) -> list[int] | None:
         """The prompt ids of the next turn to answer, or None when the conversation ends here (no turn left,
         ``max_turns`` reached, or no room for an answer within ``max_length`` / the target's positions)."""
         while self.todo and self.todo[0]["role"] != "assistant":
@@ -68,7 +68,7 @@ def new_stats(convs: list[dict[str, Any]]) -> dict[str, Any]:
             "turns": 0, "new_tokens": 0, "finish": Counter(), "skipped": Counter(), "examples": {}}
 
 
-def answer_text(target: Target, tokens: list[int]) -> str:
+def answer_text(target: TargetFiles, tokens: list[int]) -> str:
     """The text stored for an answer's ids: decoded without its EOS and special tokens."""
     return target.tokenizer.decode([t for t in tokens if t not in target.eos_token_ids], skip_special_tokens=True)
 

@@ -11,7 +11,7 @@ import os
 from ..devices import cache_dir
 from ..errors import DraftsmithError
 from ..files import atomic_path
-from ..target import BUILTINS, Target, resolve_target_folder
+from ..target import BUILTINS, TargetFiles, resolve_target_folder
 from . import llamacpp
 
 TARGET_TYPES = ("as-loaded", "f32", "bf16", "f16", "q8_0")
@@ -28,7 +28,7 @@ def original_gguf(target_spec: str) -> str | None:
     return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
 
 
-def cached_target(target: Target, kind: str = "f32") -> str:
+def cached_target(target: TargetFiles, kind: str = "f32") -> str:
     """A GGUF of ``target`` converted by llama.cpp's converter (once per fingerprint and kind, into the cache)."""
     path = os.path.join(cache_dir(), "gguf", f"{target.fingerprint}-{kind}.gguf")
     if not os.path.isfile(path):
@@ -38,7 +38,7 @@ def cached_target(target: Target, kind: str = "f32") -> str:
     return path
 
 
-def target_gguf(target: Target, kind: str) -> str:
+def target_gguf(target: TargetFiles, kind: str) -> str:
     """The GGUF of ``target`` of type ``kind`` (:data:`TARGET_TYPES`) to serve in llama.cpp."""
     if kind not in TARGET_TYPES:
         raise DraftsmithError(f"GGUF type {kind!r} is not one of: {', '.join(TARGET_TYPES)}")

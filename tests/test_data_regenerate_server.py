@@ -164,14 +164,25 @@ def test_transient_errors_are_retried_with_exponential_backoff(monkeypatch):
         CompletionsClient(flaky.url, "m", retries=2, backoff_s=0.0).complete([1], 4)
 
 
-def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_target_dir, monkeypatch):
-    """... having loaded the target's client copy on the CPU in bf16 (the node's GPUs are the server's)."""
-    import draftsmith.target
-    from draftsmith.cli import main
+@pytest.fixture
+def models_built(monkeypatch):
+    """The transformers models instantiated during a test (every ``PreTrainedModel.__init__``, whoever calls it)."""
+    from transformers import PreTrainedModel
 
-    loads = []
-    real_load = draftsmith.target.load_target
-    monkeypatch.setattr(draftsmith.target, "load_target", lambda *a, **k: loads.append(a[1:3]) or real_load(*a, **k))
+    built: list[str] = []
+    real = PreTrainedModel.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "__init__", init)
+    return built
+
+
+def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_target_dir, models_built):
+    """... having built no model: the client reads the target's tokenizer, config and fingerprint from its files."""
+    from draftsmith.cli import main
 
     src = tmp_path / "convs.jsonl"
     src.write_text(json.dumps({"id": "q", "messages": _messages(["Hi"])}) + "\n")
@@ -182,7 +193,7 @@ def test_prepare_against_no_server_exits_2_with_one_line(capsys, tmp_path, tiny_
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"draftsmith: error: no server answers at {url}: start it" in err
-    assert loads == [("bfloat16", "cpu")]
+    assert models_built == []
 
 
 def test_answers_are_cut_at_the_targets_end_of_turn_and_at_max_new_tokens(tiny_target_dir):
@@ -388,20 +399,42 @@ def test_a_failed_request_is_counted_and_ends_its_conversation(tmp_path, target,
     assert re.match(r"test:c[0-3] \(http_400: .*exceeds the available context", report.examples["failed"])  # why
 
 
-def _recipe(tmp_path, tiny_target_dir, url, out):
+def _recipe(tmp_path, tiny_target_dir, url, out, stages=("regenerate",), **regenerate):
     src = tmp_path / "convs.jsonl"
     if not src.exists():
         src.write_text("".join(json.dumps({"id": f"q{i}", "messages": _messages(t)}) + "\n" for i, t in enumerate(USERS)))
     path = tmp_path / f"{os.path.basename(out)}.yaml"
     path.write_text(yaml.safe_dump({
         "target": {"name": tiny_target_dir, "dtype": "float32", "device": "cpu"},
-        "data": {"sources": [{"path": str(src)}], "stages": ["regenerate"], "out_dir": str(out),
+        "data": {"sources": [{"path": str(src)}], "stages": list(stages), "out_dir": str(out),
                  "render": {"max_length": 256},
                  "regenerate": {"method": "server", "max_new_tokens": 48, "shard_size": 8,
-                                "server": {"url": url, "concurrency": 1}}},
+                                "server": {"url": url, "concurrency": 1}, **regenerate}},
         "run_dir": str(tmp_path / "run"),
     }))
     return str(path)
+
+
+@engine
+def test_prepare_through_a_server_builds_no_model_and_writes_the_records_of_a_loaded_target(
+        tmp_path, tiny_target_dir, server, served, models_built):
+    """The regenerate stage of `prepare` (method server) reads the target's files only, and writes the records the
+    same job writes with the whole target loaded (``served``); the features stage of the same prepare builds the
+    model, once, when it starts."""
+    from draftsmith.config import load_recipe
+    from draftsmith.data import run_prepare
+
+    out = tmp_path / "out"
+    settings = {"max_new_tokens": NEW, "shard_size": 4, "server": {"url": server.url, "concurrency": 4}}
+    run_prepare(load_recipe(_recipe(tmp_path, tiny_target_dir, server.url, out, **settings)), progress=False)
+    assert models_built == []
+    got = list(regenerated_records(str(out / "regenerate")))
+    assert [(r["messages"], r["truncated_turns"]) for r in got] == [
+        (r["messages"], r["truncated_turns"]) for r in served[1]]
+
+    run_prepare(load_recipe(_recipe(tmp_path, tiny_target_dir, server.url, out, ("regenerate", "tokenize", "features"),
+                                    **settings)), progress=False)
+    assert models_built == ["LlamaForCausalLM", "LlamaModel"]  # regenerate reused, then features: one model, once
 
 
 @engine
@@ -443,6 +476,72 @@ def test_a_killed_client_resumes_without_requesting_an_answered_turn(tmp_path, t
     clean = tmp_path / "clean"
     run_prepare(load_recipe(_recipe(tmp_path, tiny_target_dir, server.url, clean)), progress=False)
     assert records == list(regenerated_records(str(clean / "regenerate")))
+
+
+@engine
+def test_a_killed_demo_prepare_through_a_launched_server_resumes_without_re_asking(tmp_path, tiny_target_dir,
+                                                                                   monkeypatch, started):
+    """The demo's prepare with ``--regenerate server`` (its overrides: a llama-server launched on the target's F32
+    GGUF), on the tiny target, SIGKILLed once a shard is committed and answers of the next are journaled (its
+    llama-server dies with it); run again, it launches another server, requests no journaled turn again, and
+    writes the shards of an unkilled run."""
+    from draftsmith.config import load_recipe
+    from draftsmith.data import run_prepare
+    from draftsmith.demo import STAGE_RECIPES, DemoSize, demo_stages
+    from draftsmith.target import load_target_files
+
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": _messages([f"Question {i}: tell me about {i}.",
+                                                                             "And more?"])}) + "\n" for i in range(32)))
+    size = DemoSize(conversations=32, regenerate=True, answer_tokens=48, max_length=256, dtype="float32",
+                    regenerate_method="server")
+
+    def overrides(out):  # the demo's, on the tiny target and these conversations; 2 slots on 1 thread (a shared CPU)
+        return [*demo_stages(str(out), size)["prepare"], f"target.name={tiny_target_dir}",
+                f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", "data.regenerate.shard_size=8",
+                "data.regenerate.server.slots=2", "data.regenerate.server.concurrency=2",
+                "data.regenerate.server.threads=1"]
+
+    recipe = load_recipe(STAGE_RECIPES["prepare"], overrides(tmp_path / "killed"))
+    r = recipe.data.regenerate
+    assert (r.method, r.server.launch, r.server.gguf_type, r.max_turns) == ("server", "llamacpp", "f32", 1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "prepare", "--config", STAGE_RECIPES["prepare"],
+                             *overrides(tmp_path / "killed")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = tmp_path / "killed" / "prepare" / "data" / "regenerate"
+
+    def journaled() -> dict[tuple[int, int, int], dict]:  # (shard, conversation, turn) → entry
+        return {(int(p.name[6:11]), *k): e for p in folder.glob("shard-*.partial.jsonl")
+                for k, e in _read_journal(str(p)).items()} if folder.exists() else {}
+
+    deadline = time.time() + 300
+    while not ((folder / "shard-00000.json").exists() and len(journaled()) >= 2):
+        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    answered = journaled()
+    committed = sorted(int(p.name[6:11]) for p in folder.glob("shard-?????.json"))
+    print(f"killed with shards {committed} committed and {len(answered)} turns journaled")
+    assert committed and answered and not (folder / "manifest.json").exists()
+    assert not {s for s, _, _ in answered} & set(committed)
+
+    counting = _Counting(monkeypatch)
+    run_prepare(recipe, progress=False)
+    assert len(started) == 1  # a fresh server: the killed one's port is not part of the job
+    records = list(regenerated_records(str(folder)))
+    assert len(records) == 32 and all(len(r["messages"]) == 2 for r in records)  # max_turns 1: first answers
+    target = load_target_files(tiny_target_dir)
+    prompt = {(s, i): tuple(target.render_chat(records[8 * s + i]["messages"][:1])) for s in range(4) for i in range(8)}
+    asked = [tuple(p) for p in counting.prompts]
+    assert not set(asked) & {prompt[s, i] for s, i, _ in answered}  # no journaled turn requested again
+    assert sorted(asked) == sorted(prompt[s, i] for s in range(4) for i in range(8)
+                                   if s not in committed and (s, i, 0) not in answered)
+
+    clean = load_recipe(STAGE_RECIPES["prepare"], overrides(tmp_path / "clean"))
+    run_prepare(clean, progress=False)
+    assert records == list(regenerated_records(str(tmp_path / "clean" / "prepare" / "data" / "regenerate")))
 
 
 @engine

@@ -71,6 +71,43 @@ def test_sizes_fit_the_pipeline_dtype_and_explicit_figures_win(monkeypatch):
     assert "target.dtype=float32" in stages["prepare"] and "target.dtype=float32" in stages["train"]
 
 
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_the_demo_regenerates_through_a_llama_server_on_request(tmp_path, size):
+    """``--regenerate server``: prepare's answers come from a llama-server started on the target's F32 GGUF, with
+    the slots and threads of ``demo.REGENERATE_SERVER`` (as many requests in flight as slots); the default stays
+    in-process generation, with the recipe's settings untouched."""
+    from draftsmith.demo import REGENERATE_SERVER
+    from draftsmith.errors import ConfigError
+
+    default = load_recipe(STAGE_RECIPES["prepare"], demo_stages(str(tmp_path), SIZES[size])["prepare"])
+    assert SIZES[size].regenerate_method == "generate" and default.data.regenerate.method == "generate"
+    assert not any("data.regenerate.server" in o for o in demo_stages(str(tmp_path), SIZES[size])["prepare"])
+    served = load_recipe(STAGE_RECIPES["prepare"],
+                         demo_stages(str(tmp_path), replace(SIZES[size], regenerate_method="server"))["prepare"])
+    r, srv = served.data.regenerate, served.data.regenerate.server
+    assert r.method == "server" and "regenerate" in served.data.stages
+    assert (srv.launch, srv.url, srv.gguf_type) == ("llamacpp", "", REGENERATE_SERVER["gguf_type"]) == (
+        "llamacpp", "", "f32")
+    assert (srv.slots, srv.threads, srv.concurrency) == (REGENERATE_SERVER["slots"], REGENERATE_SERVER["threads"],
+                                                         REGENERATE_SERVER["slots"])
+    assert (r.max_new_tokens, r.max_turns, r.temperature) == (
+        default.data.regenerate.max_new_tokens, default.data.regenerate.max_turns, 0.0)  # the same job otherwise
+    with pytest.raises(ConfigError, match="demo regenerate method 'vllm' is not one of: generate, server"):
+        demo_stages(str(tmp_path), replace(SIZES[size], regenerate_method="vllm"))
+
+
+def test_the_cli_flag_picks_the_regeneration_method_and_its_own_run_folder(monkeypatch):
+    from draftsmith import demo
+    from draftsmith.cli import main
+
+    runs = []
+    monkeypatch.setattr(demo, "run_demo", lambda run_dir, size, check: runs.append((run_dir, size)) or {"passed": True})
+    assert main(["demo"]) == 0 and main(["demo", "--regenerate", "server"]) == 0
+    assert main(["demo", "--size", "full", "--regenerate", "generate"]) == 0
+    assert [(d, s.regenerate_method) for d, s in runs] == [("runs/demo", "generate"), ("runs/demo-server", "server"),
+                                                           ("runs/demo-full", "generate")]
+
+
 @pytest.mark.e2e
 def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
     run_dir = str(tmp_path / "demo")

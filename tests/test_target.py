@@ -211,3 +211,81 @@ def test_tiny_target_reports_its_facts(tiny_target):
     assert (tiny_target.num_layers, tiny_target.hidden_size, tiny_target.vocab_size) == (4, 64, 49152)
     assert 2 in tiny_target.eos_token_ids
     assert len(tiny_target.fingerprint) == 16 and len(tiny_target.tokenizer_hash) == 16
+
+
+def _tiny_family(name: str) -> torch.nn.Module:
+    """Tiny models of the families whose checkpoints the file fingerprint must read as the model: tied (Llama,
+    SmolLM2's shape) and untied embeddings, q/k norms (Qwen3), q/k/v biases (Qwen2), Mistral."""
+    from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    torch.manual_seed(1)
+    shape = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if name.startswith("llama"):
+        return tiny_llama(layers=2, hidden=32, seed=1)
+    cls, cfg = {"qwen3": (Qwen3ForCausalLM, Qwen3Config), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+                "mistral": (MistralForCausalLM, MistralConfig)}[name]
+    return cls(cfg(**shape, tie_word_embeddings=False)).eval()
+
+
+@pytest.mark.parametrize("family, saved_dtype, shard", [("llama", torch.float32, None), ("llama", torch.bfloat16, None),
+                                                        ("llama-sharded", torch.float16, "200KB"),
+                                                        ("qwen3", torch.float32, None), ("qwen2", torch.bfloat16, None),
+                                                        ("mistral", torch.float32, "300KB")])
+def test_the_fingerprint_read_from_files_is_the_loaded_models(tmp_path, smollm2_tokenizer, family, saved_dtype, shard):
+    """``load_target_files`` builds no model, yet tells what ``load_target`` does about the target: the fingerprint
+    (sampled from the safetensors through a memory map, a sharded checkpoint's index followed), the tokenizer's
+    hash, the end-of-turn ids, the context and the rendered prompts."""
+    from draftsmith.target import files_fingerprint, load_target_files
+
+    model = _tiny_family(family).to(saved_dtype)
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json") == bool(shard)
+    loaded = load_target(str(tmp_path), dtype="float32", device="cpu")
+    files = load_target_files(str(tmp_path))
+    assert not hasattr(files, "model")
+    assert files.fingerprint == loaded.fingerprint == model_fingerprint(model)
+    assert (files.tokenizer_hash, files.eos_token_ids, files.max_positions, files.num_layers) == (
+        loaded.tokenizer_hash, loaded.eos_token_ids, loaded.max_positions, loaded.num_layers)
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert files.render_chat(chat) == loaded.render_chat(chat)
+    with torch.no_grad():
+        next(iter(model.parameters())).view(-1)[0] += 1.0  # a sampled element (the first) changed
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert files_fingerprint(str(tmp_path), files.config) == model_fingerprint(model) != loaded.fingerprint
+
+
+def test_the_builtin_targets_file_fingerprint_is_its_models(smollm2, smollm2_folder):
+    from transformers import AutoConfig
+
+    from draftsmith.target import files_fingerprint
+
+    assert files_fingerprint(smollm2_folder, AutoConfig.from_pretrained(smollm2_folder)) == smollm2.fingerprint
+
+
+def test_weights_without_safetensors_are_hashed_from_the_loaded_model(tmp_path, smollm2_tokenizer, monkeypatch):
+    """A folder of ``pytorch_model.bin`` (or quantized safetensors) has no float sample to read: the model is loaded
+    to hash it, as before."""
+    import draftsmith.target as target_module
+
+    model = tiny_llama(layers=2, hidden=32, seed=1)
+    model.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    header = (tmp_path / "model.safetensors").read_bytes()
+    size = int.from_bytes(header[:8], "little")
+    quantized = header[8: 8 + size].replace(b'"F32"', b'"I32"', 1)  # the same length: one tensor now int32
+    (tmp_path / "model.safetensors").write_bytes(header[:8] + quantized + header[8 + size:])
+    from transformers import AutoConfig
+
+    assert target_module.files_fingerprint(str(tmp_path), AutoConfig.from_pretrained(tmp_path)) is None
+    os.remove(tmp_path / "model.safetensors")
+    assert target_module.files_fingerprint(str(tmp_path), AutoConfig.from_pretrained(tmp_path)) is None
+    model.save_pretrained(tmp_path)
+    loads = []
+    monkeypatch.setattr(target_module, "files_fingerprint", lambda *a: None)
+    real = target_module.load_target
+    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: loads.append(a[1:]) or real(*a, **k))
+    assert target_module.load_target_files(str(tmp_path)).fingerprint == model_fingerprint(model)
+    assert loads == [("bfloat16", "cpu")]
