@@ -43,6 +43,8 @@ def draft_layer_config(arch: Any) -> Any:
     tc = text_config(arch)
     heads = int(tc.num_attention_heads)
     rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    if "full_attention" in rope:  # per layer type (Gemma-3: local 10k, global 1M): the head attends the whole context
+        rope = rope["full_attention"]
     cfg = LlamaConfig(
         vocab_size=int(tc.vocab_size),
         hidden_size=int(tc.hidden_size),

@@ -1,5 +1,6 @@
 """Target families beyond SmolLM2's plain Llama: Qwen3 (q/k norms, head_dim ≠ hidden/heads, untied
-embeddings) and Llama-3.x (llama3 rope scaling). Feature capture equals HF's ``output_hidden_states``,
+embeddings), Llama-3.x (llama3 rope scaling) and Gemma-3 (sliding-window layers, a scaled tied embedding,
+(1 + w) norms). Feature capture equals HF's ``output_hidden_states``,
 the drafters take head_dim and RoPE from the target's config, an EAGLE-3 head briefly trained on the
 target's own greedy continuations decodes token-identically to the target's greedy decoding, and
 architectures draftsmith cannot capture features from are refused in one line."""
@@ -56,7 +57,23 @@ def _peaked(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-FAMILIES = {"qwen3": tiny_qwen3, "llama3": tiny_llama3}
+def tiny_gemma3(seed: int = 0) -> torch.nn.Module:
+    """Gemma-3's shape in small: three sliding-window layers (window 8) then a full one, as Gemma-3-270M's
+    5 + 1 pattern; tied, sqrt(hidden)-scaled embedding; q/k norms; head_dim 16 ≠ 32 / 2."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=512,
+                           tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(9.0)  # Gemma's norms scale by (1 + w): ×10, peaked as _peaked makes others
+    return model.eval()
+
+
+FAMILIES = {"qwen3": tiny_qwen3, "llama3": tiny_llama3, "gemma3": tiny_gemma3}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -94,8 +111,10 @@ def test_eagle3_layer_takes_head_dim_and_rope_from_the_target(family):
     assert cfg.head_dim == family.config.head_dim  # 32 for the tiny Qwen3, not hidden / heads = 16
     head = Eagle3Config(feature_layers=[0, 1, 2]).build_module(family)
     assert head.midlayer.self_attn.q_proj.out_features == family.config.num_attention_heads * family.config.head_dim
-    torch.testing.assert_close(head.rotary_emb.inv_freq, family.model.model.rotary_emb.inv_freq, atol=0, rtol=0)
-    assert head.rotary_emb.attention_scaling == family.model.model.rotary_emb.attention_scaling
+    rope = family.model.model.rotary_emb
+    prefix = "full_attention_" if hasattr(rope, "full_attention_inv_freq") else ""  # Gemma-3: one RoPE per layer type
+    torch.testing.assert_close(head.rotary_emb.inv_freq, getattr(rope, prefix + "inv_freq"), atol=0, rtol=0)
+    assert head.rotary_emb.attention_scaling == getattr(rope, prefix + "attention_scaling")
     # untied target: the head's lm_head starts from the target's lm_head, not its embedding
     torch.testing.assert_close(head.lm_head.weight, family.model.lm_head.weight, atol=0, rtol=0)
 
@@ -109,7 +128,8 @@ def test_draft_lm_copies_the_targets_layers(family):
         theirs = family.model(input_ids=ids, output_hidden_states=True).hidden_states
         torch.testing.assert_close(own[1], theirs[1], atol=1e-5, rtol=1e-5)  # the same first two layers
         torch.testing.assert_close(own[2], family.model.model.norm(theirs[2]), atol=1e-5, rtol=1e-5)
-    assert not torch.equal(draft.lm_head.weight, draft.model.embed_tokens.weight)  # untied as the target
+    tied = draft.lm_head.weight is draft.model.embed_tokens.weight
+    assert tied == (family.model.lm_head.weight is family.model.model.embed_tokens.weight)  # as the target
 
 
 def _brief_eagle3_training(target: Target, prompts: list[list[int]], steps: int = 60):
@@ -194,3 +214,34 @@ def test_unsupported_architectures_are_refused_in_one_line(smollm2_tokenizer):
     with pytest.raises(DraftsmithError, match="has linear_attention layers: draftsmith's decoder rolls the KV cache") as e:
         Target(hybrid, smollm2_tokenizer, name="tiny-hybrid")
     assert "\n" not in str(e.value)
+
+
+def test_gemma3_decodes_losslessly_past_the_window_with_layer_skip(smollm2_tokenizer):
+    target = Target(tiny_gemma3(), smollm2_tokenizer, name="tiny-gemma3")
+    prompt = list(range(3, 30))  # longer than the window of 8: the rolled-back caches keep the full past
+    expected = target_greedy(target, prompt, 20)
+    drafter = LayerSkipConfig(num_layers=3).build(target)
+    assert type(drafter).__name__ == "HFDrafter"  # Gemma's scaled embedding and per-type RoPE: the truncated model
+    res = speculative_decode(target, drafter, prompt, k=3, max_new_tokens=20)
+    assert res.tokens == expected
+    assert res.stats.accepted > 0
+
+
+def test_a_loaded_gemma3_runs_as_fast_as_its_size_allows(tmp_path, smollm2_tokenizer):
+    """What load_target hands the decoder for a Gemma-3 folder: SDPA (not eager) attention, one tensor for the
+    tied embedding and lm_head (not a second 262k-row copy), contiguous weights, and every fp32 linear on the
+    oneDNN route where this torch has it (the lm_head included)."""
+    from draftsmith.kernels import cpu_linear
+    from draftsmith.target import load_target
+
+    tiny_gemma3().save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), dtype="float32", device="cpu")
+    model = target.model
+    assert model.config._attn_implementation == "sdpa"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert all(p.is_contiguous() for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * 7 + 1
+    if cpu_linear.route(torch.float32) == "onednn":
+        assert cpu_linear.installed(model) == len(linears)
