@@ -113,9 +113,14 @@ takes ``FP32_SHARE`` of both, which keeps the time about the same. Measured time
 benchmarks/RESULTS.md, "demo"."""
 
 
-DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4}
+DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4,
+          # True: the drafter's lm_head computes only prepare's draft vocabulary (data.vocab, the EAGLE-3 head's
+          # file), about half a block's cost at SmolLM2's 49k rows; off until its acceptance is measured against
+          # the full vocabulary's (the GGUF export for llama.cpp refuses a draft vocabulary)
+          "draft_vocab": False}
 """The demo's DFlash drafter (``drafter=dflash``): the recipe ``smollm2-135m-dflash`` reading the EAGLE-3 layers the
-demo's feature cache holds (training stays offline), 32 blocks per sequence, the reference's learning rate."""
+demo's feature cache holds (training stays offline), 32 blocks per sequence, the reference's learning rate, the
+target's full vocabulary unless ``draft_vocab``."""
 
 
 REGENERATE_SERVER = {"gguf_type": "f32", "slots": 16, "threads": 2}
@@ -193,7 +198,8 @@ def _drafter_overrides(size: DemoSize, data: str) -> list[str]:
     if size.drafter == "dflash":
         return [f"drafter.num_layers={DFLASH['num_layers']}", f"drafter.block_size={DFLASH['block_size']}",
                 f"drafter.feature_layers={DFLASH['feature_layers']}".replace(" ", ""),
-                f"train.dflash.anchors={DFLASH['anchors']}", f"train.optimizer.lr={DFLASH['lr']}"]
+                f"train.dflash.anchors={DFLASH['anchors']}", f"train.optimizer.lr={DFLASH['lr']}"] + (
+                    [f"drafter.draft_vocab={data}/draft_vocab.safetensors"] if DFLASH["draft_vocab"] else [])
     if size.drafter != "eagle3":
         from .errors import ConfigError
 

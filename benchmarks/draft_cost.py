@@ -9,6 +9,7 @@ for DFlash, whose whole block (k = block_size − 1 = 7) is one forward:
 
     python benchmarks/draft_cost.py --dtype bfloat16 --k 4 --prompts 3
     python benchmarks/draft_cost.py --dtype bfloat16 --k 7 --prompts 3 --only "eagle3 (full,dflash"
+    python benchmarks/draft_cost.py --dtype bfloat16 --k 7 --prompts 3 --only "dflash (3"   # with and without a draft vocab
 
 With c and the verification cost v(k) the speedup a drafter can give is τ(k) / (v(k) + k·c)
 (``draftsmith eval`` prints that prediction beside the measured speedup).
@@ -28,14 +29,22 @@ from draftsmith.measure.prompts import load_questions
 from draftsmith.files import write_json
 from draftsmith.target import describe, load_target
 
-def eagle3(size: int):
-    """An EAGLE-3 head over the first ``size`` token ids (cost does not depend on which ids)."""
+def reduced(config, size: int):
+    """A drafter of ``config`` (EAGLE-3 or DFlash) over the first ``size`` token ids (cost does not depend on which ids)."""
     def build(target):
-        cfg = Eagle3Config(draft_vocab_size=size).resolve(target)
+        cfg = config.resolve(target)
         d2t = torch.zeros(size, dtype=torch.long)
         t2d = torch.arange(target.vocab_size) < size
         return cfg.runtime(cfg.build_module(target, vocab=(d2t, t2d)), target)
     return build
+
+
+def eagle3(size: int):
+    return reduced(Eagle3Config(draft_vocab_size=size), size)
+
+
+def dflash(size: int):
+    return reduced(DFlashConfig(num_layers=3, block_size=8, draft_vocab_size=size), size)
 
 
 FAMILIES = {
@@ -48,6 +57,9 @@ FAMILIES = {
     "draft_lm (4 target layers)": lambda t: DraftLMConfig(num_layers=4).build(t),
     "layer_skip (28 of 30 layers, in the target's cache)": lambda t: LayerSkipConfig(num_layers=28).build(t),
     "dflash (3 layers, block 8: one forward per round)": lambda t: DFlashConfig(num_layers=3, block_size=8).build(t),
+    "dflash (3 layers, block 8, draft vocab 8,192)": dflash(8192),
+    "dflash (3 layers, block 8, draft vocab 16,384)": dflash(16384),
+    "dflash (3 layers, block 8, draft vocab 32,768)": dflash(32768),
     "dflash (5 layers, block 16: one forward per round)": lambda t: DFlashConfig(num_layers=5, block_size=16).build(t),
 }
 

@@ -13,8 +13,9 @@ fewer than N distinct tokens occur, the rest is filled with the lowest unseen id
 size is always N. ``coverage`` is the fraction of loss-masked tokens of the data that
 the draft vocabulary contains (the ceiling on what a drafter with it can accept there).
 Saved as safetensors (``d2t``, ``t2d``) with coverage and sizes in the metadata.
-:func:`check_draft_vocab` is the one check of a pair against this convention (EAGLE-3 heads built
-from a file or a pair, and every export that writes one).
+:func:`check_draft_vocab` is the one check of a pair against this convention (EAGLE-3 and DFlash drafters
+built from a file or a pair, and every export that writes one); :func:`resolve_draft_vocab` is the one reading of
+a drafter's ``draft_vocab`` / ``draft_vocab_size`` fields (both families).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from ..errors import DraftsmithError
+from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_path
 
 
@@ -57,6 +58,46 @@ def check_draft_vocab(d2t: Tensor, t2d: Tensor, target_vocab: int, where: str,
     mask = t2d.cpu()
     if int(mask.sum()) != vd or not bool(mask[ids].all()):
         raise error(f"{where}: t2d does not mark exactly the {vd} target ids that d2t maps to")
+
+
+def vocab_tensors(vocab: Any, tokenizer_hash: str = "") -> tuple[Tensor, Tensor]:
+    """(d2t, t2d) from a DraftVocab-like object (``.d2t``, ``.t2d``), a pair, a dict, or the path of a
+    file written by ``draftsmith prepare`` (refused when counted on another tokenizer than ``tokenizer_hash``)."""
+    if isinstance(vocab, str):
+        vocab = DraftVocab.load(vocab)
+        if tokenizer_hash and vocab.tokenizer_hash and vocab.tokenizer_hash != tokenizer_hash:
+            raise ConfigError(
+                f"drafter.draft_vocab was counted on data rendered with tokenizer {vocab.tokenizer_hash}, not with "
+                f"this target's ({tokenizer_hash}): its ids would name other tokens. Build it for this target "
+                f"with `draftsmith prepare` (data.stages=[tokenize, vocab])")
+    if isinstance(vocab, dict):
+        if "d2t" not in vocab or "t2d" not in vocab:
+            raise ConfigError(f"the draft vocabulary needs tensors 'd2t' and 't2d', found {sorted(vocab)}")
+        return torch.as_tensor(vocab["d2t"]), torch.as_tensor(vocab["t2d"])
+    if isinstance(vocab, (tuple, list)) and len(vocab) == 2:
+        return torch.as_tensor(vocab[0]), torch.as_tensor(vocab[1])
+    if hasattr(vocab, "d2t") and hasattr(vocab, "t2d"):
+        return torch.as_tensor(vocab.d2t), torch.as_tensor(vocab.t2d)
+    raise ConfigError(f"cannot read a draft vocabulary (d2t, t2d) from {type(vocab).__name__}")
+
+
+def resolve_draft_vocab(vocab: Any, file: str, size: int, target_vocab: int, tokenizer_hash: str = "") -> tuple[Tensor, Tensor]:
+    """A drafter's (d2t [Vd] int64, t2d [V] bool), checked: ``vocab`` (anything :func:`vocab_tensors` reads) or
+    else the file ``file`` (``drafter.draft_vocab``), or else the full vocabulary (the identity: d2t zeros, t2d all
+    true), which ``size`` (``drafter.draft_vocab_size``, 0 = taken from the vocabulary) must then allow."""
+    if vocab is None and file:
+        vocab = file
+    if vocab is None:
+        if size not in (0, target_vocab):
+            raise ConfigError(
+                f"drafter.draft_vocab_size = {size} needs a draft vocabulary: set drafter.draft_vocab to the file "
+                f"written by draftsmith prepare (or 0 for the full vocabulary)")
+        return torch.zeros(target_vocab, dtype=torch.long), torch.ones(target_vocab, dtype=torch.bool)
+    d2t, t2d = vocab_tensors(vocab, tokenizer_hash)
+    check_draft_vocab(d2t, t2d, target_vocab, "drafter.draft_vocab", ConfigError)
+    if size and size != d2t.shape[0]:
+        raise ConfigError(f"drafter.draft_vocab_size = {size} but the draft vocabulary has {d2t.shape[0]} tokens")
+    return d2t.long(), t2d.bool()
 
 
 @dataclass

@@ -218,6 +218,14 @@ def place(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> 
     return module
 
 
+def scatter_to_target(logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Tensor:
+    """[..., Vd] logits over a reduced draft vocabulary (target ids ``draft_ids`` [Vd]) → [..., V] over the
+    target's ``vocab_size`` tokens, −inf outside the draft vocabulary (q = 0 there)."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., draft_ids] = logits
+    return out
+
+
 def frozen_copy(module: nn.Module) -> nn.Module:
     """A deep copy with every parameter frozen."""
     out = copy.deepcopy(module)

@@ -11,7 +11,7 @@ Architecture (the reference ``DFlashDraftModel`` of z-lab/dflash, which SpecForg
               keys/values = [k_norm(k_proj(ctx)), k_norm(k_proj(noise))] → RoPE, [v_proj(ctx), v_proj(noise)];
               non-causal attention over [context rows before the anchor ; the whole block];
               residual, post_attention_layernorm, MLP, residual
-    logits = lm_head(norm(noise))   (the target's lm_head, frozen)
+    logits = lm_head(norm(noise))   (the target's lm_head, frozen; with a draft vocabulary, its rows of it)
 
 Every layer reads the SAME context (``ctx`` is not updated through the layers), so its keys and
 values are a per-layer cache that only grows with committed positions. The layers are Qwen3-style
@@ -35,6 +35,18 @@ mask tokens run once; positions 1 … k give k drafts (k ≤ Bs−1), each with 
 not depend on the earlier drafts, so sampling each independently is drawing the chain from its
 law, and the decoder's accept rule stays lossless). Context keys/values of committed positions
 are cached per layer; the block's own keys are never cached (nothing to roll back).
+
+Reduced draft vocabulary (``draft_vocab``: the file ``draftsmith prepare`` writes, EAGLE-3's convention in
+``data/vocab.py``): the lm_head computes only the Vd rows of the draft vocabulary — a FROZEN slice of the
+target's lm_head (rows ``draft_ids = arange(Vd) + d2t``), not a trained head. The reference keeps the target's
+lm_head frozen, and so does speculators' DFlash with a draft vocabulary (it slices the verifier's head by
+``t2d``); frozen, the body trained with or without the reduced vocabulary is the same kind of model, the slice
+is not stored in drafter folders (it is taken from the target again at load, after ``d2t`` is read), and the
+reduction changes only the cost of the head (half of a block's cost at SmolLM2's 49k rows) and which tokens
+can be drafted. Greedy drafts are the argmax over the Vd rows, mapped to target ids; sampled drafts report q
+over the target's whole vocabulary, zero outside the draft vocabulary (``decode.protocol.draft_chain``), so the
+accept rule stays exact. ``d2t``/``t2d`` are buffers (saved in ``model.safetensors``) only when Vd < V: a
+full-vocabulary drafter has neither, as before.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..decode.protocol import Proposal, draft_chain
+from ..decode.protocol import Proposal, ReducedVocab, draft_chain
 from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
 from ..target import Target, describe
@@ -57,6 +69,7 @@ from .common import (
     place,
     placeholder_parts,
     resolve_layer,
+    scatter_to_target,
     seeded,
     take_committed,
     target_parts,
@@ -144,10 +157,14 @@ class DFlashModule(nn.Module):
     """The DFlash draft model. Names follow the reference checkpoints (``fc``, ``hidden_norm``,
     ``layers.{i}.*``, ``norm``); ``embed_tokens`` and ``lm_head`` are frozen copies of the target's
     (one tensor when the target ties them), not stored. Trainable: fc, hidden_norm, layers, norm
-    (which starts from the target's final norm, so a fresh draft's logits have the target's scale)."""
+    (which starts from the target's final norm, so a fresh draft's logits have the target's scale).
+
+    draft_vocab_size: 0 (or V) = the target's vocabulary; Vd < V = a reduced draft vocabulary: ``lm_head`` is
+    a frozen [Vd, H] slice of the target's head (set by :meth:`set_vocab`) and ``d2t`` [Vd] / ``t2d`` [V] are
+    buffers (module docstring). It is created last, so the body's random initialization is the same either way."""
 
     def __init__(self, parts: Any, layer_config: Any, num_layers: int, feature_layers: list[int], block_size: int,
-                 mask_token_id: int):
+                 mask_token_id: int, draft_vocab_size: int = 0):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -164,10 +181,37 @@ class DFlashModule(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(num_layers))
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.rotary_emb = LlamaRotaryEmbedding(layer_config)
+        vocab = int(parts.embed.num_embeddings)
+        if 0 < draft_vocab_size < vocab:
+            self.lm_head = nn.Linear(h, draft_vocab_size, bias=False).requires_grad_(False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(vocab) < draft_vocab_size)
+        else:
+            self.register_buffer("d2t", None)
+            self.register_buffer("t2d", None)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @property
+    def draft_ids(self) -> Tensor | None:
+        """[Vd] long: the target id of each lm_head row (``arange(Vd) + d2t``); None for the full vocabulary."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, d2t: Tensor, t2d: Tensor, target_head: Tensor) -> None:
+        """Put a checked reduced vocabulary in place and take lm_head's rows from the target's head
+        ``target_head`` [V, H]: row i = the target's row of draft id i."""
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self.lm_head.weight.copy_(target_head[self.draft_ids.to(target_head.device)])
+
+    def target_logits(self, logits: Tensor) -> Tensor:
+        """[..., Vd] logits of lm_head → [..., V] over the target's vocabulary (−inf outside a reduced one)."""
+        return logits if self.d2t is None else scatter_to_target(logits, self.draft_ids, self.t2d.shape[0])
 
     def context(self, features: Tensor, positions: Tensor) -> KV:
         """Target features [B, C, L·H] at ``positions`` [B, C] → each layer's context keys/values."""
@@ -242,6 +286,8 @@ class DFlashDrafter:
         self.rows = 0  # context rows in self.kv
         self.kv: KV | None = None
         self._pending: list[Tensor] = []
+        ids = self.module.draft_ids  # a reduced vocabulary: logits over it, drafted there (EAGLE-3's way)
+        self._vocab = None if ids is None else ReducedVocab.of(ids, int(self.module.t2d.shape[0]))
 
     def set_gate(self, min_confidence: float) -> None:
         """The decoder's confidence gate: the block is still one forward; drafts past the cut are not kept."""
@@ -259,10 +305,11 @@ class DFlashDrafter:
         ids[0, 0] = self.tokens[-1]
         positions = torch.arange(anchor, anchor + bs, device=self.device)[None]
         hidden = self.module(ids, positions, self.kv)  # the whole block, as trained: [1, Bs, H]
-        logits = self.module.lm_head(hidden[0, 1 : 1 + m])  # [m, V]
+        logits = self.module.lm_head(hidden[0, 1 : 1 + m])  # [m, V], or [m, Vd] over a draft vocabulary
         rows = iter(logits[1:])
         # each position's q is fixed by the one forward: the drafted tokens are not fed back
-        return draft_chain(lambda _token: next(rows), logits[0], m, warp, generator, stop_below=self.stop_below)
+        return draft_chain(lambda _token: next(rows), logits[0], m, warp, generator, self._vocab,
+                           stop_below=self.stop_below)
 
     def _catch_up(self) -> None:
         """Append the context keys/values of the features that arrived since the last round."""
@@ -285,12 +332,13 @@ def dflash_layer_config(arch: Any) -> Any:
     return draft_layer_config(arch)
 
 
-def build_dflash(arch: Any, parts: Any, config: DFlashConfig) -> DFlashModule:
+def build_dflash(arch: Any, parts: Any, config: DFlashConfig, draft_vocab_size: int = 0) -> DFlashModule:
     """A seeded-random DFlash module for a target with HF config ``arch`` around ``parts`` (embedding and
-    lm_head); ``config`` resolved (explicit feature layers and mask token)."""
+    lm_head); ``config`` resolved (explicit feature layers and mask token); ``draft_vocab_size`` as
+    :class:`DFlashModule` takes it (its lm_head rows and d2t still to be set)."""
     with seeded(config.seed):
         return DFlashModule(parts, dflash_layer_config(arch), config.num_layers, config.feature_layers,
-                            config.block_size, config.mask_token_id)
+                            config.block_size, config.mask_token_id, draft_vocab_size)
 
 
 @dataclass
@@ -312,9 +360,15 @@ class DFlashConfig:
     token of Llama-3's; a rare token of SmolLM2's, which has no free row)."""
     seed: int = 0
     """Seed of the random initialization of fc and the layers."""
+    draft_vocab: str = ""
+    """A reduced draft vocabulary: the safetensors file with d2t [Vd] and t2d [V] that ``draftsmith prepare``
+    writes (``data.vocab``); the lm_head is then the target's rows of it, frozen. Empty = the full vocabulary."""
+    draft_vocab_size: int = 0
+    """Tokens in the draft vocabulary; 0 = taken from draft_vocab, or the target's full vocabulary."""
 
     target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.", "lm_head.")
-    """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
+    """State-dict prefixes copied from the target (frozen), not stored in checkpoints (a reduced lm_head too:
+    it is the target's rows, taken again at load)."""
 
     def validate(self) -> None:
         if self.num_layers < 1:
@@ -322,6 +376,8 @@ class DFlashConfig:
         if not 2 <= self.block_size <= 64:
             raise ConfigError(f"drafter.block_size = {self.block_size} must be in 2 … 64 (8 or 16 are usual): a block "
                               f"is the anchor plus block_size − 1 drafted positions")
+        if self.draft_vocab_size < 0:
+            raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} must be ≥ 0 (0 = full vocabulary)")
 
     def resolve(self, target: Target) -> DFlashConfig:
         """This config checked against ``target``, with feature_layers and mask_token_id made explicit."""
@@ -342,29 +398,59 @@ class DFlashConfig:
         mask = vocab_size - 1 if mask < 0 else mask
         if not 0 <= mask < vocab_size:
             raise ConfigError(f"drafter.mask_token_id = {mask} is outside the target's vocabulary (0 … {vocab_size - 1})")
+        if self.draft_vocab_size > vocab_size:
+            raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} is larger than the target's "
+                              f"vocabulary ({vocab_size})")
         return dataclasses.replace(self, feature_layers=layers, mask_token_id=mask)
 
     def build(self, target: Target) -> DFlashDrafter:
         cfg = self.resolve(target)
         return cfg.runtime(cfg.build_module(target), target)
 
-    def build_module(self, target: Target) -> DFlashModule:
-        """A fresh module for ``target``: frozen copies of its embedding and lm_head, norm from its final norm."""
+    def build_module(self, target: Target, vocab: Any = None) -> DFlashModule:
+        """A fresh module for ``target``: frozen copies of its embedding and lm_head (or of the lm_head's rows of
+        the draft vocabulary), norm from its final norm. vocab: a DraftVocab (``.d2t``, ``.t2d``), a pair, or None
+        for ``draft_vocab`` (the full vocabulary when that is empty too)."""
+        from ..data.vocab import resolve_draft_vocab
+
         cfg = self.resolve(target)
-        module = place(build_dflash(target.config, frozen_target_parts(target.model), cfg), target.device, target.dtype)
+        d2t, t2d = resolve_draft_vocab(vocab, cfg.draft_vocab, cfg.draft_vocab_size, target.vocab_size,
+                                       target.tokenizer_hash)
+        own = target_parts(target.model)
+        module = place(build_dflash(target.config, frozen_target_parts(target.model), cfg, int(d2t.shape[0])),
+                       target.device, target.dtype)
         with torch.no_grad():
-            module.norm.weight.copy_(target_parts(target.model).norm.weight)
+            module.norm.weight.copy_(own.norm.weight)
+        if module.d2t is not None:
+            module.set_vocab(d2t.to(target.device), t2d.to(target.device), own.lm_head.weight)
         return module
 
     def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> DFlashModule:
+        """The module's structure for loading. With a reduced vocabulary (``meta['draft_vocab_size']``, or this
+        config's) the d2t/t2d the load puts in place are checked, and lm_head's rows taken from the target then."""
         cfg = self.resolve(target)
-        return place(build_dflash(target.config, frozen_target_parts(target.model), cfg), target.device, target.dtype)
+        size = int(meta.get("draft_vocab_size", 0)) or cfg.draft_vocab_size
+        module = place(build_dflash(target.config, frozen_target_parts(target.model), cfg, size), target.device,
+                       target.dtype)
+        if module.d2t is not None:
+            head = target_parts(target.model).lm_head.weight
+
+            def take_rows(m: DFlashModule, _keys: Any) -> None:
+                from ..data.vocab import check_draft_vocab
+
+                check_draft_vocab(m.d2t.cpu(), m.t2d.cpu(), target.vocab_size, "the DFlash drafter's d2t/t2d")
+                m.set_vocab(m.d2t.clone(), m.t2d.clone(), head)
+
+            module.register_load_state_dict_post_hook(take_rows)
+        return module
 
     def runtime(self, module: DFlashModule, target: Target) -> DFlashDrafter:
-        return DFlashDrafter(module, self.resolve(target), describe(target))
+        size = 0 if module.d2t is None else int(module.d2t.shape[0])
+        cfg = dataclasses.replace(self.resolve(target), draft_vocab="", draft_vocab_size=size)
+        return DFlashDrafter(module, cfg, describe(target))
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
-        return {}
+        return {} if module.d2t is None else {"draft_vocab_size": int(module.d2t.shape[0])}
 
 
 def meta_dflash(config: DFlashConfig, arch: Any) -> DFlashModule:

@@ -69,6 +69,7 @@ from .common import (
     frozen_copy,
     place,
     resolve_layer,
+    scatter_to_target,
     seeded,
     shift_left,
     single_layer_cache,
@@ -302,35 +303,7 @@ class Eagle3Head(nn.Module):
 
     def target_logits(self, logits: Tensor) -> Tensor:
         """[..., Vd] draft logits → [..., V] over the target vocabulary, −inf outside the draft vocab."""
-        out = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
-        out[..., self.draft_ids] = logits
-        return out
-
-
-# ---------------------------------------------------------------- draft vocabulary
-
-
-def vocab_tensors(vocab: Any, target: Target | None = None) -> tuple[Tensor, Tensor]:
-    """(d2t, t2d) from a DraftVocab-like object (``.d2t``, ``.t2d``), a pair, a dict, or the path of a
-    file written by ``draftsmith prepare`` (refused when counted on another tokenizer than ``target``'s)."""
-    if isinstance(vocab, str):
-        from ..data.vocab import DraftVocab
-
-        vocab = DraftVocab.load(vocab)
-        if target is not None and vocab.tokenizer_hash and vocab.tokenizer_hash != target.tokenizer_hash:
-            raise ConfigError(
-                f"drafter.draft_vocab was counted on data rendered with tokenizer {vocab.tokenizer_hash}, not with "
-                f"this target's ({target.tokenizer_hash}): its ids would name other tokens. Build it for this target "
-                f"with `draftsmith prepare` (data.stages=[tokenize, vocab])")
-    if isinstance(vocab, dict):
-        if "d2t" not in vocab or "t2d" not in vocab:
-            raise ConfigError(f"the draft vocabulary needs tensors 'd2t' and 't2d', found {sorted(vocab)}")
-        return torch.as_tensor(vocab["d2t"]), torch.as_tensor(vocab["t2d"])
-    if isinstance(vocab, (tuple, list)) and len(vocab) == 2:
-        return torch.as_tensor(vocab[0]), torch.as_tensor(vocab[1])
-    if hasattr(vocab, "d2t") and hasattr(vocab, "t2d"):
-        return torch.as_tensor(vocab.d2t), torch.as_tensor(vocab.t2d)
-    raise ConfigError(f"cannot read a draft vocabulary (d2t, t2d) from {type(vocab).__name__}")
+        return scatter_to_target(logits, self.draft_ids, self.t2d.shape[0])
 
 
 # ---------------------------------------------------------------- builder and config
@@ -414,7 +387,9 @@ class Eagle3Config:
         """A fresh head for ``target``. vocab: a DraftVocab (``.d2t``, ``.t2d``), a pair, or None for
         ``draft_vocab`` (or the full vocabulary when that is empty too)."""
         cfg = self.resolve(target)
-        d2t, t2d = cfg._vocab(target, vocab)
+        from ..data.vocab import resolve_draft_vocab
+
+        d2t, t2d = resolve_draft_vocab(vocab, cfg.draft_vocab, cfg.draft_vocab_size, target.vocab_size, target.tokenizer_hash)
         own = target_parts(target.model)
         head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed, **cfg.norms)
         head = place(head, target.device, target.dtype)
@@ -423,27 +398,6 @@ class Eagle3Config:
             head.norm.weight.copy_(own.norm.weight)
             head.lm_head.weight.copy_(own.lm_head.weight[head.draft_ids])
         return head
-
-    def _vocab(self, target: Target, vocab: Any) -> tuple[Tensor, Tensor]:
-        v = target.vocab_size
-        if vocab is None and self.draft_vocab:
-            vocab = self.draft_vocab
-        if vocab is None:
-            if self.draft_vocab_size not in (0, v):
-                raise ConfigError(
-                    f"drafter.draft_vocab_size = {self.draft_vocab_size} needs a draft vocabulary: set drafter.draft_vocab "
-                    f"to the file written by draftsmith prepare (or 0 for the full vocabulary)"
-                )
-            return torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
-        from ..data.vocab import check_draft_vocab
-
-        d2t, t2d = vocab_tensors(vocab, target)
-        check_draft_vocab(d2t, t2d, v, "drafter.draft_vocab", ConfigError)
-        if self.draft_vocab_size and self.draft_vocab_size != d2t.shape[0]:
-            raise ConfigError(
-                f"drafter.draft_vocab_size = {self.draft_vocab_size} but the draft vocabulary has {d2t.shape[0]} tokens"
-            )
-        return d2t.long(), t2d.bool()
 
     def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> Eagle3Head:
         """The head's structure for loading (d2t/t2d come from the checkpoint)."""

@@ -24,6 +24,21 @@ What the loaders read (z-lab/dflash ``dflash/model.py``; speculators 0.9.0 ``mod
   last layer cannot be one), ``draft_vocab_size`` = the target's vocabulary, a greedy proposal of Bs − 1
   tokens and the verifier (the target's folder, which it reads the embedding and lm_head from).
 
+A reduced draft vocabulary (``drafter.draft_vocab``; the drafter's lm_head is the target's rows of it):
+
+* speculators' ``dflash`` carries one as its EAGLE-3 does: ``draft_vocab_size`` = Vd, ``lm_head.weight``
+  [Vd, H] stored (``DraftVocabMixin``: a reduced head is saved, not rebuilt from the verifier), ``d2t`` [Vd]
+  int64 offsets and ``t2d`` [V] bool; vLLM's ``DFlashQwen3ForCausalLM`` reads ``draft_vocab_size``, the
+  lm_head and ``d2t`` (as ``draft_id_to_target_id``) and scatters the logits to the target's vocabulary.
+* z-lab's layout cannot: z-lab's ``spec_generate``, SpecForge and speculators' ``DFlashConverter`` (which
+  sets ``draft_vocab_size`` to the full vocabulary and drops ``d2t``/``t2d``) all use the target's lm_head, so
+  the export is refused. Expanding the head to the full vocabulary is not exact — the expanded drafter would
+  draft tokens outside the draft vocabulary, which the drafter proven in draftsmith never does — so it is not
+  offered.
+* GGUF (llama.cpp) is refused too (``export/gguf.py``): llama.cpp's ``dflash`` runtime reads a ``d2t`` and an
+  own ``output`` head, but its converter writes ``d2t`` only for the DSpark architectures, not for
+  ``DFlashDraftModel``.
+
 ``--check`` beyond the static checks: the z-lab folder is converted by speculators' own
 ``DFlashConverter`` (which refuses unexpected tensors and missing draft tensors, and maps
 ``target_layer_ids``), and speculators' ``DFlashDraftModel`` loaded from either layout computes the
@@ -80,7 +95,7 @@ def speculators_config(source: Any) -> dict[str, Any]:
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",
         "transformer_layer_config": qwen3_fields(m),
-        "draft_vocab_size": int(target.vocab_size),
+        "draft_vocab_size": int(target.vocab_size if m.d2t is None else m.d2t.shape[0]),
         "block_size": int(m.block_size),
         "target_hidden_size": int(target.hidden_size),
         "aux_hidden_state_layer_ids": engine_layer_ids(m.feature_layers, target.num_layers, "speculators"),
@@ -107,10 +122,22 @@ def write(source: Any, fmt: str, out: str) -> None:
     if fmt == "speculators-dflash" and n - 1 in m.feature_layers:
         raise DraftsmithError(f"the speculators format cannot hold target layer {n - 1} (the last layer's output): its "
                               f"training splits that layer off as the verifier's own; train with earlier layers")
+    refuse_draft_vocab(source, fmt)
     state = {k: v for k, v in m.state_dict().items() if not k.startswith("rotary_emb.")}
-    tensors = cast_floats(adapter("dflash", fmt).to_engine(state), source.dtype)
+    tensors = cast_floats(adapter("dflash", fmt, reduced_vocab=m.d2t is not None).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
     write_json_file(os.path.join(out, "config.json"), zlab_config(source) if fmt == "dflash" else speculators_config(source))
+
+
+def refuse_draft_vocab(source: Any, fmt: str) -> None:
+    """One line for a format that cannot carry the drafter's reduced vocabulary (module docstring)."""
+    m = source.drafter.module
+    if m.d2t is None or fmt == "speculators-dflash":
+        return
+    why = {"dflash": "z-lab's layout has no draft vocabulary (its loaders use the target's lm_head)",
+           "gguf": "llama.cpp's converter writes no d2t for a DFlashDraftModel"}[fmt]
+    raise DraftsmithError(f"this DFlash drafter has a reduced draft vocabulary ({m.d2t.shape[0]} tokens), which the "
+                          f"{fmt} format cannot carry: {why}; export it with --to speculators-dflash")
 
 
 # ---------------------------------------------------------------- reading back
@@ -121,10 +148,12 @@ def _layers(cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
 
 
 def _draft_fields(cfg: dict[str, Any], fmt: str, num_layers: int) -> dict[str, Any]:
-    """block_size, mask_token_id and our feature layer ids, read from either layout."""
+    """block_size, mask_token_id, our feature layer ids (and speculators' draft_vocab_size), read from either layout."""
     if fmt == "speculators-dflash":
+        vd, v = int(cfg["draft_vocab_size"]), int(cfg["transformer_layer_config"]["vocab_size"])
         return {"block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
-                "feature_layers": native_layer_ids(cfg["aux_hidden_state_layer_ids"], num_layers, "speculators")}
+                "feature_layers": native_layer_ids(cfg["aux_hidden_state_layer_ids"], num_layers, "speculators"),
+                "draft_vocab_size": 0 if vd == v else vd}
     d = cfg.get("dflash_config") or {}
     return {"block_size": int(d.get("block_size", cfg.get("block_size", 16))), "mask_token_id": int(d["mask_token_id"]),
             "feature_layers": [int(i) for i in d["target_layer_ids"]]}
@@ -138,6 +167,9 @@ def expected_tensors(cfg: dict[str, Any], fmt: str, num_features: int) -> dict[s
     f = DTYPES[cfg.get("torch_dtype", "float32")]
     out: dict[str, TensorSpec] = {"fc.weight": ((h, num_features * h), f), "hidden_norm.weight": ((h,), f),
                                   "norm.weight": ((h,), f)}
+    vd, v = int(cfg.get("draft_vocab_size") or lc["vocab_size"]), int(lc["vocab_size"])
+    if fmt == "speculators-dflash" and vd < v:  # a reduced vocabulary: its head rows and the mapping
+        out.update({"lm_head.weight": ((vd, h), f), "d2t": ((vd,), torch.int64), "t2d": ((v,), torch.bool)})
     for n in range(int(lc["num_hidden_layers"])):
         p = f"layers.{n}."
         out.update({
@@ -173,8 +205,9 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
         need(spec.get("algorithm") == "dflash" and int(methods[0].get("speculative_tokens", 0)) == int(cfg["block_size"]) - 1
              and bool((spec.get("verifier") or {}).get("name_or_path")),
              "speculators_config: algorithm dflash, block_size − 1 speculative tokens, a verifier name_or_path")
-        need(cfg.get("sample_from_anchor") is False and int(cfg.get("draft_vocab_size", -1)) == target.vocab_size,
-             f"sample_from_anchor = false (Bs − 1 drafts), draft_vocab_size = the target's {target.vocab_size}")
+        vd = int(cfg.get("draft_vocab_size", -1))
+        need(cfg.get("sample_from_anchor") is False and 0 < vd <= target.vocab_size,
+             f"sample_from_anchor = false (Bs − 1 drafts), draft_vocab_size {vd} ≤ the target's {target.vocab_size}")
     else:
         need(cfg.get("architectures") == ["DFlashDraftModel"], "architectures = [DFlashDraftModel]")
         need(int(cfg.get("num_target_layers", -1)) == target.num_layers, f"num_target_layers = {target.num_layers}")
@@ -190,6 +223,11 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
          and lc.get("attention_bias") is False and not lc.get("use_sliding_window"),
          "a Qwen3 layer config with the target's dimensions, no bias, no sliding window, untied")
     done += check_tensors(tensors, expected_tensors(cfg, fmt, len(fields["feature_layers"])), folder)
+    if "d2t" in tensors:
+        from ..data.vocab import check_draft_vocab
+
+        check_draft_vocab(tensors["d2t"], tensors["t2d"], target.vocab_size, folder)
+        done.append(f"d2t: {tensors['d2t'].shape[0]} int64 offsets in range, one target id each, consistent with t2d")
     return done
 
 
@@ -201,8 +239,9 @@ def load(folder: str, fmt: str, target: Target) -> Any:
     cfg = read_json(os.path.join(folder, "config.json"))
     fields = _draft_fields(cfg, fmt, target.num_layers)
     config = DFlashConfig(num_layers=int(_layers(cfg, fmt)["num_hidden_layers"]), **fields).resolve(target)
-    module = config.module_for_checkpoint(target, {})
-    native = adapter("dflash", fmt).from_engine(read_safetensors(os.path.join(folder, WEIGHTS)))
+    module = config.module_for_checkpoint(target, {})  # a reduced head: the target's rows, taken after d2t is read
+    file = read_safetensors(os.path.join(folder, WEIGHTS))
+    native = adapter("dflash", fmt, reduced_vocab="d2t" in file).from_engine(file)
     missing, unexpected = module.load_state_dict(native, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.", "rotary_emb."))]
     if missing or unexpected:

@@ -52,6 +52,8 @@ def outtype(gguf_type: str, dtype: Any) -> str:
 def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
     """Write ``source`` (an eagle3 or draft_lm drafter) as ``out/draft.gguf``."""
     kind = outtype(gguf_type, source.dtype)
+    if source.family == "dflash":
+        dflash.refuse_draft_vocab(source, "gguf")
     target_dir = resolve_target_folder(source.target.name)
     if source.family in ("eagle3", "dflash"):
         engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips

@@ -114,9 +114,9 @@ def _open_checkpoint(path: str, target_spec: str | None) -> Source:
     spec = target_spec or _run_target_name(path)
     target = _load_checked_target(spec, identity.get("target"), f"checkpoint '{path}'")
     config = from_dict(families[kind], section, where="drafter")
-    if kind == "eagle3":  # the vocabulary is in the weights (d2t); the file it was read from may be gone
-        if "d2t" not in weights:
-            raise DraftsmithError(f"checkpoint '{path}' holds an EAGLE-3 head without its d2t buffer; it is damaged")
+    if kind == "eagle3" and "d2t" not in weights:
+        raise DraftsmithError(f"checkpoint '{path}' holds an EAGLE-3 head without its d2t buffer; it is damaged")
+    if "d2t" in weights:  # EAGLE-3, a reduced DFlash: the vocabulary is in the weights; its file may be gone
         config = dataclasses.replace(config, draft_vocab="", draft_vocab_size=int(weights["d2t"].shape[0]))
         module = config.module_for_checkpoint(target, {})
     else:

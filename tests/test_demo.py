@@ -49,6 +49,16 @@ def test_the_dflash_demo_trains_the_dflash_recipe_offline_and_decodes_whole_bloc
     assert ev.drafter.path == f"{tmp_path}/dflash/drafter-best" and ev.decode.k == DFLASH["block_size"] - 1
     assert ev.decode.tree == "none"  # chains: DFlash drafts no tree
     assert stage_recipes(SIZES[size])["train"] == "smollm2-135m-eagle3"  # the default demo is unchanged
+    assert tr.drafter.draft_vocab == ""  # the full vocabulary unless the lead switches the draft vocabulary on
+
+
+def test_the_dflash_demo_can_read_prepares_draft_vocabulary(tmp_path, monkeypatch):
+    from draftsmith.demo import DFLASH
+
+    monkeypatch.setitem(DFLASH, "draft_vocab", True)
+    dsize = replace(SIZES["default"], drafter="dflash")
+    tr = load_recipe("smollm2-135m-dflash", demo_stages(str(tmp_path), dsize)["train"])
+    assert tr.drafter.draft_vocab == f"{tmp_path}/prepare/data/draft_vocab.safetensors"
 
 
 def test_the_full_size_is_larger_than_the_default():

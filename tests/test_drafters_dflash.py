@@ -1,8 +1,10 @@
 """DFlash: block alignment (golden indices), the module against a from-scratch reference, the runtime's
-cached context, greedy identity with the target (fp32) and the exact sampled law (chi-square)."""
+cached context, greedy identity with the target (fp32) and the exact sampled law (chi-square), with the
+full vocabulary and with a reduced draft vocabulary."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -17,7 +19,7 @@ from draftsmith.drafters.dflash import (
     block_inputs,
     default_target_layers,
 )
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.measure.reference import target_greedy
 from draftsmith.target import Target
 from draftsmith.train.dflash import block_labels, position_weights, sample_anchors
@@ -170,8 +172,9 @@ def test_propose_caps_at_the_block_and_reports_q_per_position(tiny_target, dflas
     torch.testing.assert_close(p.probs.sum(-1), torch.ones(3))
 
 
-def test_greedy_identity_with_the_target_fp32(tiny_target, dflash):
-    config, module = dflash
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_greedy_identity_with_the_target_fp32(tiny_target, request, vocab):
+    config, module = request.getfixturevalue("dflash" if vocab == "full" else "reduced")
     drafter = config.runtime(module, tiny_target)
     prompt = [1, 523, 77, 9, 4021, 88]
     expected = target_greedy(tiny_target, prompt, 40)
@@ -188,6 +191,88 @@ def test_bad_config_names_the_field(tiny_target):
         DFlashConfig(feature_layers=[1, 1]).resolve(tiny_target)
     with pytest.raises(ConfigError, match="drafter.mask_token_id"):
         DFlashConfig(mask_token_id=10**6).resolve(tiny_target)
+
+
+# ---------------------------------------------------------------- reduced draft vocabulary
+
+
+def vocab_pair(ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the draft vocabulary ``ids`` (data/vocab.py's convention: sorted, offsets)."""
+    used = torch.tensor(sorted(ids))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(len(ids)), t2d
+
+
+DRAFT_IDS = sorted({5, 17, 42, 9, 300, 77, 523, 4021, 88, 1000} | set(range(0, 49152, 97)))
+
+
+@pytest.fixture(scope="module")
+def reduced(tiny_target, dflash):
+    """The fixture's drafter with a draft vocabulary of 516 ids: the same body (weights copied), its lm_head
+    the target's rows of those ids."""
+    config, module = dflash
+    small = dataclasses.replace(config, draft_vocab_size=len(DRAFT_IDS))
+    out = small.build_module(tiny_target, vocab=vocab_pair(DRAFT_IDS, tiny_target.vocab_size))
+    missing, unexpected = out.load_state_dict(
+        {k: v for k, v in module.state_dict().items() if not k.startswith("lm_head.")}, strict=False)
+    assert sorted(missing) == ["d2t", "lm_head.weight", "t2d"] and unexpected == []
+    return small, out
+
+
+def test_a_reduced_vocabulary_drafts_the_argmax_over_its_rows_of_the_targets_head(tiny_target, dflash, reduced):
+    config, module = dflash
+    small, out = reduced
+    assert out.lm_head.weight.shape == (len(DRAFT_IDS), 64) and not out.lm_head.weight.requires_grad
+    assert torch.equal(out.lm_head.weight, tiny_target.model.lm_head.weight[DRAFT_IDS])
+    assert out.draft_ids.tolist() == DRAFT_IDS and module.draft_ids is None and module.d2t is None
+    tokens = [5, 17, 42, 9, 300]
+    feats = tiny_target.forward(torch.tensor([tokens[:-1]]), feature_layers=tuple(module.feature_layers)).features[0]
+    hidden = reference_block(module, tiny_target, tokens)[1:]
+    full_logits = module.lm_head(hidden)  # [Bs − 1, V]
+    expected = torch.tensor(DRAFT_IDS)[full_logits[:, DRAFT_IDS].argmax(-1)]
+    drafter = small.runtime(out, tiny_target)
+    drafter.reset()
+    drafter.update(torch.tensor(tokens), feats)
+    greedy = drafter.propose(3, Warp(), None)
+    assert greedy.tokens.tolist() == expected.tolist()
+    assert greedy.tokens.tolist() != full_logits.argmax(-1).tolist()  # the restriction changes the drafts here
+    sampled = drafter.propose(3, Warp(temperature=1.0), torch.Generator().manual_seed(0))
+    outside = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
+    outside[DRAFT_IDS] = False
+    assert sampled.probs.shape == (3, tiny_target.vocab_size) and bool((sampled.probs[:, outside] == 0).all())
+    torch.testing.assert_close(sampled.probs[:, DRAFT_IDS], full_logits[:, DRAFT_IDS].softmax(-1))
+    assert set(sampled.tokens.tolist()) <= set(DRAFT_IDS)
+
+
+def test_a_saved_reduced_drafter_stores_d2t_not_the_head_and_loads_back_exactly(tmp_path, tiny_target, reduced):
+    from safetensors.torch import load_file
+
+    from draftsmith import drafters
+
+    small, out = reduced
+    drafters.save(small.runtime(out, tiny_target), str(tmp_path / "d"))
+    stored = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert stored["d2t"].tolist() == [i - j for j, i in enumerate(DRAFT_IDS)] and stored["t2d"].sum() == len(DRAFT_IDS)
+    assert not any(k.startswith(("lm_head.", "embed_tokens.")) for k in stored)
+    back = drafters.load(str(tmp_path / "d"), tiny_target)
+    assert back.config.draft_vocab_size == len(DRAFT_IDS) and back.config.draft_vocab == ""
+    assert torch.equal(back.module.lm_head.weight, out.lm_head.weight)  # taken from the target again at load
+    assert all(torch.equal(v, out.state_dict()[k]) for k, v in back.module.state_dict().items())
+    bad = dict(stored, d2t=stored["d2t"] * 0)  # every draft id onto target ids 0 … Vd−1: t2d disagrees
+    from safetensors.torch import save_file
+
+    save_file(bad, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(DraftsmithError, match="t2d does not mark exactly"):
+        drafters.load(str(tmp_path / "d"), tiny_target)
+
+
+def test_a_draft_vocabulary_of_another_size_is_refused(tiny_target):
+    with pytest.raises(ConfigError, match="drafter.draft_vocab_size = 7 but the draft vocabulary has 3"):
+        DFlashConfig(num_layers=1, block_size=4, draft_vocab_size=7).build_module(
+            tiny_target, vocab=vocab_pair([1, 2, 3], tiny_target.vocab_size))
+    with pytest.raises(ConfigError, match="needs a draft vocabulary"):
+        DFlashConfig(num_layers=1, block_size=4, draft_vocab_size=7).build_module(tiny_target)
 
 
 # ---------------------------------------------------------------- the sampled law (chi-square)
@@ -239,6 +324,17 @@ def test_sampled_dflash_keeps_the_exact_sequence_law(five_token_target, warp):
     counts, accepted = sampled_counts(five_token_target, drafter, PROMPT5, 3, warp)
     assert accepted > DRAWS // 10  # drafts are often accepted: the accept path is exercised
     assert pooled_chi2(counts, exact_law(five_token_target, PROMPT5, 3, warp)) > 1e-3
+
+
+def test_sampled_dflash_with_a_reduced_vocabulary_keeps_the_exact_sequence_law(five_token_target):
+    """Draft vocabulary {0, 2, 3} of 5: q is zero on tokens 1 and 4, which only the target's residual can give."""
+    warp = Warp(temperature=1.0)
+    config = DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 2], seed=1)
+    drafter = config.runtime(config.build_module(five_token_target, vocab=vocab_pair([0, 2, 3], V5)), five_token_target)
+    counts, accepted = sampled_counts(five_token_target, drafter, PROMPT5, 3, warp)
+    assert accepted > DRAWS // 10
+    assert pooled_chi2(counts, exact_law(five_token_target, PROMPT5, 3, warp)) > 1e-3
+    assert any(1 in seq or 4 in seq for seq in counts)  # tokens outside the draft vocabulary are still produced
 
 
 class WrongQ:

@@ -1,6 +1,7 @@
 """DFlash exports (tiny random target, fp32): z-lab's layout and speculators' dflash written, read back by
 speculators' own loader and converter, proven by ``export --check``; what would make an engine draft
-garbage is caught; GGUF through llama.cpp's converter and served by llama.cpp (``engine``)."""
+garbage is caught; GGUF through llama.cpp's converter and served by llama.cpp (``engine``). A reduced draft
+vocabulary goes to speculators' dflash (its lm_head rows, d2t, t2d) and is refused by the z-lab layout and GGUF."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from draftsmith.export import check, export
 from draftsmith.export.adapters import adapter
 from draftsmith.target import load_target
 
+from .test_drafters_dflash import vocab_pair
 from .test_export import _tamper_config, _tamper_tensors, perturb
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,6 +112,60 @@ def test_the_speculators_format_refuses_the_targets_last_layer(tmp_path, target)
     with pytest.raises(DraftsmithError, match="last layer"):
         export(path, "speculators-dflash", str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+DRAFT_IDS = list(range(0, 49152, 61))  # 806 ids
+
+
+@pytest.fixture(scope="module")
+def reduced_source(tmp_path_factory, target):
+    config = DFlashConfig(num_layers=2, block_size=6, feature_layers=LAYERS)
+    module = config.build_module(target, vocab=vocab_pair(DRAFT_IDS, target.vocab_size))
+    perturb(module)  # (the lm_head is frozen: perturb leaves it the target's rows)
+    path = str(tmp_path_factory.mktemp("drafters") / "dflash-vocab")
+    drafters.save(config.runtime(module, target), path)
+    return path
+
+
+def test_a_reduced_vocabulary_exports_to_speculators_with_its_head_rows_and_d2t(tmp_path, reduced_source, target, capsys):
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "spec")
+    assert main(["export", reduced_source, "--to", "speculators-dflash", "--out", out]) == 0
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    assert cfg["draft_vocab_size"] == len(DRAFT_IDS) and cfg["transformer_layer_config"]["vocab_size"] == 49152
+    assert torch.equal(tensors["lm_head.weight"], target.model.lm_head.weight[DRAFT_IDS])
+    assert (torch.arange(len(DRAFT_IDS)) + tensors["d2t"]).tolist() == DRAFT_IDS and int(tensors["t2d"].sum()) == len(DRAFT_IDS)
+    assert "embed_tokens.weight" not in tensors
+    capsys.readouterr()
+    assert main(["export", "--check", out]) == 0
+    lines = [line[len("ok  "):] for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
+    assert any("proposes the source drafter's 4 tokens" in line for line in lines)
+    assert any("d2t: 806 int64 offsets in range" in line for line in lines)
+    assert any("loads all 28 draft tensors" in line for line in lines)  # + lm_head, d2t, t2d
+    assert any("speculators' layers on the same target hidden states" in line for line in lines)
+    _tamper_tensors(out, "model.safetensors", lambda t: {**t, "d2t": t["d2t"].flip(0)})  # draft ids onto other tokens
+    with pytest.raises(DraftsmithError, match="d2t"):
+        check(out)
+
+
+@pytest.mark.parametrize("fmt", ["dflash", "gguf"])
+def test_formats_without_a_draft_vocabulary_refuse_it_in_one_line(tmp_path, reduced_source, fmt):
+    with pytest.raises(DraftsmithError, match=rf"reduced draft vocabulary \(806 tokens\), which the {fmt} format "
+                                              r"cannot carry.*--to speculators-dflash") as e:
+        export(reduced_source, fmt, str(tmp_path / "out"))
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "out")
+
+
+def test_the_speculators_adapter_maps_a_reduced_head_and_leaves_a_full_one_out(target):
+    full = DFlashConfig(num_layers=1, block_size=4, feature_layers=LAYERS).build_module(target).state_dict()
+    small = DFlashConfig(num_layers=1, block_size=4, feature_layers=LAYERS).build_module(
+        target, vocab=vocab_pair(DRAFT_IDS, target.vocab_size)).state_dict()
+    assert "lm_head.weight" not in adapter("dflash", "speculators-dflash").to_engine(full)
+    engine = adapter("dflash", "speculators-dflash", reduced_vocab=True).to_engine(small)
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(engine) and "embed_tokens.weight" not in engine
+    assert engine["lm_head.weight"].shape == (len(DRAFT_IDS), 64)
 
 
 @pytest.mark.engine

@@ -146,15 +146,26 @@ class TrainEvalConfig:
 class DFlashTrainConfig:
     anchors: int = 64
     """Blocks trained per sequence, anchored at random answer positions (the reference samples up to 512)."""
+    weighting: Literal["decay", "dpace"] = "decay"
+    """How block positions weigh in the loss: ``decay`` = the reference's fixed exp(−(k−1)/γ); ``dpace`` = D-PACE
+    (Dynamic Position-Aware Cross-Entropy, arXiv 2605.18810): per block, weights from the drafter's own
+    confidence in the target's tokens, each position's share of the expected accepted length
+    (``train/dflash.py:dpace_weights``)."""
     decay_gamma: float = 0.0
-    """Block position k ≥ 1 weighs exp(−(k−1)/γ) (the reference's decay); 0 = 7 for blocks of 16 or more
-    (z-lab and SpecForge at 16), else 4 (speculators' default at block 8)."""
+    """``decay``: block position k ≥ 1 weighs exp(−(k−1)/γ); 0 = 7 for blocks of 16 or more (z-lab and
+    SpecForge at 16), else 4 (speculators' default at block 8)."""
+    dpace_alpha: float = 0.5
+    """``dpace``: the confidence smoothing q̃ = (1 − α)·q + α, in (0, 1] (the paper's and speculators' 0.5;
+    1 = every valid position weighs its suffix length)."""
 
     def validate(self) -> None:
         if self.anchors < 1:
             raise ConfigError(f"train.dflash.anchors = {self.anchors} must be at least 1")
         if self.decay_gamma < 0:
             raise ConfigError(f"train.dflash.decay_gamma = {self.decay_gamma} must be ≥ 0 (0 = the reference's default)")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ConfigError(f"train.dflash.dpace_alpha = {self.dpace_alpha} must be in (0, 1] (0 would make every "
+                              f"weight after a confident miss vanish)")
 
 
 @dataclass

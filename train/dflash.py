@@ -8,11 +8,24 @@ distribution is the target's own output at position a + k − 1 (soft labels, as
 distills the target rather than the data), and it counts when a + k is an answer token inside the
 sequence (:func:`block_labels`). All blocks of a batch run in one forward of the drafter.
 
-Position k's loss is weighted exp(−(k−1)/γ) (the reference's decay: an early position is worth
-more, since every later draft needs it accepted); the weighted sum over positions and blocks is
-divided by the valid positions of the whole optimizer step (``step.py``). Anchors are drawn from
-a generator seeded by (train.seed, step, batch), so counting a batch's positions and computing its
-loss see the same blocks; held-out batches always get the same ones.
+Position weights (``train.dflash.weighting``): ``decay`` weighs position k by exp(−(k−1)/γ) (the
+reference's: an early position is worth more, since every later draft needs it accepted); ``dpace``
+(D-PACE, arXiv 2605.18810, as speculators and SpecForge implement it) weighs each row of a block by its
+share of the block's expected accepted length under the drafter's current confidences
+(:func:`dpace_weights`): early positions dominate while they are unsure, later ones gain weight as the
+early ones become reliable. The paper's D-PACE is cross-entropy on the target's token (``train.loss.kind:
+ce``); with a soft loss the same weights multiply that loss (the confidence is still the drafter's
+probability of the target's argmax), which is not the paper's soft-label variant. Either way the weighted
+sum over rows is divided by the valid positions of the whole optimizer step (``step.py``) — not by the sum
+of the weights, which would cancel D-PACE's credit mass (the author's point in SpecForge issue 828); a
+D-PACE loss is therefore larger than a decay loss (w_1 ≤ Bs − 1 instead of 1). Anchors are drawn from a
+generator seeded by (train.seed, step, batch), so counting a batch's positions and computing its loss see
+the same blocks; held-out batches always get the same ones.
+
+With a reduced draft vocabulary (``drafter.draft_vocab``) the target's p is renormalized onto the draft
+ids and a row whose target argmax lies outside them has no loss (the drafter could never propose it), as
+in the EAGLE-3 recipe (``losses.restrict_to_draft_vocab``); held-out metrics read the drafter's q over the
+target's whole vocabulary, zero outside the draft vocabulary, against the target's full p.
 
 Held-out metrics per block position k: expected acceptance Σ min(p, q) and top-1 agreement
 (``expected_accept_step{k−1}``, ``top1_step{k−1}``: conditional on the true prefix, as Medusa's
@@ -28,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..drafters.common import shift_left
+from ..drafters.common import scatter_to_target, shift_left
 from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
@@ -67,13 +80,30 @@ def position_weights(block_size: int, gamma: float) -> list[float]:
     return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
 
 
+def dpace_weights(confidence: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """D-PACE's position weights (Eq. 7–8 of the paper), per block, without gradient.
+
+    confidence [..., Bs]: q_k, the drafter's probability of the target's token at block position k (exp of
+    minus its cross-entropy); valid [..., Bs] bool: the rows that count (position 0, the anchor, never does).
+    → [..., Bs] float32: with q̃_k = (1 − α)·q_k + α on valid rows and 1 elsewhere (an invalid row neither
+    gates nor counts), w_k = Σ_{m ≥ k, m valid} Π_{i ≤ m} q̃_i for valid k, else 0. Π_{i ≤ m} q̃_i is the
+    (smoothed) chance that drafts 1 … m are all accepted, so w_k is the expected accepted length that rests
+    on position k; α keeps later positions from vanishing while early ones are unsure."""
+    with torch.no_grad():
+        smooth = torch.where(valid, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(confidence, dtype=torch.float32))
+        prefix = smooth.cumprod(-1)
+        suffix = (prefix * valid).flip(-1).cumsum(-1).flip(-1)
+        return suffix * valid
+
+
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
     config = setup.trainable(recipe).resolve(run.target)
     module = config.build_module(run.target)
-    layers, bs = tuple(config.feature_layers), config.block_size
-    weights = position_weights(bs, cfg.dflash.decay_gamma)
+    layers, bs, vocab = tuple(config.feature_layers), config.block_size, run.target.vocab_size
+    draft_ids = None if module.draft_ids is None else module.draft_ids.clone()  # a reduced vocabulary's target ids
+    decay = torch.tensor(position_weights(bs, cfg.dflash.decay_gamma))
     engine = setup.build_engine(run, module)
     run.max_drafts = bs - 1  # a round drafts at most the block's masked positions (the simulated τ's cap)
     setup.restore(run, engine, resume)
@@ -88,8 +118,8 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         return block_labels(anchors_of(batch), bs, batch.loss_mask)[1]
 
     def blocks(batch: Batch, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(q logits [M, V] of the valid block rows, the target's p logits there, their block position [M],
-        valid [B, N, Bs])."""
+        """(q logits [M, V'] of the valid block rows (V' = Vd with a draft vocabulary), the target's p logits
+        there [M, V], their block position [M], valid [B, N, Bs])."""
         label, valid = block_labels(anchors, bs, batch.loss_mask)
         b = torch.arange(label.shape[0], device=label.device)[:, None, None].expand_as(label)[valid]  # [M]
         source = label[valid] - 1  # the target's position whose output predicts the label
@@ -101,21 +131,29 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         k = torch.arange(bs, device=label.device).expand_as(label)[valid]
         return q, p_rows[index[b, source]], k, valid
 
-    def objective(q: Tensor, p: Tensor, k: Tensor) -> tuple[Tensor, heldout.Metrics]:
-        """Σ_k w_k · (position k's token loss summed over its rows); parts: each position's (sum, rows)."""
-        total, parts = q.sum() * 0.0, {}
-        for pos in range(1, bs):
-            at = k == pos
-            pos_sum = losses.token_loss(cfg.loss.kind, q[at], p[at], at[at], cfg.loss.temperature, cfg.loss.jsd_beta,
-                                        reduction="sum")
-            total = total + weights[pos] * pos_sum
-            parts[f"loss/pos{pos}"] = (pos_sum.item(), float(at.sum()))
-        return total, parts
+    def objective(q: Tensor, p: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, heldout.Metrics]:
+        """Σ_rows w_row · token loss (the recipe's weighting, module docstring); parts: each position's
+        unweighted (sum, rows)."""
+        ok = torch.ones_like(k, dtype=torch.bool)
+        if draft_ids is not None:  # p over the draft vocabulary; a target argmax outside it has no loss
+            p, ok = losses.restrict_to_draft_vocab(p, draft_ids, ok)
+        row = losses.token_loss(cfg.loss.kind, q, p, ok, cfg.loss.temperature, cfg.loss.jsd_beta, reduction="none")  # [M]
+        if cfg.dflash.weighting == "dpace":
+            confidence = torch.zeros(valid.shape, device=q.device)  # an unreachable target token: confidence 0
+            picked = q.float().log_softmax(-1).gather(-1, p.argmax(-1, keepdim=True))[:, 0].exp()
+            confidence[valid] = torch.where(ok, picked, 0.0)
+            w = dpace_weights(confidence, valid, cfg.dflash.dpace_alpha)[valid]  # [M]
+        else:
+            w = decay.to(q.device)[k]
+        parts = {f"loss/pos{pos}": (row[k == pos].sum().item(), float((ok & (k == pos)).sum())) for pos in range(1, bs)}
+        return (w * row).sum(), parts
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         anchors = anchors_of(batch, heldout_batch=True)
         q, p, k, valid = blocks(batch, anchors)
-        out: heldout.Metrics = {"loss": (float(objective(q, p, k)[0]), float(valid.sum()))}
+        out: heldout.Metrics = {"loss": (float(objective(q, p, k, valid)[0]), float(valid.sum()))}
+        if draft_ids is not None:  # q over the target's vocabulary, zero outside the draft one
+            q = scatter_to_target(q, draft_ids, vocab)
         for pos in range(1, bs):
             at = k == pos
             qa, pa = q[at].float(), p[at]
@@ -130,6 +168,6 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
 
     save.baseline(run, engine, evaluate)
     for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid block rows counted
-        step.optimizer_step(run, engine, micro, lambda batch: objective(*blocks(batch, anchors_of(batch))[:3]))
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*blocks(batch, anchors_of(batch))))
         step.after_step(run, engine, evaluate)
     return save.finish(run, engine, evaluate)

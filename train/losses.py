@@ -33,7 +33,7 @@ from ..errors import DraftsmithError
 
 TokenLoss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce"]
 TOKEN_LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce")
-Reduction = Literal["mean", "sum"]
+Reduction = Literal["mean", "sum", "none"]
 
 
 class EmptyBatchError(DraftsmithError):
@@ -53,12 +53,14 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_reduce(values: Tensor, mask: Tensor, reduction: Reduction = "mean") -> Tensor:
-    """Mean (:func:`masked_mean`) or sum of ``values`` [...] over positions where ``mask`` [...] is True."""
+    """Mean (:func:`masked_mean`) or sum of ``values`` [...] over positions where ``mask`` [...] is True, or
+    (``none``) the values themselves [...] in float32, 0 where the mask is False (a caller weighs each)."""
     if reduction == "mean":
         return masked_mean(values, mask)
-    if reduction != "sum":
-        raise DraftsmithError(f"unknown loss reduction '{reduction}'; choose mean or sum")
-    return values.float().masked_fill(~mask.bool(), 0.0).sum()
+    if reduction not in ("sum", "none"):
+        raise DraftsmithError(f"unknown loss reduction '{reduction}'; choose mean, sum or none")
+    kept = values.float().masked_fill(~mask.bool(), 0.0)
+    return kept.sum() if reduction == "sum" else kept
 
 
 def _log_probs(logits: Tensor, temperature: float) -> Tensor:
