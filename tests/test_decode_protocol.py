@@ -10,9 +10,9 @@ import torch
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.decode.protocol import ABILITIES, BindsTargetCache, Drafter, Gated, TreeDrafter, ability_methods
 from draftsmith.decode.tree import DynamicTree, tree_decode
-from draftsmith.eval.costs import TimedDrafter
+from draftsmith.measure.costs import TimedDrafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.reference import target_greedy
+from draftsmith.measure.reference import target_greedy
 
 from .test_decode_tree import SCRIPT_SHAPE, ScriptedTreeDrafter
 from .test_decoder import PROMPT_IDS, ScriptedDrafter, make_target, reference

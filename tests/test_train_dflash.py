@@ -123,7 +123,7 @@ def test_dflash_with_a_draft_vocabulary_and_dpace_learns_and_decodes_like_the_ta
     from draftsmith.data.vocab import vocab_from_counts
     from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.eval.reference import target_greedy
+    from draftsmith.measure.reference import target_greedy
 
     target = load_target(tiny_target_dir, "float32", "cpu")
     # the random target's argmax tokens, not the data's (which it never predicts): most rows keep their loss
