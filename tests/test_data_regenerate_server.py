@@ -89,7 +89,7 @@ def test_prepare_recipes_switch_to_the_server_method_with_one_override(name):
     assert recipe.data.regenerate.method == "server"
     assert bool(recipe.data.regenerate.server.url) != (recipe.data.regenerate.server.launch == "llamacpp")
     with pytest.raises(ConfigError, match="unknown config key 'data.regenerate.server.slotz'; valid keys here: "
-                                          "backoff_s, check_tokenizer, concurrency, gguf_type, launch, model"):
+                                          "backoff_s, check_tokenizer, concurrency, flash_attn, gguf_type, launch, model"):
         load_recipe(name, ["data.regenerate.server.slotz=3"])
     if "8b" in name:  # the cluster launch lines, data parallel, pointed at by server.url
         with open(os.path.join(CONFIG_DIR, f"{name}.yaml")) as f:

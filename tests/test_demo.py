@@ -97,9 +97,10 @@ def test_the_demo_regenerates_through_a_llama_server_on_request(tmp_path, size):
     r, srv = served.data.regenerate, served.data.regenerate.server
     assert r.method == "server" and "regenerate" in served.data.stages
     assert (srv.launch, srv.url, srv.gguf_type) == ("llamacpp", "", REGENERATE_SERVER["gguf_type"]) == (
-        "llamacpp", "", "f32")
+        "llamacpp", "", "bf16")
     assert (srv.slots, srv.threads, srv.concurrency) == (REGENERATE_SERVER["slots"], REGENERATE_SERVER["threads"],
-                                                         REGENERATE_SERVER["slots"])
+                                                         REGENERATE_SERVER["slots"]) == (32, 2, 32)
+    assert srv.flash_attn  # measured faster with 32 slots (RESULTS "prepare")
     assert (r.max_new_tokens, r.max_turns, r.temperature) == (
         default.data.regenerate.max_new_tokens, default.data.regenerate.max_turns, 0.0)  # the same job otherwise
     with pytest.raises(ConfigError, match="demo regenerate method 'vllm' is not one of: generate, server"):
