@@ -481,8 +481,9 @@ def test_a_killed_client_resumes_without_requesting_an_answered_turn(tmp_path, t
 @engine
 def test_a_killed_demo_prepare_through_a_launched_server_resumes_without_re_asking(tmp_path, tiny_target_dir,
                                                                                    monkeypatch, started):
-    """The demo's prepare with ``--regenerate server`` (its overrides: a llama-server launched on the target's F32
-    GGUF), on the tiny target, SIGKILLed once a shard is committed and answers of the next are journaled (its
+    """The demo's prepare with ``--regenerate server`` (its overrides: a llama-server launched on the target's
+    GGUF; F32 here, so that batched slots cannot round a near-tie differently between the runs compared), on the
+    tiny target, SIGKILLed once a shard is committed and answers of the next are journaled (its
     llama-server dies with it); run again, it launches another server, requests no journaled turn again, and
     writes the shards of an unkilled run."""
     from draftsmith.config import load_recipe
@@ -500,7 +501,7 @@ def test_a_killed_demo_prepare_through_a_launched_server_resumes_without_re_aski
         return [*demo_stages(str(out), size)["prepare"], f"target.name={tiny_target_dir}",
                 f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", "data.regenerate.shard_size=8",
                 "data.regenerate.server.slots=2", "data.regenerate.server.concurrency=2",
-                "data.regenerate.server.threads=1"]
+                "data.regenerate.server.threads=1", "data.regenerate.server.gguf_type=f32"]
 
     recipe = load_recipe(STAGE_RECIPES["prepare"], overrides(tmp_path / "killed"))
     r = recipe.data.regenerate
