@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what to train on the same data: eagle3 (default) or dflash (a block drafter, k = 7 per forward)")
     p.add_argument("--regenerate", choices=("generate", "server"), default=None,
                    help="who answers the conversations: generate (the target in this process, batched; default) or "
-                        "server (a llama-server started on the target's F32 GGUF; demo.REGENERATE_SERVER)")
+                        "server (a llama-server on the target's BF16 GGUF, 32 slots; demo.REGENERATE_SERVER)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("export", help="write a drafter in a serving engine's format; --check proves an export",

@@ -29,7 +29,6 @@ from ..decode.protocol import BindsTargetCache, common_prefix
 from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
-from ..files import write_json, write_text
 from ..measure.baselines import baseline_configs
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import Question, load_questions

@@ -13,7 +13,7 @@ import pytest
 
 from draftsmith.config import CONFIG_DIR, load_recipe
 from draftsmith.drafters.eagle3 import Eagle3Config
-from draftsmith.drafters.params import TARGETS, VARIANTS, count, meta_module, parameter_rows, target_parameters
+from draftsmith.drafters.params import TARGETS, count, meta_module, parameter_rows, target_parameters
 from draftsmith.target import default_eagle3_layers
 
 from .conftest import benchmark_script
@@ -97,6 +97,39 @@ def test_eagle3_recipes_feature_layers_and_vocab(name):
     assert prepare.data.vocab.size == recipe.drafter.draft_vocab_size
     assert recipe.drafter.draft_vocab == os.path.join(prepare.run_dir, "data", "draft_vocab.safetensors")
     assert recipe.train.dataset == os.path.join(prepare.run_dir, "data", "tokenized")
+
+
+# the DFlash recipes: (target's config.json folder, docs / params label, the mask token -1 resolves to)
+DFLASH_RECIPES = {
+    "llama3.1-8b-dflash": ("Llama-3.1-8B", "llama-3.1-8b-instruct", "dflash: 5 layers, block 16", 128255),
+    "qwen3-8b-dflash": ("Qwen3-8B", "qwen3-8b", "dflash: 5 layers, block 16 (z-lab/Qwen3-8B-DFlash-b16's shape)", 151935),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DFLASH_RECIPES))
+def test_dflash_recipes_follow_the_reference_rule_and_match_the_docs(name):
+    from draftsmith.drafters.dflash import default_target_layers
+
+    target, folder, label, mask = DFLASH_RECIPES[name]
+    config = arch(folder)
+    recipe = load_recipe(name)
+    resolved = recipe.drafter.resolve_for(config.num_hidden_layers, config.vocab_size)
+    # the layers written in the recipe are the reference's rule for 5 draft layers, so [] would give the same
+    assert resolved.feature_layers == default_target_layers(config.num_hidden_layers, 5)
+    assert resolved.feature_layers == {"Llama-3.1-8B": [1, 8, 15, 22, 29], "Qwen3-8B": [1, 9, 17, 25, 33]}[target]
+    assert resolved.mask_token_id == mask == config.vocab_size - 1
+    assert recipe.decode.k == resolved.block_size - 1 == 15
+    counts = count(recipe.drafter, config)
+    assert (millions(counts["trainable"]), millions(counts["frozen"]), millions(counts["stored"])) == \
+        docs_rows()[(target, label)]
+    prepare = load_recipe(name.replace("-dflash", "-prepare"))
+    assert prepare.target.name == recipe.target.name
+    assert recipe.train.dataset == os.path.join(prepare.run_dir, "data", "tokenized")
+    with open(os.path.join(CONFIG_DIR, name + ".yaml"), encoding="utf-8") as f:
+        header = f.read().split("\ntarget:")[0]
+    for command in (f"deepspeed --num_gpus 8 $(which draftsmith) train -c {name}",
+                    f"torchrun --nproc_per_node 8 $(which draftsmith) train -c {name}", "prepare -c", "--to dflash"):
+        assert command in header, command
 
 
 def test_a_target_layer_count_that_does_not_fit_is_refused():
