@@ -473,7 +473,10 @@ def load_target(
             f"or a builtin alias ({', '.join(BUILTINS)})."
         ) from e
     model.to(dev)
-    cpu_linear.install(model)  # CPU: fp32 on oneDNN, bf16 on an AVX2 CPU on our kernel (flat cost for 1-8 tokens)
+    freeze(model)  # before install: frozen bf16 linears are packed there, not in the first timed step
+    # CPU: fp32 on oneDNN; bf16 on an AVX2 CPU on our kernel (flat cost for 1-8 tokens), on AVX512-BF16 on
+    # oneDNN's packed weights (half torch's bf16 one-token step)
+    cpu_linear.install(model)
     return Target(model, apply_option(tokenizer, chat_template), name=spec, chat_option=chat_template)
 
 

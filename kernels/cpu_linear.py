@@ -1,8 +1,20 @@
 """CPU linear layers whose cost stays flat from 1 to 8 tokens, the shape of a verification forward.
 
-Two routes, chosen per layer by its dtype when :func:`install` runs:
+Three routes, chosen per layer by its dtype when :func:`install` runs:
 
 * **bf16 on an AVX2 CPU without a bf16 GEMM** — draftsmith's own kernel (``bf16_linear.cpp``, below).
+* **bf16 on a CPU where oneDNN has a bf16 path** (AVX512-BF16, AMX) — oneDNN's linear on a copy of the
+  weight packed once into the blocked layout its bf16 kernel reads (``_reorder_linear_weight``). torch's
+  bf16 ``F.linear`` hands oneDNN the plain [N, K] weight, and the AVX512-BF16 kernel (which multiplies pairs
+  of K) re-lays every block of it out on every call: a one-token step read the weight twice, and bf16 lost
+  to fp32 (Gemma-3-270M's 262k-row lm_head: 43 ms in bf16 against 43 ms in fp32, 24 ms packed, 1 thread).
+  Packed, a one-row linear costs 0.45–0.6× torch's, 2–8 rows 0.25–0.5×, 512 rows ~0.95×, and the result is
+  bit-identical to ``F.linear``'s at every row count (benchmarks/RESULTS.md, "gemma-3"). Only frozen
+  weights (``requires_grad=False``: the target, a drafter's copies of the target's parts) take it: an
+  optimizer may write a trainable weight through ``.data`` or a flat buffer it is a view of, which no
+  version counter sees, and a stale packed copy would evaluate old weights. A frozen weight that is
+  loaded into or replaced is packed again on its next call. The price is memory: the packed copy
+  doubles the frozen bf16 linears' weights (a tied lm_head too: the embedding keeps the plain one).
 * **fp32 on any CPU torch built with oneDNN** — oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``,
   the op torch's own compiler uses for CPU linears; dense weights, no copy). torch's fp32 ``F.linear``
   goes to MKL's sgemm, whose small-M kernels are pathological: the lm_head over 2–3 rows costs about as many
@@ -24,8 +36,7 @@ When: :func:`install` swaps the forward of every bf16 ``nn.Linear`` of a module 
 alone (its own ``generate``) and the speculative decoder run the very same kernels, and
 ``speedup_vs_target`` compares like with like. Nothing changes
 
-* in bf16 on GPUs, or on CPUs where oneDNN has a bf16 path
-  (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 machines); fp32 on GPUs;
+* in bf16 or fp32 on GPUs;
 * while autograd records (training): neither route has a backward, so those calls take ``F.linear``;
 * with ``DRAFTSMITH_CPU_KERNELS=0`` in the environment, or inside :func:`disabled` (A/B benchmarks).
 
@@ -42,6 +53,7 @@ import contextlib
 import os
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +99,10 @@ def ops() -> Any:
 
 
 _onednn_ok: bool | None = None  # whether oneDNN's linear ran correctly here (checked once per process)
+_packed_ok: bool | None = None  # whether oneDNN's bf16 linear on a packed weight ran correctly here (ditto)
+_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[int, int], Tensor]] = weakref.WeakKeyDictionary()
+"""Each routed bf16 linear's packed weight, keyed by the plain weight's (data_ptr, _version) it was packed
+from; outside the module, so that deepcopy, state_dict and ``.to`` never meet an opaque oneDNN tensor."""
 
 
 def onednn_wanted() -> bool:
@@ -104,6 +120,45 @@ def onednn_wanted() -> bool:
         except (RuntimeError, AttributeError):  # a torch without the op, or a CPU oneDNN refuses
             _onednn_ok = False
     return _onednn_ok
+
+
+def packed_wanted() -> bool:
+    """Whether bf16 CPU linears should go to oneDNN on packed weights: oneDNN has a bf16 path on this CPU
+    (AVX512-BF16, AMX), the packed linear equals ``F.linear`` on a small case, and
+    ``DRAFTSMITH_CPU_KERNELS=0`` is not set."""
+    global _packed_ok
+    if switched_off():
+        return False
+    if _packed_ok is None:
+        try:
+            g = torch.Generator().manual_seed(0)
+            w, x = torch.randn(24, 40, generator=g).bfloat16(), torch.randn(3, 40, generator=g).bfloat16()
+            b = torch.randn(24, generator=g).bfloat16()
+            _packed_ok = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                              and torch.equal(packed_linear(x, pack(w), b), F.linear(x, w, b)))
+        except (RuntimeError, AttributeError):  # a torch without the ops, or a CPU oneDNN refuses
+            _packed_ok = False
+    return _packed_ok
+
+
+def pack(weight: Tensor) -> Tensor:
+    """[N, K] contiguous bf16 → the same weight as an opaque oneDNN tensor in the blocked layout its bf16
+    linear reads (packed for one row, the decode step; any row count runs on it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` through oneDNN's bf16 path: x [..., K] bf16, packed from :func:`pack` → [..., N] bf16."""
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed, bias, "none", [], "")
+
+
+def _packed_weight(m: nn.Linear) -> Tensor:
+    """m's packed weight, packed again when the frozen plain one changed since (loaded into, or replaced)."""
+    key = (m.weight.data_ptr(), m.weight._version)
+    hit = _packed.get(m)
+    if hit is None or hit[0] != key:
+        hit = _packed[m] = (key, pack(m.weight.detach()))
+    return hit[1]
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -124,16 +179,20 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
             and w.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         if w.dtype == torch.bfloat16 and _ops is not None:
             return linear(x, w, self.bias)
+        if w.dtype == torch.bfloat16 and _packed_ok and not w.requires_grad:
+            return packed_linear(x, _packed_weight(self), self.bias)
         if w.dtype == torch.float32 and _onednn_ok:
             return onednn_linear(x, w, self.bias)
     return F.linear(x, w, self.bias)
 
 
 def route(dtype: torch.dtype) -> str | None:
-    """Which route CPU linears of ``dtype`` take in this process: "bf16" (draftsmith's kernel),
-    "onednn" (fp32) or None (torch's ``F.linear``)."""
+    """Which route CPU linears of ``dtype`` take in this process: "bf16" (draftsmith's kernel, AVX2),
+    "packed" (bf16 on oneDNN's packed weights), "onednn" (fp32) or None (torch's ``F.linear``)."""
     if dtype == torch.bfloat16 and wanted() and ops() is not None:
         return "bf16"
+    if dtype == torch.bfloat16 and packed_wanted():
+        return "packed"
     if dtype == torch.float32 and onednn_wanted():
         return "onednn"
     return None
@@ -146,6 +205,8 @@ def install(module: nn.Module) -> int:
                and route(m.weight.dtype) is not None]
     for m in linears:
         m.forward = types.MethodType(_forward, m)
+        if route(m.weight.dtype) == "packed" and not m.weight.requires_grad:
+            _packed_weight(m)  # now, not inside the first timed step
     return len(linears)
 
 
@@ -165,6 +226,7 @@ def describe(module: nn.Module) -> str:
         return "torch"
     kind = route(routed[0].weight.dtype)
     return {"bf16": "draftsmith bf16 (kernels/cpu_linear.py)",
+            "packed": "oneDNN bf16, packed weights (kernels/cpu_linear.py)",
             "onednn": "oneDNN fp32 (kernels/cpu_linear.py)"}.get(kind or "", "torch")
 
 

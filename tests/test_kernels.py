@@ -1,7 +1,8 @@
 """kernels/cpu_linear.py: the bf16 linear for AVX2 CPUs equals F.linear up to bf16 rounding, at every
 row count, with and without bias and a K that is not a multiple of 8; a row's result does not depend
 on how many rows share the call; the fp32 route (oneDNN) equals F.linear up to fp32 summation order;
-each is installed only where it should be, and never under autograd."""
+the bf16 route on packed weights (AVX512-BF16 CPUs) is bit-identical to F.linear and follows a frozen
+weight that is loaded into; each is installed only where it should be, and never under autograd."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from .conftest import SMOLLM2, tiny_llama
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.wanted(), reason="the kernel is for AVX2 CPUs without a bf16 GEMM")
 needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_wanted(), reason="this torch has no working oneDNN linear")
+needs_packed = pytest.mark.skipif(cpu_linear.wanted() or not cpu_linear.packed_wanted(),
+                                  reason="the packed bf16 route is for CPUs where oneDNN has a bf16 path")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -122,9 +125,70 @@ def test_install_routes_fp32_linears_and_autograd_still_takes_torch_s():
     assert x.grad is not None and lin.weight.grad is not None
 
 
+@needs_packed
+@pytest.mark.parametrize("n,k", [(96, 64), (200, 20), (33, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_packed_bf16_route_is_bit_identical_to_the_linear(n, k, bias):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_linear.pack(w)
+    for m in (1, 2, 3, 7, 8, 9, 17, 40):
+        x = torch.randn(1, m, k, generator=g).bfloat16()
+        ours = cpu_linear.packed_linear(x, packed, b)
+        assert ours.dtype == torch.bfloat16 and ours.shape == (1, m, n)
+        assert torch.equal(ours, F.linear(x, w, b)), m  # the same oneDNN kernel, only the weight's layout differs
+        # and not trivially: the exact product rounds differently in places, a wrong layout everywhere
+        assert (ours.double() - reference(x, w, b)).abs().max() <= 2 ** -7 * reference(x, w, b).abs().max()
+
+
+@needs_packed
+def test_install_packs_frozen_bf16_linears_and_follows_a_loaded_weight():
+    model = tiny_llama(layers=2).to(torch.bfloat16).eval().requires_grad_(False)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert cpu_linear.install(model) == linears == cpu_linear.installed(model)
+    assert cpu_linear.describe(model).startswith("oneDNN bf16, packed")
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.inference_mode():
+        fast = model(ids).logits
+        with cpu_linear.disabled():
+            slow = model(ids).logits
+    assert torch.equal(fast, slow)
+    head = model.lm_head
+    other = torch.randn_like(head.weight)
+    with torch.no_grad():
+        head.weight.copy_(other)  # loaded into: the packed copy must not serve the old rows
+    x = torch.randn(3, head.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(head(x), F.linear(x, other))
+    head.weight = nn.Parameter(torch.randn_like(other), requires_grad=False)  # replaced
+    with torch.no_grad():
+        assert torch.equal(head(x), F.linear(x, head.weight))
+    copied = copy.deepcopy(model)  # the packed copies live outside the module: deepcopy never meets them
+    with torch.inference_mode():
+        assert torch.equal(copied(ids).logits, model(ids).logits)
+
+
+@needs_packed
+def test_a_trainable_bf16_weight_never_takes_the_packed_copy():
+    """An optimizer writes through .data or a flat buffer, which no version counter sees: a packed copy of a
+    trainable weight could go stale, so those take F.linear, under autograd and outside it."""
+    lin = nn.Linear(64, 32).to(torch.bfloat16)
+    assert cpu_linear.install(lin) == 1
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    lin(x).float().sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    with torch.no_grad():
+        lin(x)  # a route that packed would pack here
+    new = torch.randn_like(lin.weight)
+    lin.weight.data.copy_(new)  # as an optimizer may: same storage, and the param's version counter does not move
+    with torch.no_grad():
+        assert torch.equal(lin(x), F.linear(x, new, lin.bias))
+
+
 def test_nothing_is_installed_when_switched_off(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CPU_KERNELS", "0")
-    assert not cpu_linear.wanted() and not cpu_linear.onednn_wanted()
+    assert not cpu_linear.wanted() and not cpu_linear.onednn_wanted() and not cpu_linear.packed_wanted()
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_llama(layers=1).to(dtype)
         assert cpu_linear.install(model) == 0 and cpu_linear.installed(model) == 0
