@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="distill the target into the recipe's drafter (DeepSpeed; resumable)",
-                       description="Train the recipe's drafter (draft_lm, eagle1, eagle3, medusa) against the frozen "
+                       description="Train the recipe's drafter (draft_lm, eagle1, eagle3, medusa, dflash) against the frozen "
                                    "target: one process as is, or many under torchrun / the deepspeed launcher. "
                                    "Writes checkpoints, logs and the final drafter folder to the run folder, and "
                                    "resumes from the run folder's latest checkpoint when there is one. SIGTERM or "

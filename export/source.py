@@ -26,7 +26,7 @@ class Source:
     path: str
     kind: Literal["drafter", "checkpoint"]
     family: str
-    """The drafter's ``type`` (draft_lm, eagle1, eagle3, medusa)."""
+    """The drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash)."""
     drafter: Any
     """The runtime drafter: ``.module``, ``.config``, ``.feature_layers``, ``.target_info``."""
     target: Target

@@ -2,7 +2,7 @@
 
 Learning rate, schedule and losses live here; engine settings (ZeRO stage, bf16/fp32,
 gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, named by
-``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa).
+``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash).
 """
 
 from __future__ import annotations
