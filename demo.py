@@ -105,7 +105,7 @@ SIZES: dict[str, DemoSize] = {
 """``make demo`` runs ``default``; ``make demo DEMO=full`` runs ``full``. Both train on the target's own answers
 (on-policy data teaches more per token) and decode with a gated dynamic tree: the head's top-3 first tokens
 whose probability is at least 0.1, verified together (depth 1, one head forward per round). Where verifying
-2–4 tokens costs about one target step (a GPU; a CPU with a bf16 GEMM; an AVX2 CPU with ``kernels/cpu_linear.py``)
+2–4 tokens costs about one target step (a GPU; a CPU with a bf16 GEMM; an AVX2 CPU with ``cpu_kernels/cpu_linear.py``)
 three siblings cost little more than one draft and are accepted more often; a second level costs a head forward
 every round for little acceptance (benchmarks/RESULTS.md, "tree"). Conversations and steps are sized for a
 device with native bf16; where the pipeline runs in fp32 (an AVX2-only CPU, slower per token) :func:`sized`

@@ -41,7 +41,7 @@ from .chat import apply_option, check_option, render_prompt, template_record
 from .devices import cache_dir, detect_device, resolve_dtype
 from .errors import ConfigError, DraftsmithError
 from .files import atomic_dir
-from .kernels import cpu_linear
+from .cpu_kernels import cpu_linear
 
 
 @dataclass

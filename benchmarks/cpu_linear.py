@@ -1,4 +1,4 @@
-"""draftsmith's CPU linears (``kernels/cpu_linear.py``) against torch's own ``F.linear``, side by side in one run.
+"""draftsmith's CPU linears (``cpu_kernels/cpu_linear.py``) against torch's own ``F.linear``, side by side in one run.
 
     python benchmarks/cpu_linear.py --prompts 3 --max-new-tokens 48                  # bf16: our AVX2 kernel / packed oneDNN
     python benchmarks/cpu_linear.py --dtype float32 --prompts 3 --max-new-tokens 48  # fp32: oneDNN vs MKL
@@ -32,7 +32,7 @@ from torch import nn
 
 from draftsmith.measure.prompts import load_questions
 from draftsmith.measure.reference import target_greedy
-from draftsmith.kernels import cpu_linear
+from draftsmith.cpu_kernels import cpu_linear
 from draftsmith.target import crop_cache, load_target
 
 NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}

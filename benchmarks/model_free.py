@@ -53,7 +53,7 @@ from draftsmith.measure.reference import hf_generate, target_greedy
 from draftsmith.measure.costs import median_interval
 from draftsmith.measure.paired import paired_runs
 from draftsmith.files import write_json
-from draftsmith.kernels import cpu_linear
+from draftsmith.cpu_kernels import cpu_linear
 from draftsmith.target import Target, load_target
 
 

@@ -35,7 +35,7 @@ import torch
 from ..chat import template_mismatch
 from ..errors import ConfigError, DraftsmithError
 from ..files import atomic_dir
-from ..kernels import cpu_linear
+from ..cpu_kernels import cpu_linear
 from ..schema import choices, from_dict, to_dict
 from ..target import Target, describe
 
@@ -186,7 +186,7 @@ class SavedDrafterConfig:
     def build(self, target: Target) -> Any:
         """The saved drafter, frozen: a recipe's ``drafter: {type: saved}`` only decodes (training starts from a
         config, never from here), and frozen bf16 linears take the CPU route the target's take (packed once for
-        oneDNN, ``kernels/cpu_linear.py``): left trainable, the head ran torch's slower kernel beside a faster
+        oneDNN, ``cpu_kernels/cpu_linear.py``): left trainable, the head ran torch's slower kernel beside a faster
         target, and c rose from 0.069 to 0.084 of a target step."""
         drafter = load(self.path, target)
         drafter.module.requires_grad_(False)

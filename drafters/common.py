@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import DraftsmithError
-from ..kernels import cpu_linear
+from ..cpu_kernels import cpu_linear
 from ..target import resolve_layer  # noqa: F401  (the layer-id convention lives in target.py; families import it here)
 
 
@@ -208,7 +208,7 @@ def place(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> 
 
     Unlike ``module.to(dtype)`` this leaves buffers alone, so RoPE's ``inv_freq`` stays float32
     as in the target (a bf16 ``inv_freq`` shifts every rotary angle). bf16 linears on an AVX2 CPU are
-    routed through ``kernels.cpu_linear``, and fp32 ones through oneDNN, as the target's are.
+    routed through ``cpu_kernels.cpu_linear``, and fp32 ones through oneDNN, as the target's are.
     """
     module.to(device=device)
     for p in module.parameters():

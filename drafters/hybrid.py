@@ -117,7 +117,7 @@ class HybridConfig:
     """The model-free drafter drafts a round when its confidence in its first draft is at least this. 0.1
     (the suffix drafter's own ``min_prob``: whenever it proposes at all): a model-free draft costs tens of
     µs while the model's costs c ≈ 0.07 of a target step, so where verification is nearly free (a GPU; a
-    CPU with ``kernels/cpu_linear.py``) a lookup draft right 10 % of the time already pays. At 0.5 the
+    CPU with ``cpu_kernels/cpu_linear.py``) a lookup draft right 10 % of the time already pays. At 0.5 the
     hybrid ran below the suffix drafter alone, its model drafting most rounds on MT-bench
     (benchmarks/history/2026.md, "model-free drafters")."""
 

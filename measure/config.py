@@ -48,7 +48,7 @@ class DecodeConfig:
     """dynamic: child slots expanded per level (and per node)."""
     tree_budget: int = 4
     """dynamic: drafted tokens verified per round. The defaults (depth 2, top-k 2, 4 nodes) were the CPU's
-    before ``kernels/cpu_linear.py``, when verification cost grew with the nodes. With it, and with
+    before ``cpu_kernels/cpu_linear.py``, when verification cost grew with the nodes. With it, and with
     ``min_confidence`` gating the tree's slots, depth 1 / top-k 3 / 3 nodes at gate 0.1 ran fastest with
     the demo's head, ahead of the gated chain (bf16, 2-core CPU; benchmarks/RESULTS.md, "tree"): the demo
     uses that. GPU (EAGLE's reference decoder): depth 5, top-k 8, 63."""

@@ -23,7 +23,7 @@ from ..decode.protocol import Drafter, common_prefix
 from ..decode.stats import DecodeStats
 from ..decode.tree import tree_decode
 from ..errors import ConfigError, DraftsmithError
-from ..kernels import cpu_linear
+from ..cpu_kernels import cpu_linear
 from ..target import Target
 from .config import DecodeConfig
 from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs

@@ -231,7 +231,7 @@ def test_a_loaded_gemma3_runs_as_fast_as_its_size_allows(tmp_path, smollm2_token
     """What load_target hands the decoder for a Gemma-3 folder: SDPA (not eager) attention, one tensor for the
     tied embedding and lm_head (not a second 262k-row copy), contiguous weights, and every fp32 linear on the
     oneDNN route where this torch has it (the lm_head included)."""
-    from draftsmith.kernels import cpu_linear
+    from draftsmith.cpu_kernels import cpu_linear
     from draftsmith.target import load_target
 
     tiny_gemma3().save_pretrained(tmp_path)

@@ -209,7 +209,7 @@ def test_saved_drafter_recipe_section(tiny_target, tmp_path):
     recipe = load_recipe(None, ["drafter.type=saved", f"drafter.path={tmp_path / 'd'}"])
     built = recipe.drafter.build(tiny_target)
     assert built.feature_layers == (3,)
-    # a saved drafter only decodes: frozen, so its CPU linears take the target's route (kernels/cpu_linear.py)
+    # a saved drafter only decodes: frozen, so its CPU linears take the target's route (cpu_kernels/cpu_linear.py)
     assert not any(p.requires_grad for p in built.module.parameters())
     assert any(p.requires_grad for p in drafters.load(str(tmp_path / "d"), tiny_target).module.parameters())
     with pytest.raises(DraftsmithError, match="drafter.path"):

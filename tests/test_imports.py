@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.abspath(draftsmith.__file__))
 SKIP_DIRS = {"tests", "benchmarks", "runs", "configs", "__pycache__"}
 DECODE_MAY_IMPORT = {"target", "errors", "files", "devices"}
 LAYERS = [
-    {"__init__", "__version__", "errors", "files", "tables", "kernels"},
+    {"__init__", "__version__", "errors", "files", "tables", "cpu_kernels"},
     {"devices", "schema", "chat"},
     {"target"},
     {"decode"},
@@ -226,3 +226,31 @@ def test_no_import_cycle_between_files():
     assert {os.path.join("drafters", "registry.py"), "target.py", "cli.py"} <= set(graph)  # the walk saw them
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle between files: " + " → ".join(cycle)
+
+
+def probed_module_names() -> set[str]:
+    """Top-level module names that draftsmith's dependencies import when present: every installed distribution's
+    import names, and every optional package transformers probes (``_is_package_available("kernels")`` and the
+    like: transformers imports such a name as soon as it finds it on ``sys.path``)."""
+    import importlib.metadata
+    import re
+
+    import transformers.utils.import_utils as probes
+
+    with open(probes.__file__, encoding="utf-8") as f:
+        probed = set(re.findall(r'_is_package_available\(\s*"([A-Za-z0-9_]+)', f.read()))
+    assert {"kernels", "torch", "accelerate"} <= probed, "transformers' probes are no longer found this way"
+    return probed | set(importlib.metadata.packages_distributions())
+
+
+def test_no_top_level_name_of_the_package_shadows_a_dependency():
+    """The package root is the repository root, and ``python -m pytest`` (the README's test command) puts the
+    working directory first on ``sys.path``: a folder named like a package that a dependency imports would be
+    imported in its place. That happened: ``kernels/`` shadowed Hugging Face's ``kernels`` package on a machine
+    that had it installed, and ``import transformers`` failed in every test (hence ``cpu_kernels/``)."""
+    own = {name[: -len(".py")] if name.endswith(".py") else name for name in os.listdir(ROOT)
+           if name.endswith(".py") or os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
+    own -= {"__init__"}
+    assert {"cpu_kernels", "decode", "cli"} <= own
+    clash = sorted(own & probed_module_names())
+    assert not clash, f"top-level names of the package that dependencies import: {clash}"

@@ -1,4 +1,4 @@
-"""kernels/cpu_linear.py: the bf16 linear for AVX2 CPUs equals F.linear up to bf16 rounding, at every
+"""cpu_kernels/cpu_linear.py: the bf16 linear for AVX2 CPUs equals F.linear up to bf16 rounding, at every
 row count, with and without bias and a K that is not a multiple of 8; a row's result does not depend
 on how many rows share the call; the fp32 route (oneDNN) equals F.linear up to fp32 summation order;
 the bf16 route on packed weights (AVX512-BF16 CPUs) is bit-identical to F.linear and follows a frozen
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.kernels import cpu_linear
+from draftsmith.cpu_kernels import cpu_linear
 
 from .conftest import SMOLLM2, tiny_llama
 

@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ b): bf16 in and out, fp32 accumulation, for CPUs with AVX2 + FMA
-// and no native bf16 GEMM (see kernels/cpu_linear.py for when it is used and why).
+// and no native bf16 GEMM (see cpu_kernels/cpu_linear.py for when it is used and why).
 //
 // Each block of weight rows is read from memory once for every 8 rows of x, so a forward over
 // 2–8 tokens costs about what one token costs; torch's own bf16 path on such CPUs runs one

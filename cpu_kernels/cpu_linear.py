@@ -225,9 +225,9 @@ def describe(module: nn.Module) -> str:
     if not routed or not _active:
         return "torch"
     kind = route(routed[0].weight.dtype)
-    return {"bf16": "draftsmith bf16 (kernels/cpu_linear.py)",
-            "packed": "oneDNN bf16, packed weights (kernels/cpu_linear.py)",
-            "onednn": "oneDNN fp32 (kernels/cpu_linear.py)"}.get(kind or "", "torch")
+    return {"bf16": "draftsmith bf16 (cpu_kernels/cpu_linear.py)",
+            "packed": "oneDNN bf16, packed weights (cpu_kernels/cpu_linear.py)",
+            "onednn": "oneDNN fp32 (cpu_kernels/cpu_linear.py)"}.get(kind or "", "torch")
 
 
 @contextlib.contextmanager
