@@ -45,6 +45,7 @@ def test_the_dflash_demo_trains_the_dflash_recipe_offline_and_decodes_whole_bloc
     tr = load_recipe(recipes["train"], stages["train"])
     assert tr.drafter.type == "dflash" and tr.drafter.feature_layers == DFLASH["feature_layers"] == [1, 14, 26]
     assert tr.train.features.endswith("features") and tr.run_dir == f"{tmp_path}/dflash"  # offline, beside eagle3/
+    assert tr.train.dflash.weighting == "dpace"  # measured better than the reference's decay (RESULTS "dflash")
     ev = load_recipe(recipes["eval"], stages["eval"])
     assert ev.drafter.path == f"{tmp_path}/dflash/drafter-best" and ev.decode.k == DFLASH["block_size"] - 1
     assert ev.decode.tree == "none"  # chains: DFlash drafts no tree
