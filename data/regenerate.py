@@ -90,7 +90,7 @@ def regenerate_conversations(
         return _report_from(finished["shards"], report, note="up to date (reused)")
     report.note = job.start(workers, restart)
     mine = [s for s in job.shards if workers.owns(s.index)]
-    bar = tqdm(total=_count_turns(conversations, settings.max_turns) if workers.size == 1 else None, unit="turn",
+    bar = tqdm(total=_count_turns(conversations) if workers.size == 1 else None, unit="turn",
                desc="regenerate" if workers.size == 1 else f"regenerate (process {workers.rank} of {workers.size})",
                disable=not progress or not workers.is_main, dynamic_ncols=True)
     new_tokens = 0
@@ -174,11 +174,10 @@ def _report_from(shards: list[dict[str, Any]], report: RegenReport, note: str) -
     return report
 
 
-def _count_turns(conversations: Any, max_turns: int = 0) -> int:
-    """The assistant turns the stage may answer: each conversation's, at most ``max_turns`` (0 = all) — the progress
-    bar's total (a turn skipped for want of room ends its conversation early, so the bar may stop short of it)."""
-    turns = (sum(1 for m in msgs if m["role"] == "assistant") for msgs in conversations["messages"])
-    return sum(min(n, max_turns) if max_turns else n for n in turns)
+def _count_turns(conversations: Any) -> int:
+    """Every assistant turn of the input: the progress bar's total. A turn is counted when it is answered or dropped
+    (``max_turns`` reached, no room left: ``Conversation.close``), so the bar ends at this total."""
+    return sum(sum(1 for m in msgs if m["role"] == "assistant") for msgs in conversations["messages"])
 
 
 def _regenerate_shard(

@@ -253,11 +253,3 @@ def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
     ended = [len(t) < 20 and t[-1] in smollm2.eos_token_ids for t in got]
     assert any(ended) and not all(ended), [len(t) for t in got]  # rows left the batch while others ran on
 
-
-def test_the_progress_total_counts_only_the_turns_max_turns_allows():
-    from draftsmith.data.regenerate import _count_turns
-
-    user, bot = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
-    convs = {"messages": [[user, bot, user, bot, user, bot], [user, bot], [user]]}
-    assert _count_turns(convs) == _count_turns(convs, 0) == 4
-    assert _count_turns(convs, 1) == 2 and _count_turns(convs, 2) == 3
