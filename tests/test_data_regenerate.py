@@ -252,4 +252,3 @@ def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
     assert got == want
     ended = [len(t) < 20 and t[-1] in smollm2.eos_token_ids for t in got]
     assert any(ended) and not all(ended), [len(t) for t in got]  # rows left the batch while others ran on
-
