@@ -105,6 +105,12 @@ _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[int, int], Tensor]] = 
 from; outside the module, so that deepcopy, state_dict and ``.to`` never meet an opaque oneDNN tensor."""
 
 
+def _probe_case(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The small seeded linear (weight [24, 40], input [3, 40], bias [24]) a route is checked on before it is used."""
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*shape, generator=g).to(dtype) for shape in ((24, 40), (3, 40), (24,)))  # type: ignore[return-value]
+
+
 def onednn_wanted() -> bool:
     """Whether fp32 CPU linears should go to oneDNN: torch has it, it computes a small linear right,
     and ``DRAFTSMITH_CPU_KERNELS=0`` is not set."""
@@ -113,8 +119,7 @@ def onednn_wanted() -> bool:
         return False
     if _onednn_ok is None:
         try:
-            g = torch.Generator().manual_seed(0)
-            w, x, b = torch.randn(24, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(24, generator=g)
+            w, x, b = _probe_case(torch.float32)
             _onednn_ok = bool(torch.backends.mkldnn.is_available()
                               and torch.allclose(onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4))
         except (RuntimeError, AttributeError):  # a torch without the op, or a CPU oneDNN refuses
@@ -131,9 +136,7 @@ def packed_wanted() -> bool:
         return False
     if _packed_ok is None:
         try:
-            g = torch.Generator().manual_seed(0)
-            w, x = torch.randn(24, 40, generator=g).bfloat16(), torch.randn(3, 40, generator=g).bfloat16()
-            b = torch.randn(24, generator=g).bfloat16()
+            w, x, b = _probe_case(torch.bfloat16)
             _packed_ok = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
                               and torch.equal(packed_linear(x, pack(w), b), F.linear(x, w, b)))
         except (RuntimeError, AttributeError):  # a torch without the ops, or a CPU oneDNN refuses
