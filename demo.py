@@ -118,8 +118,8 @@ DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anch
           "weighting": "dpace",
           # True: the drafter's lm_head computes only prepare's draft vocabulary (data.vocab, the EAGLE-3 head's
           # file): a block costs c = 0.136 instead of 0.214 and trains 3x faster, at held-out sim τ 1.10 against
-          # 1.15 (RESULTS "dflash"); off because the GGUF export for llama.cpp refuses a draft vocabulary, and the
-          # demo serves its drafter there
+          # 1.15 (RESULTS "dflash"); off because at the demo's 150 steps the full vocabulary drafts better (the GGUF
+          # for llama.cpp carries either)
           "draft_vocab": False}
 """The demo's DFlash drafter (``drafter=dflash``): the recipe ``smollm2-135m-dflash`` reading the EAGLE-3 layers the
 demo's feature cache holds (training stays offline), 32 blocks per sequence, D-PACE position weights, the

@@ -107,13 +107,17 @@ DFLASH = [Rule("fc.{p}", "fc.{p}"), Rule("hidden_norm.{p}", "hidden_norm.{p}"), 
 # speculators' DFlashDraftModel with a reduced draft vocabulary (DraftVocabMixin) also stores its lm_head rows,
 # d2t and t2d; with the full vocabulary the lm_head is the target's and left out.
 DFLASH_SPECULATORS = DFLASH + [Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+# llama.cpp's converter (DFlashModel) reads z-lab's names; with a reduced draft vocabulary the lm_head rows go in too
+# (written as its ``output``) and export/gguf.py adds the d2t the converter does not write.
+DFLASH_LLAMACPP = DFLASH + [Rule("lm_head.{p}", "lm_head.{p}")]
 # transformers: a draft LM is exported as the plain causal LM it is (LoRA merged first).
 HF = [Rule("{p}", "{p}")]
 
 
 def adapter(family: str, fmt: str, num_layers: int = 1, reduced_vocab: bool = False) -> StateDictAdapter:
     """The adapter of (family, format); ``num_layers``: Medusa's residual blocks per head; ``reduced_vocab``: a
-    DFlash drafter with a draft vocabulary, whose lm_head (its rows of the target's) the speculators format holds."""
+    DFlash drafter with a draft vocabulary, whose lm_head (its rows of the target's) the speculators format and
+    llama.cpp's GGUF hold."""
     table = {
         ("eagle3", "eagle3"): lambda: StateDictAdapter(family, fmt, EAGLE3, skip=("embed_tokens.",)),
         ("eagle3", "speculators"): lambda: StateDictAdapter(family, fmt, SPECULATORS),
@@ -123,6 +127,8 @@ def adapter(family: str, fmt: str, num_layers: int = 1, reduced_vocab: bool = Fa
         ("dflash", "dflash"): lambda: StateDictAdapter(family, fmt, DFLASH, skip=("embed_tokens.", "lm_head.")),
         ("dflash", "speculators-dflash"): lambda: StateDictAdapter(
             family, fmt, DFLASH_SPECULATORS, skip=("embed_tokens.",) if reduced_vocab else ("embed_tokens.", "lm_head.")),
+        ("dflash", "gguf"): lambda: StateDictAdapter(
+            family, fmt, DFLASH_LLAMACPP, skip=("embed_tokens.", "d2t", "t2d") if reduced_vocab else ("embed_tokens.", "lm_head.")),
     }
     if (family, fmt) not in table:
         raise DraftsmithError(f"no state-dict adapter for a {family} drafter in the {fmt} format")

@@ -35,9 +35,11 @@ A reduced draft vocabulary (``drafter.draft_vocab``; the drafter's lm_head is th
   the export is refused. Expanding the head to the full vocabulary is not exact — the expanded drafter would
   draft tokens outside the draft vocabulary, which the drafter proven in draftsmith never does — so it is not
   offered.
-* GGUF (llama.cpp) is refused too (``export/gguf.py``): llama.cpp's ``dflash`` runtime reads a ``d2t`` and an
-  own ``output`` head, but its converter writes ``d2t`` only for the DSpark architectures, not for
-  ``DFlashDraftModel``.
+* GGUF (llama.cpp) carries one: llama.cpp's ``dflash`` runtime (``src/models/dflash.cpp``) reads an own
+  ``output`` [H, Vd] head and a ``d2t`` [Vd] I64 of absolute target ids, and scatters the draft logits to the
+  target's vocabulary. Its converter writes the head (our lm_head rows, ``--to gguf``'s layout) but ``d2t`` only
+  for the DSpark architectures, so ``export/gguf.py`` adds it to the converted file (:func:`~draftsmith.export.
+  gguf.set_d2t`), as the converter's ``DSparkModel`` writes it (offsets + arange).
 
 ``--check`` beyond the static checks: the z-lab folder is converted by speculators' own
 ``DFlashConverter`` (which refuses unexpected tensors and missing draft tensors, and maps
@@ -115,7 +117,8 @@ def speculators_config(source: Any) -> dict[str, Any]:
 
 
 def write(source: Any, fmt: str, out: str) -> None:
-    """Write the drafter of ``source`` into the folder ``out`` in ``fmt`` (dflash | speculators-dflash)."""
+    """Write the drafter of ``source`` into the folder ``out`` in ``fmt``: dflash | speculators-dflash, or gguf
+    (z-lab's layout as llama.cpp's converter reads it, plus the lm_head rows of a reduced draft vocabulary)."""
     from .tensors import cast_floats
 
     m, n = source.drafter.module, source.target.num_layers
@@ -126,16 +129,15 @@ def write(source: Any, fmt: str, out: str) -> None:
     state = {k: v for k, v in m.state_dict().items() if not k.startswith("rotary_emb.")}
     tensors = cast_floats(adapter("dflash", fmt, reduced_vocab=m.d2t is not None).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
-    write_json_file(os.path.join(out, "config.json"), zlab_config(source) if fmt == "dflash" else speculators_config(source))
+    write_json_file(os.path.join(out, "config.json"), speculators_config(source) if fmt == "speculators-dflash" else zlab_config(source))
 
 
 def refuse_draft_vocab(source: Any, fmt: str) -> None:
     """One line for a format that cannot carry the drafter's reduced vocabulary (module docstring)."""
     m = source.drafter.module
-    if m.d2t is None or fmt == "speculators-dflash":
+    if m.d2t is None or fmt in ("speculators-dflash", "gguf"):
         return
-    why = {"dflash": "z-lab's layout has no draft vocabulary (its loaders use the target's lm_head)",
-           "gguf": "llama.cpp's converter writes no d2t for a DFlashDraftModel"}[fmt]
+    why = "z-lab's layout has no draft vocabulary (its loaders use the target's lm_head)"
     raise DraftsmithError(f"this DFlash drafter has a reduced draft vocabulary ({m.d2t.shape[0]} tokens), which the "
                           f"{fmt} format cannot carry: {why}; export it with --to speculators-dflash")
 

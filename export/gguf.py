@@ -52,8 +52,6 @@ def outtype(gguf_type: str, dtype: Any) -> str:
 def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
     """Write ``source`` (an eagle3 or draft_lm drafter) as ``out/draft.gguf``."""
     kind = outtype(gguf_type, source.dtype)
-    if source.family == "dflash":
-        dflash.refuse_draft_vocab(source, "gguf")
     target_dir = resolve_target_folder(source.target.name)
     if source.family in ("eagle3", "dflash"):
         engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips
@@ -62,13 +60,53 @@ def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
             eagle3.write(source, "eagle3", tmp)
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
         elif source.family == "dflash":  # z-lab's layout: the converter's DFlashModel (a Qwen3 backbone)
-            dflash.write(source, "dflash", tmp)
+            dflash.write(source, "gguf", tmp)
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
+            if source.drafter.module.d2t is not None:  # the converter writes the head rows, not their ids
+                set_d2t(os.path.join(out, DRAFT_FILE), source.drafter.module.draft_ids)
         elif source.family == "draft_lm":
             hf.write(source, "hf", tmp)
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind)
         else:
             raise DraftsmithError(f"llama.cpp serves no {source.family} drafter (gguf holds eagle3, dflash and draft_lm)")
+
+
+def set_d2t(path: str, draft_ids: Any) -> None:
+    """Give the GGUF at ``path`` the tensor ``d2t`` (I64 [Vd], the absolute target id of each draft row, what
+    llama.cpp's ``dflash`` runtime scatters by), added or replaced; the file is rewritten atomically, every other
+    key/value and tensor copied as it is."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
+
+    reader = GGUFReader(path)
+    ids = np.asarray(draft_ids.cpu() if hasattr(draft_ids, "cpu") else draft_ids, dtype=np.int64).reshape(-1)
+    kept = [t for t in reader.tensors if t.name != "d2t"]
+    tmp = path + ".partial"
+    writer = GGUFWriter(tmp, arch=str(reader.fields[Keys.General.ARCHITECTURE].contents()), endianess=reader.endianess)
+    alignment = reader.fields.get(Keys.General.ALIGNMENT)
+    if alignment is not None:
+        writer.data_alignment = int(alignment.contents())
+    for field in reader.fields.values():
+        if field.name == Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.add_tensor_info("d2t", ids.shape, ids.dtype, ids.nbytes, GGMLQuantizationType.I64)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in kept:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.write_tensor_data(ids)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def write_target(target_spec: str, out: str, kind: str = "as-loaded") -> str:
@@ -169,12 +207,24 @@ def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module:
     names = set(meta["__tensors__"])
     need = {"fc.weight", "enc.output_norm.weight", "output_norm.weight"} | {
         f"blk.{i}.{t}.weight" for i in range(len(module.layers)) for t in DFLASH_LAYER_TENSORS}
+    if module.d2t is not None:
+        need |= {"output.weight", "d2t"}
     missing, extra = sorted(need - names), sorted(names - need)
     if missing or extra:
         raise DraftsmithError(f"{path}: llama.cpp's dflash loader needs {missing} (missing); {extra} are unexpected")
+    vocab = ""
+    if module.d2t is not None:
+        want_ids = module.draft_ids.cpu().tolist()
+        d2t = next(t for t in GGUFReader(path).tensors if t.name == "d2t")
+        head = meta["__tensors__"]["output.weight"]
+        if d2t.data.reshape(-1).tolist() != want_ids or len(want_ids) not in head:
+            raise DraftsmithError(f"{path}: d2t / output do not map the drafter's {len(want_ids)} draft tokens to their "
+                                  f"target ids (output {list(head)}): llama.cpp would draft other tokens")
+        vocab = f"; output [{len(want_ids)} draft rows] and d2t = the drafter's target ids"
     return [f"dflash.target_layers = {got} (llama.cpp captures layer inputs; draftsmith {list(module.feature_layers)}), "
             f"dflash.block_size {module.block_size}, mask token {module.mask_token_id}, the {len(need)} tensors "
-            f"llama.cpp's dflash loader reads (fc, enc.output_norm, output_norm, {len(module.layers)} blocks with q/k norms)"]
+            f"llama.cpp's dflash loader reads (fc, enc.output_norm, output_norm, {len(module.layers)} blocks with q/k norms)"
+            + vocab]
 
 
 # ---------------------------------------------------------------- the engine check

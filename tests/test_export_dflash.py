@@ -1,7 +1,8 @@
 """DFlash exports (tiny random target, fp32): z-lab's layout and speculators' dflash written, read back by
 speculators' own loader and converter, proven by ``export --check``; what would make an engine draft
 garbage is caught; GGUF through llama.cpp's converter and served by llama.cpp (``engine``). A reduced draft
-vocabulary goes to speculators' dflash (its lm_head rows, d2t, t2d) and is refused by the z-lab layout and GGUF."""
+vocabulary goes to speculators' dflash (its lm_head rows, d2t, t2d) and to GGUF (its rows as ``output``, d2t as
+absolute ids), and is refused by the z-lab layout."""
 
 from __future__ import annotations
 
@@ -150,11 +151,10 @@ def test_a_reduced_vocabulary_exports_to_speculators_with_its_head_rows_and_d2t(
         check(out)
 
 
-@pytest.mark.parametrize("fmt", ["dflash", "gguf"])
-def test_formats_without_a_draft_vocabulary_refuse_it_in_one_line(tmp_path, reduced_source, fmt):
-    with pytest.raises(DraftsmithError, match=rf"reduced draft vocabulary \(806 tokens\), which the {fmt} format "
+def test_the_zlab_layout_refuses_a_draft_vocabulary_in_one_line(tmp_path, reduced_source):
+    with pytest.raises(DraftsmithError, match=r"reduced draft vocabulary \(806 tokens\), which the dflash format "
                                               r"cannot carry.*--to speculators-dflash") as e:
-        export(reduced_source, fmt, str(tmp_path / "out"))
+        export(reduced_source, "dflash", str(tmp_path / "out"))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "out")
 
 
@@ -179,3 +179,38 @@ def test_gguf_export_converts_and_llama_cpp_serves_it_losslessly(tmp_path, sourc
     assert any("dflash.target_layers = [1, 3]" in line and "mask token 49151" in line for line in lines)
     assert any("llama.cpp with the export = llama.cpp's F32 target alone" in line for line in lines)
     assert any("acceptance by position (k = 5)" in line for line in lines)  # the whole block: Bs − 1 drafts
+
+
+@pytest.mark.engine
+def test_a_reduced_vocabulary_reaches_llama_cpp_through_the_d2t_added_to_the_gguf(tmp_path, target, capsys):
+    """The tiny target's greedy answers to the check prompts are token 198 over and over; a drafter whose only draft
+    row is 198 is accepted every time — in llama.cpp only if the GGUF's d2t maps that row to 198. A d2t one id off
+    (row → 197) makes the engine check fail on acceptance, and the static check on the ids."""
+    from gguf import GGUFReader
+
+    from draftsmith.export.gguf import DRAFT_FILE, engine_check, set_d2t
+    from draftsmith.export.run import default_prompts, open_source
+
+    config = DFlashConfig(num_layers=2, block_size=6, feature_layers=LAYERS)
+    module = config.build_module(target, vocab=vocab_pair([198], target.vocab_size))
+    perturb(module)
+    source = str(tmp_path / "drafter")
+    drafters.save(config.runtime(module, target), source)
+    out = str(tmp_path / "gguf")
+    assert main(["export", source, "--to", "gguf", "--out", out]) == 0
+    tensors = {t.name: t for t in GGUFReader(os.path.join(out, DRAFT_FILE)).tensors}
+    assert tensors["d2t"].data.tolist() == [198] and tuple(int(x) for x in tensors["output.weight"].shape) == (64, 1)
+    capsys.readouterr()
+    assert main(["export", "--check", out]) == 0
+    lines = [line[len("ok  "):] for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
+    assert any("output [1 draft rows] and d2t = the drafter's target ids" in line for line in lines)
+    line = next(line for line in lines if line.startswith("acceptance by position (k = 5)"))
+    assert "llama.cpp [1.000, 1.000, 1.000, 1.000, 1.000]" in line and "draftsmith [1.000, 1.000, 1.000, 1.000, 1.000]" in line
+
+    off = str(tmp_path / "off")  # the same export with d2t one id off
+    shutil.copytree(out, off)
+    set_d2t(os.path.join(off, DRAFT_FILE), [197])
+    with pytest.raises(DraftsmithError, match="d2t / output do not map"):
+        check(off)
+    with pytest.raises(DraftsmithError, match="another acceptance than draftsmith's decoder"):
+        engine_check(off, target, open_source(source, target.name), default_prompts(target))
