@@ -140,3 +140,25 @@ def test_gradient_flows_to_draft_only_through_valid_positions():
 
 def test_decayed_weights():
     assert L.decayed_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 256])
+def test_draft_vocab_agreement_equals_the_scattered_metrics_without_the_full_vocabulary_copy(chunk_rows):
+    """Σ min(p, q) and top-1 read over the draft rows (p through its log-normalizer) are the figures of
+    expected_acceptance / top1_accuracy on the draft logits scattered to the whole vocabulary (q = 0 outside), also
+    when the target's rows are picked by index and the rows do not fill the last chunk."""
+    from draftsmith.drafters.common import scatter_to_target
+
+    g = torch.Generator().manual_seed(3)
+    V, ids = 300, torch.tensor(sorted(torch.randperm(300, generator=g)[:40].tolist()))
+    target = torch.randn(25, V, generator=g) * 3
+    draft = torch.randn(19, len(ids), generator=g) * 3
+    rows = torch.randperm(25, generator=g)[:19]  # distinct rows: each planted argmax stands alone
+    target[rows[:6], ids[draft[:6].argmax(-1)]] += 50.0  # six rows where the draft's argmax is the target's
+    accept, top1 = L.draft_vocab_agreement(draft, target, ids, rows=rows, chunk_rows=chunk_rows)
+    q, p, every = scatter_to_target(draft, ids, V), target[rows], torch.ones(19, dtype=torch.bool)
+    assert accept.shape == (19,) and top1.dtype == torch.bool
+    assert torch.allclose(accept.mean(), L.expected_acceptance(q, p, every), atol=1e-6)
+    assert torch.allclose(accept, torch.minimum(q.softmax(-1), p.softmax(-1)).sum(-1), atol=1e-6)
+    assert top1.tolist() == (q.argmax(-1) == p.argmax(-1)).tolist() and int(top1[:6].sum()) == 6
+    assert float(top1.float().mean()) == pytest.approx(float(L.top1_accuracy(q, p.argmax(-1), every)))

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..drafters.common import scatter_to_target, shift_left
+from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
@@ -152,15 +152,14 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         anchors = anchors_of(batch, heldout_batch=True)
         q, p, k, valid = blocks(batch, anchors)
         out: heldout.Metrics = {"loss": (float(objective(q, p, k, valid)[0]), float(valid.sum()))}
-        if draft_ids is not None:  # q over the target's vocabulary, zero outside the draft one
-            q = scatter_to_target(q, draft_ids, vocab)
+        ids = draft_ids if draft_ids is not None else torch.arange(vocab, device=q.device)  # q = 0 outside them
+        accept, top1 = losses.draft_vocab_agreement(q, p, ids)  # [M] each, no [M, V] copy of q
         for pos in range(1, bs):
             at = k == pos
-            qa, pa = q[at].float(), p[at]
-            out[f"expected_accept_step{pos - 1}"] = heldout.masked_metric(lambda: losses.expected_acceptance(qa, pa, at[at]), at[at])
-            out[f"top1_step{pos - 1}"] = heldout.masked_metric(lambda: losses.top1_accuracy(qa, pa.argmax(-1), at[at]), at[at])
+            out[f"expected_accept_step{pos - 1}"] = heldout.masked_metric(lambda: losses.masked_mean(accept[at], at[at]), at[at])
+            out[f"top1_step{pos - 1}"] = heldout.masked_metric(lambda: losses.masked_mean(top1[at], at[at]), at[at])
         agree = torch.zeros_like(valid)
-        agree[valid] = q.argmax(-1) == p.argmax(-1)
+        agree[valid] = top1
         real = anchors >= 0  # [B, N]
         run_length = agree[..., 1:].long().cumprod(-1).sum(-1)  # [B, N] leading agreeing positions
         out["block_tau"] = (float((run_length + 1)[real].sum()), float(real.sum()))

@@ -91,12 +91,11 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
         steps, t = unroll(batch, 0.0)
         out: heldout.Metrics = {"loss": (float(objective(steps, t, batch)[0]), float(rows(batch).sum()))}
-        for j, (_, logits) in enumerate(steps):
-            q_logits = head.target_logits(logits.float())  # q = 0 outside the draft vocabulary
-            p_logits = t.logits[t.at(j)]
-            every = torch.ones(len(q_logits), dtype=torch.bool, device=q_logits.device)
-            out[f"expected_accept_step{j}"] = heldout.masked_metric(lambda: losses.expected_acceptance(q_logits, p_logits, every), every)
-            out[f"top1_step{j}"] = heldout.masked_metric(lambda: losses.top1_accuracy(q_logits, p_logits.argmax(-1), every), every)
+        for j, (_, logits) in enumerate(steps):  # q = 0 outside the draft vocabulary; no [N, V] copy is made
+            accept, top1 = losses.draft_vocab_agreement(logits, t.logits, draft_ids, rows=t.at(j))
+            every = torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+            out[f"expected_accept_step{j}"] = heldout.masked_metric(lambda: losses.masked_mean(accept, every), every)
+            out[f"top1_step{j}"] = heldout.masked_metric(lambda: losses.masked_mean(top1, every), every)
         return out
 
     save.baseline(run, engine, evaluate)

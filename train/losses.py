@@ -187,6 +187,27 @@ def top1_accuracy(draft_logits: Tensor, target_ids: Tensor, mask: Tensor) -> Ten
     return masked_mean((draft_logits.argmax(-1) == target_ids).float(), mask)
 
 
+@torch.no_grad()
+def draft_vocab_agreement(draft_logits: Tensor, target_logits: Tensor, draft_ids: Tensor, rows: Tensor | None = None,
+                          chunk_rows: int = 256) -> tuple[Tensor, Tensor]:
+    """Per row, [N] each: Σ_x min(p(x), q(x)) and whether the drafter's argmax is the target's — q the softmax of
+    ``draft_logits`` [N, Vd] over the draft vocabulary (target ids ``draft_ids`` [Vd], ascending; q = 0 elsewhere),
+    p the softmax of ``target_logits`` [N, V] (or of its rows ``rows`` [N]) over the whole vocabulary. The same figures as
+    :func:`expected_acceptance` and :func:`top1_accuracy` on the draft logits scattered to [N, V], without building
+    them: p is read at the draft ids through its log-normalizer, ``chunk_rows`` rows at a time, so no full-vocabulary
+    tensor exceeds that many rows (a 262k vocabulary made [N, V] fp32 copies many GiB)."""
+    ids = draft_ids.to(target_logits.device)
+    accept, top1 = [], []
+    for s in range(0, len(draft_logits), chunk_rows):
+        t = (target_logits[s:s + chunk_rows] if rows is None else target_logits[rows[s:s + chunk_rows]]).float()
+        p = (t.index_select(-1, ids) - t.logsumexp(-1, keepdim=True)).exp()  # [n, Vd]
+        q = draft_logits[s:s + chunk_rows].float().softmax(-1)
+        accept.append(torch.minimum(p, q).sum(-1))
+        top1.append(ids[q.argmax(-1)] == t.argmax(-1))
+    empty = draft_logits.new_zeros(0)
+    return (torch.cat(accept) if accept else empty.float()), (torch.cat(top1) if top1 else empty.bool())
+
+
 def decayed_weights(n: int, decay: float) -> list[float]:
     """[1, d, d², …] — EAGLE-3's per-step and Medusa's per-head weights (d = 0.8 in both papers)."""
     return [decay**i for i in range(n)]
@@ -196,6 +217,7 @@ __all__ = [
     "TOKEN_LOSSES",
     "EmptyBatchError",
     "decayed_weights",
+    "draft_vocab_agreement",
     "expected_acceptance",
     "forward_kl",
     "hard_ce",
