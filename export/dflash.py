@@ -135,11 +135,11 @@ def write(source: Any, fmt: str, out: str) -> None:
 def refuse_draft_vocab(source: Any, fmt: str) -> None:
     """One line for a format that cannot carry the drafter's reduced vocabulary (module docstring)."""
     m = source.drafter.module
-    if m.d2t is None or fmt in ("speculators-dflash", "gguf"):
+    if m.d2t is None or fmt != "dflash":  # speculators' dflash and GGUF carry it
         return
-    why = "z-lab's layout has no draft vocabulary (its loaders use the target's lm_head)"
     raise DraftsmithError(f"this DFlash drafter has a reduced draft vocabulary ({m.d2t.shape[0]} tokens), which the "
-                          f"{fmt} format cannot carry: {why}; export it with --to speculators-dflash")
+                          f"{fmt} format cannot carry: z-lab's layout has no draft vocabulary (its loaders use the "
+                          f"target's lm_head); export it with --to speculators-dflash")
 
 
 # ---------------------------------------------------------------- reading back

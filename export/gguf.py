@@ -50,7 +50,7 @@ def outtype(gguf_type: str, dtype: Any) -> str:
 
 
 def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
-    """Write ``source`` (an eagle3 or draft_lm drafter) as ``out/draft.gguf``."""
+    """Write ``source`` (an eagle3, dflash or draft_lm drafter) as ``out/draft.gguf``."""
     kind = outtype(gguf_type, source.dtype)
     target_dir = resolve_target_folder(source.target.name)
     if source.family in ("eagle3", "dflash"):
@@ -200,7 +200,8 @@ def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module:
                               f"{list(module.feature_layers)} = llama.cpp (input of layer) {want}")
     if int(meta.get("dflash.block_size", -1)) != module.block_size:
         raise DraftsmithError(f"{path}: dflash.block_size = {meta.get('dflash.block_size')}, the drafter's is {module.block_size}")
-    mask = GGUFReader(path).fields.get("tokenizer.ggml.mask_token_id")
+    reader = GGUFReader(path)
+    mask = reader.fields.get("tokenizer.ggml.mask_token_id")
     if mask is None or int(mask.contents()) != module.mask_token_id:
         raise DraftsmithError(f"{path}: tokenizer.ggml.mask_token_id is {None if mask is None else mask.contents()}, the "
                               f"drafter's mask token is {module.mask_token_id}")
@@ -215,7 +216,7 @@ def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module:
     vocab = ""
     if module.d2t is not None:
         want_ids = module.draft_ids.cpu().tolist()
-        d2t = next(t for t in GGUFReader(path).tensors if t.name == "d2t")
+        d2t = next(t for t in reader.tensors if t.name == "d2t")
         head = meta["__tensors__"]["output.weight"]
         if d2t.data.reshape(-1).tolist() != want_ids or len(want_ids) not in head:
             raise DraftsmithError(f"{path}: d2t / output do not map the drafter's {len(want_ids)} draft tokens to their "
