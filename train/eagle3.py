@@ -83,7 +83,7 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
             at = t.at(j)  # the target's row at t+j+1 for each of them
             ok = in_vocab[at]
             step_sum = losses.token_loss(cfg.loss.kind, logits[ok], p_draft[at][ok], ok[ok], cfg.loss.temperature,
-                                         cfg.loss.jsd_beta, reduction="sum")  # 0 past short sequences' ends
+                                         cfg.loss.jsd_beta, reduction="sum", eta=cfg.loss.lk_eta)  # 0 past short sequences' ends
             total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
             parts[f"loss/step{j}"] = (step_sum.item(), float(ok.sum()))
         return total, parts
