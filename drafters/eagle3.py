@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, default_eagle3_layers, describe
+from ..target import Target, check_architecture, default_eagle3_layers, describe
 from .common import (
     default_positions,
     draft_layer_config,
@@ -311,6 +311,33 @@ class Eagle3Head(nn.Module):
 # ---------------------------------------------------------------- builder and config
 
 
+@torch.no_grad()
+def init_from_target_layer(head: Eagle3Head, layer: nn.Module) -> None:
+    """Start ``head`` as the target's decoder ``layer`` (a Llama-style layer of the same width) applied to the
+    highest fused feature: fc copies the last H of its 3H inputs through (identity there, zero elsewhere);
+    q/k/v read the hidden half of concat(embedding, hidden) with the layer's weights and start blind to the
+    embedding half (zeros: the head learns what the next token adds); o_proj, the MLP and the norms are the
+    layer's (hidden_norm is its input norm). A layer of another shape or structure is refused in one line."""
+    mid, h = head.midlayer, head.hidden_size
+    try:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ours, theirs = getattr(mid.self_attn, name), getattr(layer.self_attn, name)
+            ours.weight.zero_()
+            ours.weight[:, h:].copy_(theirs.weight)
+            if ours.bias is not None:
+                ours.bias.copy_(theirs.bias)
+        mid.self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
+        mid.mlp.load_state_dict(layer.mlp.state_dict())
+        mid.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+        mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    except (AttributeError, RuntimeError) as e:  # another layer structure (extra norms, other names) or shape
+        raise DraftsmithError(f"drafter.init_from_layer: the target's layer ({type(layer).__name__}) is not a Llama-style "
+                              f"layer of the head's shape ({type(e).__name__}: {str(e).splitlines()[0]}); leave it unset") from e
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * h:].copy_(torch.eye(h, dtype=head.fc.weight.dtype, device=head.fc.weight.device))
+
+
+
 def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0, **norms: bool) -> Eagle3Head:
     """An EAGLE-3 head for a target with HF config ``arch`` around ``embed``; seeded-random, full-vocab mapping.
     norms: the EAGLE-3.1 options of :class:`Eagle3Head` (their RMSNorms start at 1 and draw no random numbers,
@@ -342,6 +369,11 @@ class Eagle3Config:
     fc_norm."""
     norm_output: bool = False
     """EAGLE-3.1: pass the normed hidden state (what the lm_head reads) on to the next step, not the pre-norm one."""
+    init_from_layer: int | None = None
+    """Training starts the head from the target: its decoder layer from the target's layer of this id (0-based,
+    negative from the end: -1 = the last) and fc passing the highest fused layer through
+    (:func:`init_from_target_layer`); None = seeded-random fc and layer (EAGLE-3). Read only when a head is built
+    for training; a saved head loads its own weights."""
 
     target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.",)
     """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
@@ -399,6 +431,10 @@ class Eagle3Config:
         with torch.no_grad():
             head.norm.weight.copy_(own.norm.weight)
             head.lm_head.weight.copy_(own.lm_head.weight[head.draft_ids])
+        if cfg.init_from_layer is not None:
+            layers = check_architecture(target.model, target.name, "features")
+            init_from_target_layer(head, layers[resolve_layer(cfg.init_from_layer, target.num_layers,
+                                                              "drafter.init_from_layer")])
         return head
 
     def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> Eagle3Head:

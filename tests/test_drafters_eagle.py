@@ -446,3 +446,17 @@ def test_the_options_come_from_the_recipe_and_survive_save_and_load(tiny_target,
     assert back.norm_output and torch.equal(back.input_norm.weight, head.input_norm.weight)
     with pytest.raises(ConfigError, match="drafter.fc_norm and drafter.norm_before_fc exclude each other"):
         load_recipe("smollm2-135m-eagle3", ["drafter.fc_norm=true", "drafter.norm_before_fc=true"])
+
+
+def test_init_from_layer_makes_the_head_the_targets_next_layer(tiny_target):
+    """fc passes the highest fused layer (2) through and the head's layer is the target's layer 3 on it, blind to the
+    token: step 0 reproduces the target's output of layer 3 and, with its final norm and lm_head, its logits."""
+    head = Eagle3Config(feature_layers=[0, 1, 2], init_from_layer=-1).build_module(tiny_target)  # full vocabulary
+    ids = torch.randint(0, 1000, (2, 7))
+    out = tiny_target.forward(ids, feature_layers=(0, 1, 2, 3))
+    hidden, logits = head(shift_left(ids, 1), out.features[..., :192])
+    assert torch.allclose(hidden, out.features[..., 192:], atol=1e-5)
+    assert torch.allclose(logits, out.logits, atol=1e-4)
+    assert head.midlayer.self_attn.q_proj.weight[:, :64].abs().sum() == 0  # the embedding half starts at zero
+    plain = Eagle3Config(feature_layers=[0, 1, 2]).build_module(tiny_target)
+    assert not torch.allclose(plain(shift_left(ids, 1), out.features[..., :192])[1], out.logits, atol=1e-2)
