@@ -41,6 +41,10 @@ VARIANTS: dict[str, list[str]] = {
     "lk_alpha": ["train.loss.kind=lk_alpha"],
     "lk_hybrid": ["train.loss.kind=lk_hybrid"],
     "tvd": ["train.loss.kind=tvd"],
+    # GRIFFIN's token-alignable training: step j trains only rows whose earlier steps kept the target's token in
+    # their top 1 (a chain) or top 3 (the demo's tree)
+    "align1": ["train.align_top_k=1"],
+    "align3": ["train.align_top_k=3"],
     # a deeper training-time test: the head unrolled on its own states for more steps
     "ttt3": ["train.ttt_steps=3"],
     "ttt4": ["train.ttt_steps=4"],
@@ -146,9 +150,11 @@ def main() -> None:
     d.add_argument("--max-new-tokens", type=int, default=96)
     s = sub.add_parser("table", help="a markdown row per run")
     s.add_argument("run_dirs", nargs="+")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()  # overrides may follow --only
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
-        train(args.config, args.out, [x for x in args.only.split(",") if x] or None, args.overrides)
+        train(args.config, args.out, [x for x in args.only.split(",") if x] or None, args.overrides + extra)
     elif args.command == "decode":
         decode(args.run_dirs, args.prompts, [int(k) for k in args.ks.split(",")], args.max_new_tokens)
     else:

@@ -198,6 +198,10 @@ class TrainConfig:
     """Micro-batches with a NaN/inf loss that are skipped (and counted) before the run stops."""
     ttt_steps: int = 7
     """EAGLE-3 training-time test: how many steps the head is unrolled on its own outputs."""
+    align_top_k: int = 0
+    """EAGLE-3, GRIFFIN's token-alignable training: a row's loss at unrolled step j ≥ 1 counts only while the target's
+    token was in the head's top ``align_top_k`` at every earlier step (1 for chains, the tree's top-k for trees);
+    0 = every row (EAGLE-3)."""
     feature_noise: float = 0.0
     """EAGLE-1/-3: add uniform noise U(−a, a) to the target features fed to the head (EAGLE: 0.1)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -218,5 +222,7 @@ class TrainConfig:
             raise ConfigError(f"train.group_by_length = {self.group_by_length} must be ≥ 0 (0 = random batches)")
         if self.max_bad_steps < 0:
             raise ConfigError(f"train.max_bad_steps = {self.max_bad_steps} must be ≥ 0")
+        if self.align_top_k < 0:
+            raise ConfigError(f"train.align_top_k = {self.align_top_k} must be ≥ 0 (0 = off)")
         if self.feature_noise < 0:
             raise ConfigError(f"train.feature_noise = {self.feature_noise} must be ≥ 0")
