@@ -37,6 +37,8 @@ VARIANTS: dict[str, list[str]] = {
     # SmolLM2's 30 layers, fused 1/14/26); fc passes the highest fused layer through (drafters/eagle3.py)
     "init_last": ["drafter.init_from_layer=-1"],
     "init_next": ["drafter.init_from_layer=27"],
+    # a second decoder layer after EAGLE-3's (speculators' num_hidden_layers = 2)
+    "layers2": ["drafter.num_layers=2"],
     # the loss: LK losses aim at the acceptance Σ min(p, q) itself (train/losses.py)
     "lk_alpha": ["train.loss.kind=lk_alpha"],
     "lk_hybrid": ["train.loss.kind=lk_hybrid"],
