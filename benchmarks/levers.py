@@ -8,8 +8,9 @@
 of ``--only``) whose ``train_summary.json`` is missing (a killed run resumes from its checkpoint), one after
 another, each on ``OMP_NUM_THREADS`` threads (1 unless set: no figure here depends on it, and two ``train``
 commands side by side use two cores better than one on both); wandb off. Same data, steps, schedule and seed as
-CONFIG (e.g. a demo run's ``eagle3/config.yaml``): only the variant's overrides differ, so each lever is measured
-alone at a fixed budget.
+CONFIG and the overrides given (e.g. a demo run's ``eagle3/config.yaml``, or the recipe with the demo's train
+overrides): only the variant's overrides differ, and they come last, so they win over the given ones (``ttt3``
+over a given ``train.ttt_steps=2``); each lever is measured alone at a fixed budget.
 
 ``decode`` runs each run's ``drafter-best`` in the built-in decoder, greedy, as plain chains of each k in ``--ks``
 (no gate, no tree) on the first ``--prompts`` MT-bench first turns, the target in bf16 (the dtype speed is measured
@@ -37,6 +38,8 @@ VARIANTS: dict[str, list[str]] = {
     # SmolLM2's 30 layers, fused 1/14/26); fc passes the highest fused layer through (drafters/eagle3.py)
     "init_last": ["drafter.init_from_layer=-1"],
     "init_next": ["drafter.init_from_layer=27"],
+    # the lm_head left at the target's rows (fewer trainable weights on little data)
+    "frozen_lm_head": ["drafter.freeze_lm_head=true"],
     # a second decoder layer after EAGLE-3's (speculators' num_hidden_layers = 2)
     "layers2": ["drafter.num_layers=2"],
     # the loss: LK losses aim at the acceptance Σ min(p, q) itself (train/losses.py)
@@ -72,7 +75,7 @@ def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -
             continue
         os.makedirs(out, exist_ok=True)
         cmd = [sys.executable, "-m", "draftsmith.cli", "train", "-c", config, f"run_dir={run_dir}",
-               "train.logging.wandb=disabled", "train.logging.progress=false", *VARIANTS[name], *overrides]
+               "train.logging.wandb=disabled", "train.logging.progress=false", *overrides, *VARIANTS[name]]  # the lever wins
         print(" ".join(cmd), flush=True)
         with open(os.path.join(out, f"{name}.log"), "a") as log:
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)

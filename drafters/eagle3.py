@@ -409,6 +409,9 @@ class Eagle3Config:
     fc_norm."""
     norm_output: bool = False
     """EAGLE-3.1: pass the normed hidden state (what the lm_head reads) on to the next step, not the pre-norm one."""
+    freeze_lm_head: bool = False
+    """Training leaves the lm_head at the target's rows of the draft vocabulary (it is still saved with the head):
+    fewer trainable weights where the data is small. False = trained (EAGLE-3)."""
     num_layers: int = 1
     """Decoder layers of the head: the first reads concat(embedding, hidden) as in EAGLE-3, the others are plain Llama
     layers after it (speculators' ``num_hidden_layers``). More layers cost a proportional draft step."""
@@ -476,6 +479,7 @@ class Eagle3Config:
         with torch.no_grad():
             head.norm.weight.copy_(own.norm.weight)
             head.lm_head.weight.copy_(own.lm_head.weight[head.draft_ids])
+        head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
         if cfg.init_from_layer is not None:
             layers = check_architecture(target.model, target.name, "features")
             init_from_target_layer(head, layers[resolve_layer(cfg.init_from_layer, target.num_layers,

@@ -481,3 +481,12 @@ def test_a_two_layer_head_keeps_the_one_layer_weights_and_survives_save_and_load
     drafters.save(eagle3_deep, str(tmp_path / "deep"))
     back = drafters.load(str(tmp_path / "deep"), tiny_target)
     assert back.module.num_layers == 2 and all(torch.equal(back.module.state_dict()[k], v) for k, v in two.items())
+
+
+def test_freeze_lm_head_leaves_the_targets_rows_untrained(tiny_target):
+    head = Eagle3Config(feature_layers=LAYERS, freeze_lm_head=True).build_module(tiny_target, sparse_vocab())
+    trainable = {n.split(".")[0] for n, p in head.named_parameters() if p.requires_grad}
+    assert trainable == {"fc", "midlayer", "norm"}
+    steps = head.unroll(torch.randint(0, 5000, (1, 6)), torch.randn(1, 6, 192), steps=2)
+    sum(lg.float().logsumexp(-1).sum() for _, lg in steps).backward()
+    assert head.lm_head.weight.grad is None and head.fc.weight.grad is not None
