@@ -1,13 +1,17 @@
 """Atomic file writes: a reader never sees a half-written file, a kill loses nothing committed.
 
-Temporary files and folders are created with the modes an ordinary ``open`` / ``os.makedirs``
-would give (0666 / 0777 less the umask), not ``mkstemp``'s owner-only 0600 / 0700: an export
-or a drafter must be readable by a serving container that runs as another user.
+**Modes.** Everything draftsmith writes has the modes an ordinary ``open`` / ``os.makedirs`` would
+give (0666 / 0777 less the umask), not ``mkstemp``'s owner-only 0600 / 0700 nor the 0600 that
+``safetensors.save_file`` (and ``save_pretrained``, which ends in it) gives whatever the umask: an
+export or a drafter must be readable by a serving container that runs as another user. The rule
+lives here, once: :func:`atomic_path` and :func:`atomic_dir` give what they commit the umask's modes
+(:func:`umask_modes`), whichever library wrote it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -24,6 +28,7 @@ def atomic_path(path: str) -> Iterator[str]:
     tmp = _create_unique(directory, path, lambda p: os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)))
     try:
         yield tmp
+        _give_umask_modes(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -53,6 +58,7 @@ def atomic_dir(path: str) -> Iterator[str]:
     tmp = _create_unique(parent, path, lambda p: os.mkdir(p, 0o777))
     try:
         yield tmp
+        _give_umask_modes(tmp)
         if os.path.isdir(path):
             old = tmp + ".old"
             os.replace(path, old)
@@ -62,6 +68,48 @@ def atomic_dir(path: str) -> Iterator[str]:
             os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes (hex), read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def umask_modes() -> tuple[int, int]:
+    """(file mode, folder mode) that ``open`` / ``os.makedirs`` give under this process's umask: 0666 / 0777 less it."""
+    mask = _umask()
+    return 0o666 & ~mask, 0o777 & ~mask
+
+
+def _umask() -> int:
+    try:  # read, not set: setting it, even for a moment, would race with other threads creating files
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _give_umask_modes(path: str) -> None:
+    """Give ``path`` (a file, or a folder and everything below it) the umask's modes; a file with an execute bit
+    (a built tool) gets the folder mode, so it stays executable as far as the umask allows."""
+    file_mode, dir_mode = umask_modes()
+    paths = [(path, os.path.isdir(path))]
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            paths += [(os.path.join(root, n), True) for n in dirs] + [(os.path.join(root, n), False) for n in files]
+    for p, is_dir in paths:
+        if os.path.islink(p):
+            continue
+        os.chmod(p, dir_mode if is_dir or os.stat(p).st_mode & 0o111 else file_mode)
 
 
 def _create_unique(directory: str, path: str, create: Callable[[str], None]) -> str:

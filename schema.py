@@ -159,7 +159,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is a folder; give a recipe YAML file or a name from `draftsmith configs`")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f)
     except FileNotFoundError as e:
         raise ConfigError(f"config file '{path}' does not exist") from e
     except UnicodeDecodeError as e:
@@ -169,6 +169,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' cannot be read: {e.strerror}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from e
+    if data is None:
+        raise ConfigError(f"config file '{path}' is empty; a recipe names at least its target (see `draftsmith configs`)")
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
     return data

@@ -43,7 +43,7 @@ from .conversations import FORMAT as CONVERSATIONS_FORMAT
 from .conversations import conversations_manifest, load_conversations, write_conversations
 from .normalize import SKIP_REASONS, ReadStats, iter_conversations
 from .shards import MANIFEST, SOLO, Workers, read_json
-from .sources import SourceReport, source_identity
+from .sources import SourceReport, repairs_note, source_identity
 
 @dataclass(frozen=True)
 class PreparedPaths:
@@ -241,7 +241,8 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
                               f"check the paths, formats and role names")
     summary.add_skips(manifest["skipped"], manifest["examples"])
     summary.sources = manifest["sources"]
-    stops = "; ".join(f"{s['name']}: {s['stopped']}" for s in manifest["sources"] if s["stopped"])
+    stops = "; ".join(f"{s['name']}: {why}" for s in manifest["sources"]
+                      for why in (s["stopped"], repairs_note(s)) if why)
     summary.rows.append(StageRow("read", manifest["records_in"], manifest["num_conversations"],
                                  sum(manifest["skipped"].values()), seconds=time.perf_counter() - start,
                                  note="; ".join(x for x in (note, stops) if x)))
@@ -403,6 +404,8 @@ def format_summary(summary: PrepareSummary, width: int = WIDTH) -> list[str]:
     for s in summary.sources:
         if s.get("stopped"):
             lines += wrapped(f"source {s['name']} ({s['path']}): read {s['records']:,} records; {s['stopped']}", width)
+        if repairs_note(s):
+            lines += wrapped(f"source {s['name']} ({s['path']}): kept {repairs_note(s)}", width)
     return lines
 
 

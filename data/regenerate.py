@@ -45,6 +45,22 @@ from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_diges
 from .turns import Conversation, answer_text, finish_shard, new_stats
 
 
+def retry_failed(meta: dict[str, Any]) -> bool:
+    """Whether a committed shard (its ``.json`` record) holds failed requests (method server), which a new run asks
+    again (:mod:`~draftsmith.data.regenerate_server`)."""
+    return bool(meta.get("finish", {}).get("failed"))
+
+
+def check_failures(turns: int, failures: dict[str, int], example: str) -> None:
+    """Stop the stage (non-zero) when most of its requests failed: ``turns`` answered, ``failures`` by reason."""
+    failed = sum(failures.values())
+    if failed > turns:  # most of them
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(failures.items(), key=lambda kv: -kv[1]))
+        raise DraftsmithError(f"{failed} of {failed + turns} requests to the regeneration server failed ({why}; "
+                              f"first: {example}); the {turns} answered are kept: fix the server (or "
+                              f"data.regenerate.server) and run prepare again, which asks only the failed ones again")
+
+
 @dataclass
 class RegenReport:
     conversations_in: int = 0
@@ -52,6 +68,8 @@ class RegenReport:
     turns: int = 0
     new_tokens: int = 0
     finish: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)
+    """method=server: failed requests by reason (each also counted as ``finish: failed``; asked again next run)."""
     render_back: Counter = field(default_factory=Counter)
     """method=server: answers whose text, rendered back in the conversation, gives their ids (``ok``) or not."""
     skipped: Counter = field(default_factory=Counter)
@@ -86,7 +104,7 @@ def regenerate_conversations(
     job = ShardedJob(folder, spec, ".jsonl", records, settings.shard_size)
     report = RegenReport(conversations_in=len(conversations))
     finished = job.finished()
-    if finished is not None:
+    if finished is not None and not any(map(retry_failed, finished["shards"])):
         return _report_from(finished["shards"], report, note="up to date (reused)")
     report.note = job.start(workers, restart)
     mine = [s for s in job.shards if workers.owns(s.index)]
@@ -111,10 +129,13 @@ def regenerate_conversations(
     todo = []
     for shard in mine:
         meta = job.done(shard)
-        if meta is None:
+        if meta is None or retry_failed(meta):
             todo.append(shard.index)
         else:
             bar.update(meta["turns_in"])
+    retried = {s: meta["finish"]["failed"] for s in todo if (meta := job.done(by_index[s])) is not None}
+    if retried:
+        report.note += f"; asking again the {sum(retried.values())} failed request(s) of {len(retried)} shard(s)"
     if settings.method == "server":
         from .regenerate_server import regenerate_through_server
 
@@ -126,6 +147,8 @@ def regenerate_conversations(
     bar.close()
     shards = job.collect(workers)
     report.seconds = time.perf_counter() - start
+    done = _report_from(shards, RegenReport(), note="")
+    check_failures(done.turns, done.failures, done.examples.get("failed", ""))  # before the manifest: a re-run retries
     job.finish(shards, workers, num_conversations=sum(m["kept"] for m in shards))
     return _report_from(shards, report, note=report.note)
 
@@ -167,6 +190,7 @@ def _report_from(shards: list[dict[str, Any]], report: RegenReport, note: str) -
         report.turns += m["turns"]
         report.new_tokens += m["new_tokens"]
         report.finish.update(m["finish"])
+        report.failures.update(m.get("failures", {}))
         report.render_back.update(m.get("render_back", {}))
         report.skipped.update(m["skipped"])
         for reason, where in m["examples"].items():

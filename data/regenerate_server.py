@@ -35,12 +35,16 @@ even after a SIGKILL mid-shard. The journal is deleted once its shard is committ
 (a kill mid-write) is dropped.
 
 **Failures.** A request that still fails after its retries (the server refused it, e.g. a prompt
-longer than its context, or timed out while the server stays up) ends its conversation with the turns
-answered so far; it is counted (``finish: failed``, and ``skipped: request_failed`` when the
-conversation had no answer yet) and journaled, so a resume does not retry it (delete the journal to).
-A server that stops answering altogether stops the job with a clear error; finished shards and the
-journals are kept, and a re-run (against the same server restarted, or another of the same model:
-the address is not part of the job's identity) resumes.
+longer than its context, answered HTML, no ``choices``, ids that are not the target's: anything
+:mod:`~draftsmith.engines.openai_client` or :meth:`_Run.check_ids` cannot read as an answer) ends its
+conversation with the turns answered so far; it is counted (``finish: failed`` and ``failures`` by
+reason, ``skipped: request_failed`` when the conversation had no answer yet) and never journaled: the
+shard is committed, its journal kept, and the next run re-opens every shard with a failed request,
+replays its journal and asks again only the failed turns (no ``--restart``). When most requests of a
+run fail, the stage stops non-zero saying how many and why, before the job's manifest is written
+(:func:`~draftsmith.data.regenerate.check_failures`). A server that stops answering altogether stops the job with a clear error;
+finished shards and the journals are kept, and a re-run (against the same server restarted, or another
+of the same model: the address is not part of the job's identity) resumes.
 
 **At scale** (the 8B recipes' headers), start one engine per node with data parallelism over its GPUs
 and point ``server.url`` at it — vLLM: ``vllm serve meta-llama/Llama-3.1-8B-Instruct --data-parallel-size 8
@@ -260,7 +264,7 @@ class _Run:
                 self.bar.update(conv.close())
                 break
             entry = shard.replay.get((i, conv.answered))
-            if entry is None:
+            if entry is None or entry["finish"] == "failed":  # (an older draftsmith journaled failures)
                 seed = request_seed(self.st.seed + shard.index, i, conv.answered)
                 fut = pool.submit(self.client.complete, prompt, self.st.max_new_tokens, self.st.temperature,
                                   self.st.top_p, seed, self.eos)
@@ -270,24 +274,27 @@ class _Run:
         shard.left -= 1
         if shard.left == 0:
             shard.close()
+            failed = shard.stats["finish"].get("failed", 0)
             self.commit(shard.index, *finish_shard(shard.convs, shard.stats))
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(shard.journal_path)  # the shard file holds its answers now
+            if not failed:  # else the next run replays it and asks only the failed turns again
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(shard.journal_path)  # the shard file holds its answers now
             del self.opened[shard.index]
 
     def settle(self, shard: _Shard, i: int, prompt: list[int], fut: Future) -> None:
-        """Journal the outcome of conversation i's request, then apply it."""
+        """Journal the answer to conversation i's request, then apply it; a failure is applied, never journaled
+        (the next run asks again)."""
         conv = shard.convs[i]
         entry: dict[str, Any] = {"conv": i, "turn": conv.answered}
         try:
-            answer = fut.result()
+            tokens, finish = self.answer_tokens(fut.result())  # ServerDown propagates before anything is written
+            self.check_ids(tokens)
         except RequestFailed as e:
-            entry.update(finish="failed", reason=e.reason, detail=e.detail[:200])
-        else:
-            tokens, finish = self.answer_tokens(answer)
-            entry.update(finish=finish, tokens=tokens, text=answer_text(self.target, tokens),
-                         renders_back=self.renders_back(conv, prompt, tokens))
-        shard.write(entry)  # ServerDown propagates from fut.result() before anything is written
+            self.apply(shard, conv, {**entry, "finish": "failed", "reason": e.reason, "detail": e.detail[:200]})
+            return
+        entry.update(finish=finish, tokens=tokens, text=answer_text(self.target, tokens),
+                     renders_back=self.renders_back(conv, prompt, tokens))
+        shard.write(entry)
         self.apply(shard, conv, entry)
 
     def apply(self, shard: _Shard, conv: Conversation, entry: dict[str, Any]) -> None:
@@ -295,6 +302,7 @@ class _Run:
         stats["finish"][entry["finish"]] += 1
         if entry["finish"] == "failed":
             conv.ended_by = "request_failed"  # the record's skip reason if no turn was answered
+            stats.setdefault("failures", Counter())[entry["reason"]] += 1
             stats["examples"].setdefault("failed", f"{conv.conv['source']}:{conv.conv['conv_id']} "
                                                    f"({entry['reason']}: {entry['detail']})")
             self.bar.update(conv.close())
@@ -304,6 +312,14 @@ class _Run:
         stats["new_tokens"] += len(entry["tokens"])
         stats.setdefault("render_back", Counter())["ok" if entry["renders_back"] else "differs"] += 1
         self.bar.update(1)
+
+    def check_ids(self, tokens: list[int]) -> None:
+        """RequestFailed unless every id is one of the target tokenizer's (an id past it decodes to nothing)."""
+        size = len(self.target.tokenizer)
+        outside = [t for t in tokens if not 0 <= t < size]
+        if outside:
+            raise RequestFailed("bad_answer", f"{len(outside)} id(s) outside the target's vocabulary of {size} "
+                                              f"(first: {outside[0]}): the server serves another model")
 
     def answer_tokens(self, answer: ServedAnswer) -> tuple[list[int], str]:
         """(the answer's ids, cut after the target's first end-of-turn token and at max_new_tokens; finish)."""

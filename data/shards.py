@@ -26,6 +26,7 @@ whatever the number of processes, and a resumed run may use another number.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DraftsmithError
-from ..files import atomic_path, write_json
+from ..files import atomic_path, sha256_file, write_json
 
 JOB = "job.json"
 MANIFEST = "manifest.json"
@@ -43,14 +44,6 @@ MANIFEST = "manifest.json"
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -122,6 +115,8 @@ class ShardedJob:
         self.shard_size = shard_size
         self.shards: list[Shard] = []
         """The plan, set by :meth:`start` (and :meth:`finished` when it returns a manifest)."""
+        self.corrupt: list[int] = []
+        """Shards :meth:`finished` found altered (sha256) and deleted, to be computed again."""
 
     def shard_path(self, i: int) -> str:
         return os.path.join(self.folder, f"shard-{i:05d}{self.suffix}")
@@ -157,6 +152,14 @@ class ShardedJob:
         shards = self.plan()
         if len(manifest["shards"]) != len(shards) or any(self.done(s) is None for s in shards):
             return None  # a shard was deleted (e.g. after a checksum error), or the inputs grew: resume
+        # "up to date" is a promise about the bytes: an altered shard (same size) is deleted and computed again
+        self.corrupt = [s.index for s in shards if sha256_file(self.shard_path(s.index)) != self.done(s).get("sha256")]
+        for i in self.corrupt:
+            for path in (self._meta_path(i), self.shard_path(i)):
+                with contextlib.suppress(FileNotFoundError):  # another process may have been first
+                    os.remove(path)
+        if self.corrupt:
+            return None
         self.shards = shards
         return manifest
 
@@ -172,6 +175,9 @@ class ShardedJob:
         if workers.all_sum([float(bool(error))])[0]:  # every process stops, none waits at a barrier
             raise DraftsmithError(error or f"process 0 refused to go on with '{self.folder}' (see its message)")
         self.shards = self.plan()
+        if self.corrupt and note:
+            note = (f"shard(s) {', '.join(map(str, self.corrupt))} no longer matched their sha256 and are computed "
+                    f"again; {note}")
         return note
 
     def _prepare_folder(self, restart: bool) -> str:

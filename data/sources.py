@@ -19,7 +19,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DraftsmithError
@@ -48,6 +48,29 @@ class SourceReport:
     """Raw records read (valid or not)."""
     stopped: str = ""
     """Why reading ended before the end of a well-formed file (truncation, malformed JSON), or ''."""
+    repaired: dict[str, int] = field(default_factory=dict)
+    """Records read in spite of a flaw they do not suffer from (:data:`REPAIRS`), counted so that none is silent."""
+
+    def repair(self, kind: str) -> None:
+        self.repaired[kind] = self.repaired.get(kind, 0) + 1
+
+
+REPAIRS = {"invalid_utf8": "record(s) with bytes that are not UTF-8 (read as U+FFFD)",
+           "missing_comma": "JSON array element(s) with no comma before them (read as if it were there)"}
+"""What a reader mends and counts (the record is kept), beside what it skips (``normalize.SKIP_REASONS``)."""
+
+
+def repairs_note(report: dict[str, Any]) -> str:
+    """'2 record(s) with bytes that are not UTF-8 …; …' for a source's report (asdict), or ''."""
+    return "; ".join(f"{n:,} {REPAIRS[k]}" for k, n in sorted(report.get("repaired", {}).items()))
+
+
+def _decode(raw: bytes, report: SourceReport) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        report.repair("invalid_utf8")
+        return raw.decode("utf-8", "replace")
 
 
 def sharegpt_path() -> str:
@@ -194,14 +217,18 @@ def _read_json(path: str, report: SourceReport) -> Iterator[dict[str, Any] | Inv
         """How the first record began, up to its first key: where a record begins again after a broken one."""
         while pos is not None:
             elements, pos = _array_elements(data, pos), None
+            previous = None  # where the previous element ended (None: the array's start, or after a resync)
             for start, end in elements:
+                if previous is not None and start != end and data[previous:start].strip() != b",":
+                    report.repair("missing_comma")
+                previous = end
                 if start == end:  # the closing ']'
                     if data[end:].strip():
                         raise DraftsmithError(f"data source '{path}': the JSON array ends at byte {end:,} of {size:,} "
                                               f"and more data follows; {report.records:,} records were read before it. "
                                               f"Fix the file there")
                     return
-                text = data[start:end or size].decode("utf-8", "replace")
+                text = _decode(data[start:end or size], report)
                 try:
                     item = json.loads(text)
                 except json.JSONDecodeError as e:
@@ -232,11 +259,12 @@ def _read_json(path: str, report: SourceReport) -> Iterator[dict[str, Any] | Inv
 
 
 def _read_jsonl(path: str, report: SourceReport) -> Iterator[dict[str, Any] | Invalid]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             report.records += 1
+            line = _decode(raw, report)
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:

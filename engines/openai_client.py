@@ -23,7 +23,9 @@ depend on which slot served the previous turn). Fields a server does not know ar
 gets ``$OPENAI_API_KEY`` as a bearer token, as the ``openai`` package sends it; the key stays out of configs.
 
 **Failures.** A connection error, a timeout or an HTTP 429/5xx is retried ``retries`` times with exponential
-backoff. What still fails raises :class:`RequestFailed` (the caller skips and counts it) — unless the server
+backoff. What still fails raises :class:`RequestFailed` (the caller skips and counts it), and so does
+an answer that cannot be read as one (not JSON, no ``choices``, ids that are not non-negative integers,
+a count that is not a number: ``bad_json`` / ``bad_answer``; a server can send anything) — unless the server
 no longer answers at all (``/health`` unreachable), which raises :class:`ServerDown`: a long job must stop
 there with a clear message rather than skip every remaining record.
 """
@@ -71,6 +73,35 @@ class ServedAnswer:
     completion_tokens: int
     seconds: float
     """Client-side wall time of the successful attempt (prefill, decode, HTTP)."""
+
+
+def _answer(out: Any, prompt_len: int, seconds: float) -> ServedAnswer:
+    """A ``/v1/completions`` reply as a :class:`ServedAnswer`; ValueError (or KeyError, TypeError …) when it is not one."""
+    choice = out["choices"][0]
+    text = choice.get("text")
+    if not isinstance(text, str | None):
+        raise ValueError(f"choices[0].text is a {type(text).__name__}")
+    tokens = choice.get("token_ids")
+    if tokens is None:
+        tokens = (out.get("__verbose") or {}).get("tokens")
+    usage = out.get("usage") or {}
+    return ServedAnswer(text=text or "", finish=str(choice.get("finish_reason") or ""),
+                        tokens=_ids(tokens) if tokens is not None else None,
+                        prompt_tokens=_count(usage.get("prompt_tokens", prompt_len)),
+                        completion_tokens=_count(usage.get("completion_tokens", 0)), seconds=seconds)
+
+
+def _ids(value: Any) -> list[int]:
+    """A list of token ids as a server sent it: non-negative integers, else ValueError."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"token ids are not a list of non-negative integers: {str(value)[:80]}")
+    return value
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"a token count is not a non-negative integer: {value!r}")
+    return value
 
 
 class CompletionsClient:
@@ -137,19 +168,10 @@ class CompletionsClient:
                 "stop_token_ids": [int(t) for t in stop_token_ids], "return_token_ids": True,  # vLLM, SGLang
                 "return_tokens": True, "verbose": True, "cache_prompt": False}  # llama-server
         out, seconds = self._with_retries("/v1/completions", body)
-        try:
-            choice = out["choices"][0]
-            text = str(choice.get("text") or "")
-        except (KeyError, IndexError, TypeError) as e:
-            raise RequestFailed("bad_answer", f"no choices[0].text in {str(out)[:200]}") from e
-        tokens = choice.get("token_ids")
-        if tokens is None:
-            tokens = (out.get("__verbose") or {}).get("tokens")
-        usage = out.get("usage") or {}
-        return ServedAnswer(text=text, finish=str(choice.get("finish_reason") or ""),
-                            tokens=[int(t) for t in tokens] if tokens is not None else None,
-                            prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
-                            completion_tokens=int(usage.get("completion_tokens", 0)), seconds=seconds)
+        try:  # every field read here: whatever a server sends back is a counted failure, never a crash
+            return _answer(out, len(prompt), seconds)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise RequestFailed("bad_answer", f"{e} in {str(out)[:200]}") from e
 
     def models(self) -> list[dict[str, Any]] | None:
         """The models the server lists at ``/v1/models`` (each with its ``id`` and ``owned_by``), None if it lists none."""

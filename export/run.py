@@ -30,7 +30,7 @@ from torch import Tensor
 from .. import __version__
 from ..errors import DraftsmithError
 from ..engines import llamacpp
-from ..files import atomic_dir
+from ..files import atomic_dir, sha256_file
 from ..target import Target, describe, load_target
 from . import dflash, eagle1, eagle3, gguf, hf, medusa
 from .conventions import engine_layer_ids
@@ -111,12 +111,15 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
                         "llama_cpp": llamacpp.LLAMA_CPP_BIN, "spec_type": llamacpp.SPEC_TYPES[family]}
     with atomic_dir(out) as tmp:
         spec.module.write(source, fmt, tmp, **options)
+        if fmt == "gguf":
+            info["gguf"]["sha256"] = sha256_file(os.path.join(tmp, gguf.DRAFT_FILE))
         write_json_file(os.path.join(tmp, INFO_FILE), info)
     return info
 
 
 def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bool = False) -> dict[str, Any]:
     """``--to gguf-target``: the target as ``out/target.gguf`` (``gguf.TARGET_TYPES``), to serve beside a drafter."""
+    refuse_cwd(out)
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise DraftsmithError(f"--out '{out}' exists and is not empty; pass --force to replace it")
     target = load_target(target_spec, "float32", "cpu")
@@ -125,6 +128,7 @@ def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bo
             "gguf": {"file": gguf.TARGET_FILE, "type": kind, "llama_cpp": llamacpp.LLAMA_CPP_BIN}}
     with atomic_dir(out) as tmp:
         gguf.write_target(target_spec, tmp, kind)
+        info["gguf"]["sha256"] = sha256_file(os.path.join(tmp, gguf.TARGET_FILE))
         write_json_file(os.path.join(tmp, INFO_FILE), info)
     return info
 
@@ -139,6 +143,17 @@ def refuse_overlap(source_path: str, out: str) -> None:
     if where:
         raise DraftsmithError(f"--out '{out}' {where} '{source_path}': the export replaces --out as a whole and would "
                               f"destroy its own source; choose a folder outside it")
+    refuse_cwd(out)
+
+
+def refuse_cwd(out: str) -> None:
+    """Refuse an ``out`` that is or holds the current folder: replacing it as a whole would pull the shell's folder
+    (and whatever else is in it) from under the user."""
+    cwd, target = os.path.realpath(os.getcwd()), os.path.realpath(out)
+    if os.path.commonpath([cwd, target]) == target:
+        where = "is" if cwd == target else "holds"
+        raise DraftsmithError(f"--out '{out}' {where} the current folder: the export replaces --out as a whole; "
+                              f"choose a new folder (e.g. --out ./export)")
 
 
 def record(source: Source, fmt: str) -> dict[str, Any]:
@@ -227,13 +242,28 @@ def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[
     """A GGUF export: what llama.cpp reads (static), then the export served in llama.cpp (``gguf.engine_check``);
     each appends its lines to ``lines`` as it passes."""
     source = _source_of(info, folder, target)
+    lines += check_gguf_bytes(folder, gguf.DRAFT_FILE, info)
     lines += gguf.static_check(folder, "gguf", target, source)
     lines += gguf.engine_check(folder, target, source, prompts or default_prompts(target))
+
+
+def check_gguf_bytes(folder: str, name: str, info: dict[str, Any]) -> list[str]:
+    """The GGUF's bytes are those exported (the sha256 in the export record; an export from before it is not
+    checked): tensor data altered in place keeps a valid header and size, and a small change may not move a
+    proposal, so only the bytes can tell."""
+    recorded = info.get("gguf", {}).get("sha256")
+    if recorded is None:
+        return []
+    if sha256_file(os.path.join(folder, name)) != recorded:
+        raise DraftsmithError(f"{folder}/{name} is not the file that was exported: its sha256 differs from the one "
+                              f"{INFO_FILE} records; export it again")
+    return [f"{name}: the bytes exported (sha256 {recorded[:16]}…)"]
 
 
 def check_target(folder: str, info: dict[str, Any]) -> list[str]:
     """A target GGUF: it loads in llama-server and its greedy output is recorded beside draftsmith's (fp32)."""
     path = os.path.join(folder, gguf.TARGET_FILE)
+    check_gguf_bytes(folder, gguf.TARGET_FILE, info)
     meta = gguf.read_metadata(path)
     lines = [f"{gguf.TARGET_FILE}: a {meta.get('general.architecture')} GGUF ({info['gguf']['type']}) of "
              f"'{info['target']['name']}', {len(meta['__tensors__'])} tensors"]

@@ -22,6 +22,7 @@ draft model's too).
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,7 @@ def measure_methods(todo: Sequence[Method], prompts: Sequence[Sequence[int]], ma
                 progress(i + 1, len(prompts))
     finally:
         for server in servers.values():
-            server.stop()
+            server.stop(failed=sys.exc_info()[0] is not None)  # a failed run keeps the servers' logs
     for m in todo:
         if m.name in FIRST_SIGHT:
             with llamacpp.serving(m.spec, trace=True) as server:

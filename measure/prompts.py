@@ -53,6 +53,7 @@ def load_questions(source: str = "mtbench", limit: int | None = None) -> list[Qu
     if not os.path.isfile(path):
         raise DraftsmithError(f"prompt file '{path}' does not exist")
     out: list[Question] = []
+    seen: dict[str, int] = {}  # id → its line
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -69,8 +70,12 @@ def load_questions(source: str = "mtbench", limit: int | None = None) -> list[Qu
             if not turns or not all(isinstance(t, str) for t in turns):
                 raise DraftsmithError(f"{path}:{lineno} needs 'turns' (a list of strings) or 'prompt' (a string)")
             id_field = next((k for k in ID_FIELDS if rec.get(k) not in (None, "")), "")
-            out.append(Question(str(rec[id_field]) if id_field else str(lineno), str(rec.get("category", "")), turns,
-                                fields=(text, id_field)))
+            qid = str(rec[id_field]) if id_field else str(lineno)
+            if qid in seen:  # eval outputs and reports pair rows by id: a repeated id would merge two prompts
+                raise DraftsmithError(f"{path}:{lineno}: prompt id '{qid}' is also the id of line {seen[qid]}; "
+                                      f"give each prompt its own id")
+            seen[qid] = lineno
+            out.append(Question(qid, str(rec.get("category", "")), turns, fields=(text, id_field)))
             if limit is not None and len(out) >= limit:
                 break
     if not out:

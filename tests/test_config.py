@@ -75,6 +75,16 @@ def test_bad_values_name_the_key_and_choices():
         load_recipe("smollm2-135m-layerskip", ["decode.k=0"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_recipe("no-such-recipe")
+    for key, zero in (("train.checkpoint.every", "only at the end"), ("train.logging.every", "only the last step's")):
+        with pytest.raises(ConfigError, match=rf"{key} = -1 must be ≥ 0 \(0 = {zero}"):
+            load_recipe("smollm2-135m-eagle3", [f"{key}=-1"])
+
+
+def test_an_empty_recipe_file_is_refused(tmp_path):
+    for text in ("", "# only a comment\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=r"config file '.*empty.yaml' is empty; a recipe names at least its target"):
+            load_recipe(str(tmp_path / "empty.yaml"))
 
 
 @dataclass

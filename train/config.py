@@ -111,16 +111,24 @@ class CheckpointConfig:
     keep: int = 2
     """How many recent checkpoints to keep in <run_dir>/checkpoints."""
 
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"train.checkpoint.every = {self.every} must be ≥ 0 (0 = only at the end)")
+
 
 @dataclass
 class LoggingConfig:
     every: int = 10
-    """Optimizer steps between log lines (jsonl, wandb, progress bar postfix)."""
+    """Optimizer steps between log lines (jsonl, wandb, progress bar postfix); 0 = only the last step's."""
     wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
     """auto = online when a wandb key is configured (WANDB_API_KEY or ~/.netrc), else offline."""
     wandb_project: str = "draftsmith"
     progress: bool = True
     """Show a progress bar (rank 0) with tokens/s and ETA."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"train.logging.every = {self.every} must be ≥ 0 (0 = only the last step's line)")
 
 
 @dataclass
