@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from .demo import SIZES
 from .errors import DraftsmithError, write_refusal, writing
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None,
                    help="target to check the drafter against (default: the one the drafter or its run records)")
     p.add_argument("--check", metavar="DIR", default=None, help="prove the export in DIR instead of exporting")
+    p.add_argument("--k", default=None, help="with --check of a gguf export: the draft lengths served (default 1,2)")
+    p.add_argument("--p-min", default=None, help="with --check of a gguf export: llama.cpp's --spec-draft-p-min "
+                                                  "gates served at each k (default 0,0.5)")
+    p.add_argument("--target-type", default=None, help="with --check of a gguf export: the target GGUF it is served "
+                                                        "on: f32 (default), as-loaded, bf16, f16, q8_0")
+    p.add_argument("--threads", type=int, default=None, help="with --check of a gguf export: llama.cpp's threads "
+                                                             "(default 0 = every core)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
@@ -239,12 +247,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .export import FORMATS, TARGET_FORMAT, CheckFailed, check, export, export_target
 
+    served = {"ks": args.k, "p_mins": args.p_min, "target_type": args.target_type, "threads": args.threads}
     if args.check:
         if args.source or args.fmt or args.out:
             raise ConfigError("draftsmith export --check DIR takes no SOURCE, --to or --out")
         t0 = time.perf_counter()
         try:
-            lines = check(args.check, args.target)
+            lines = check(args.check, args.target, sweep=sweep_of(served))
         except CheckFailed as e:  # what passed before the failure, then the failure
             for line in e.passed:
                 print(f"ok  {line}")
@@ -254,6 +263,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"ok  {line}")
         print(f"export {args.check} checked in {time.perf_counter() - t0:.1f}s")
         return 0
+    if any(v is not None for v in served.values()):
+        raise ConfigError("--k, --p-min, --target-type and --threads go with --check DIR (the sweep of a gguf export)")
     if args.fmt == TARGET_FORMAT:
         if args.source or not (args.target and args.out):
             raise ConfigError(f"draftsmith export --to {TARGET_FORMAT} takes --target T and --out DIR, and no SOURCE")
@@ -272,8 +283,38 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"for {FORMATS[args.fmt].engines}")
     if "feature_layers" in info:
         print("feature layers: " + "; ".join(f"{k} {v}" for k, v in info["feature_layers"].items()))
+    if args.fmt == "gguf":
+        from .export.served import serve_command
+
+        print(serve_command(args.out, info))
     print(f"prove it with: draftsmith export --check {args.out}")
     return 0
+
+
+def sweep_of(given: dict[str, Any]) -> Any:
+    """``export --check``'s --k / --p-min / --target-type / --threads as an ``export.served.Sweep`` (its defaults for
+    what is not given); a bad value names the option."""
+    from .errors import ConfigError
+    from .export.served import Sweep
+    from .engines.targets import TARGET_TYPES
+
+    fields = {}
+    try:
+        if given["ks"] is not None:
+            fields["ks"] = tuple(int(x) for x in given["ks"].split(","))
+        if given["p_mins"] is not None:
+            fields["p_mins"] = tuple(float(x) for x in given["p_mins"].split(","))
+    except ValueError as e:
+        raise ConfigError(f"--k takes whole numbers and --p-min numbers, comma-separated ({e})") from e
+    if any(k < 1 for k in fields.get("ks", ())) or not all(0.0 <= p < 1.0 for p in fields.get("p_mins", ())):
+        raise ConfigError("--k: each at least 1; --p-min: each in [0, 1)")
+    if given["target_type"] is not None:
+        if given["target_type"] not in TARGET_TYPES:
+            raise ConfigError(f"--target-type {given['target_type']!r}: choose {', '.join(TARGET_TYPES)}")
+        fields["target_type"] = given["target_type"]
+    if given["threads"] is not None:
+        fields["threads"] = given["threads"]
+    return Sweep(**fields)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ acceptance by position of the same drafter in draftsmith's chain decoder (fp32 H
 k) beside llama.cpp's on the F32 target: the proof that the served drafter is the trained one.
 
     python benchmarks/engine.py --drafter default=runs/demo/eagle3/drafter --target-types as-loaded,f32,bf16 \\
-        --k 1,2,3,4 --prompts 8 --max-new-tokens 128 --threads 2
+        --k 1,2,3,4 --p-min 0,0.5 --prompts 8 --max-new-tokens 128 --threads 2
 
 Time it on a quiet machine (llama.cpp's threads spin: under load its speed collapses); the JSON goes to --out.
 """
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--target-types", default="as-loaded,f32,bf16", help="target GGUF types (as-loaded = the shipped file)")
     p.add_argument("--k", default="1,2,3,4")
+    p.add_argument("--p-min", default="0", help="llama.cpp's --spec-draft-p-min gates served at each k (e.g. 0,0.5); "
+                                                "the fastest (k, p-min) is printed and written under 'best'")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.target import load_target
 
     ks = [int(x) for x in args.k.split(",")]
+    p_mins = [float(x) for x in args.p_min.split(",")]
     types = [t for t in args.target_types.split(",") if t]
     ngram = [n for n in args.ngram.split(",") if n]
     target = load_target(args.target, "float32", "cpu")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             r = measure(target_gguf_for(args.target, kind, target), prompts, args.max_new_tokens, draft_gguf=draft,
                         family=family if path else None, ks=ks, threads=args.threads, repeats=args.repeats,
-                        ngram=ngram)
+                        ngram=ngram, p_mins=p_mins, target_type=kind)
             r["seconds"] = round(time.time() - t0, 1)
             entry["by_target_type"][kind] = r
             print(f"\n{name}, target {kind}:\n" + table(r), flush=True)

@@ -342,7 +342,9 @@ class ServerSpec:
 
     spec_type: llama.cpp's ``--spec-type`` (``draft-eagle3``, ``draft-simple``, ``draft-dflash``,
     ``ngram-simple``, ``ngram-mod``, ``ngram-cache``; comma-separated to mix a draft model with an
-    n-gram method), None for the target alone; n_max: ``--spec-draft-n-max``, the draft length k.
+    n-gram method), None for the target alone; n_max: ``--spec-draft-n-max``, the draft length k;
+    p_min: ``--spec-draft-p-min`` (a draft model only): drafting stops at the first position whose top token has
+    a draft probability below it (among the draft sampler's top 10; ``common/speculative.cpp``), 0 = always k.
     """
 
     model: str
@@ -350,6 +352,7 @@ class ServerSpec:
     spec_type: str | None = None
     n_max: int = 3
     n_min: int = 0
+    p_min: float = 0.0
     threads: int = 1
     ctx: int = 4096
     slots: int = 1
@@ -364,6 +367,8 @@ class ServerSpec:
         if self.spec_type:
             out += ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.n_max),
                     "--spec-draft-n-min", str(self.n_min)]
+            if self.draft:
+                out += ["--spec-draft-p-min", f"{self.p_min:g}"]
         return out + list(self.extra)
 
 

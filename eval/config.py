@@ -49,6 +49,11 @@ class EvalConfig:
     """The drafter's GGUF type: auto (its stored dtype), f32, bf16, f16, q8_0."""
     engine_k: list[int] = field(default_factory=list)
     """Draft lengths served (one llama-server each); [] = [decode.k]."""
+    engine_p_min: list[float] = field(default_factory=lambda: [0.0, 0.5])
+    """llama.cpp's confidence gate ``--spec-draft-p-min`` (drafting stops at the first position whose top draft
+    probability is below it; 0 = none), swept with engine_k: one llama-server per (k, p-min). The fastest setting
+    is recorded under "best" (and in the export's draftsmith_export.json) with the llama-server command that
+    serves it (docs/eval.md)."""
     engine_ngram: list[str] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
     """llama.cpp's model-free methods measured beside (ngram-simple, ngram-cache, ngram-mod)."""
 
@@ -68,6 +73,8 @@ class EvalConfig:
             raise ConfigError(f"eval.engine_draft_type = {self.engine_draft_type!r}: choose auto, f32, bf16, f16 or q8_0")
         if any(k < 1 for k in self.engine_k):
             raise ConfigError(f"eval.engine_k = {self.engine_k}: every draft length must be at least 1")
+        if not self.engine_p_min or not all(0.0 <= p < 1.0 for p in self.engine_p_min):
+            raise ConfigError(f"eval.engine_p_min = {self.engine_p_min}: give one or more gates, each in [0, 1)")
         unknown = sorted(set(self.engine_ngram) - {"ngram-simple", "ngram-cache", "ngram-mod"})
         if unknown:
             raise ConfigError(f"eval.engine_ngram names {unknown}; choose among ngram-simple, ngram-cache, ngram-mod")

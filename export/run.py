@@ -34,6 +34,7 @@ from ..files import atomic_dir, sha256_file
 from ..target import Target, describe, load_target
 from . import dflash, eagle1, eagle3, gguf, hf, medusa
 from .conventions import engine_layer_ids
+from .served import Sweep, sweep_export
 from .source import Source, open_source, source_family
 from .tensors import CheckFailed, read_json, write_json_file
 
@@ -181,18 +182,21 @@ def read_info(folder: str) -> dict[str, Any]:
     return info
 
 
-def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] | None = None) -> list[str]:
+def check(folder: str, target_spec: str | None = None, prompts: list[list[int]] | None = None,
+          sweep: Any = None) -> list[str]:
     """Prove the export in ``folder``; one line per check (:class:`CheckFailed` at the first failure, with
-    the lines of the checks that passed before it)."""
+    the lines of the checks that passed before it). A GGUF export is then served at every k and p-min of
+    ``sweep`` (``export.served.Sweep``, its defaults when None) and its fastest setting recorded."""
     lines: list[str] = []
     try:
-        _check(folder, target_spec, prompts, lines)
+        _check(folder, target_spec, prompts, lines, sweep)
     except DraftsmithError as e:  # a static check that fails part-way says what of it passed (e.passed)
         raise CheckFailed(str(e), lines + getattr(e, "passed", [])) from e
     return lines
 
 
-def _check(folder: str, target_spec: str | None, prompts: list[list[int]] | None, lines: list[str]) -> None:
+def _check(folder: str, target_spec: str | None, prompts: list[list[int]] | None, lines: list[str],
+           sweep: Any = None) -> None:
     """The checks of :func:`check`, each appending its lines to ``lines`` as it passes."""
     info = read_info(folder)
     fmt = info["to"]
@@ -208,7 +212,7 @@ def _check(folder: str, target_spec: str | None, prompts: list[list[int]] | None
     lines.append(f"{fmt} export of a {info['source']['family']} drafter for target '{target.name}' "
                  f"(fingerprint {target.fingerprint})")
     if fmt == "gguf":
-        check_gguf(folder, info, target, prompts, lines)
+        check_gguf(folder, info, target, prompts, lines, sweep)
         return
     if hasattr(spec.module, "static_check"):
         lines += spec.module.static_check(folder, fmt, target)
@@ -238,13 +242,16 @@ def _source_of(info: dict[str, Any], folder: str, target: Target) -> Source:
 
 
 def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[list[int]] | None,
-               lines: list[str]) -> None:
-    """A GGUF export: what llama.cpp reads (static), then the export served in llama.cpp (``gguf.engine_check``);
-    each appends its lines to ``lines`` as it passes."""
+               lines: list[str], sweep: Any = None) -> None:
+    """A GGUF export: what llama.cpp reads (static), then the export served in llama.cpp (``gguf.engine_check``),
+    then its fastest k and p-min (``serve.sweep_export``, recorded in the export); each appends its lines to
+    ``lines`` as it passes."""
     source = _source_of(info, folder, target)
     lines += check_gguf_bytes(folder, gguf.DRAFT_FILE, info)
+    prompts = prompts or default_prompts(target)
     lines += gguf.static_check(folder, "gguf", target, source)
-    lines += gguf.engine_check(folder, target, source, prompts or default_prompts(target))
+    lines += gguf.engine_check(folder, target, source, prompts)
+    lines += sweep_export(folder, INFO_FILE, target, source, prompts, sweep or Sweep())
 
 
 def check_gguf_bytes(folder: str, name: str, info: dict[str, Any]) -> list[str]:

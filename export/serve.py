@@ -3,7 +3,8 @@
 ``draftsmith eval`` (``eval.run.run_eval_recipe``, for the demo too) calls :func:`run_engine_eval` after the
 built-in decoder's evaluation, and ``draftsmith report`` calls :func:`evaluate_in_llamacpp`: export sits above the
 measurement layer (``measure/engine.py`` measures a GGUF in llama.cpp; exporting one is this folder's job), so the
-stage commands that want both come here.
+stage commands that want both come here. The sweep's best setting is recorded in the export as ``export --check``
+records its own (``served.record_best``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..engines.targets import original_gguf, target_gguf
 from ..measure.engine import measure, table
 from ..files import write_json
-from .run import export
+from . import gguf
+from .run import INFO_FILE, export
+from .served import record_best, target_gguf_for
 
-
-def target_gguf_for(target_spec: str, kind: str, target: Any) -> str:
-    """The target's GGUF to serve: the file it was loaded from (``as-loaded``; an F32 conversion for a target that
-    came as an HF folder), else a conversion cached once per fingerprint."""
-    return target_gguf(target, "f32" if kind == "as-loaded" and original_gguf(target_spec) is None else kind)
+__all__ = ["evaluate_in_llamacpp", "run_engine_eval", "target_gguf_for"]
 
 
 def evaluate_in_llamacpp(recipe: Any, prompts: Sequence[Sequence[int]], target: Any) -> dict[str, Any]:
@@ -42,11 +40,15 @@ def evaluate_in_llamacpp(recipe: Any, prompts: Sequence[Sequence[int]], target: 
     threads = ev.engine_threads or (os.cpu_count() or 1)
     ks = ev.engine_k or [recipe.decode.k]
     print(f"in llama.cpp: {info['gguf']['spec_type']} draft ({info['gguf']['type']}) on the target "
-          f"{os.path.basename(target_file)} ({ev.engine_target_type}), k = {ks}, {threads} thread(s)", flush=True)
-    result = measure(target_file, prompts, recipe.decode.max_new_tokens, draft_gguf=os.path.join(out, "draft.gguf"),
+          f"{os.path.basename(target_file)} ({ev.engine_target_type}), k = {ks}, p-min = {ev.engine_p_min}, "
+          f"{threads} thread(s)", flush=True)
+    result = measure(target_file, prompts, recipe.decode.max_new_tokens, draft_gguf=os.path.join(out, gguf.DRAFT_FILE),
                      family=info["source"]["family"], ks=ks, threads=threads, repeats=ev.repeats,
-                     ngram=ev.engine_ngram, hybrid=True)
-    result.update(target_type=ev.engine_target_type, draft_type=info["gguf"]["type"])
+                     ngram=ev.engine_ngram, hybrid=True, p_mins=ev.engine_p_min, target_type=ev.engine_target_type)
+    result.update(draft_type=info["gguf"]["type"])
+    if result.get("best"):
+        record_best(os.path.join(out, INFO_FILE), result["best"], "draftsmith eval (eval.engine=llamacpp)",
+                    recipe.decode.max_new_tokens)
     return result
 
 

@@ -17,10 +17,18 @@ that one prompt passes through every configuration back to back. ``ngram-mod`` k
 requests, and a repeated prompt would be drafted from its own earlier answer: it runs on a fresh server, each
 prompt once, no warm-up — first sight only. Time is the client's wall clock per request (prefill included, the
 draft model's too).
+
+The drafter is swept over draft lengths k and llama.cpp's confidence gate ``--spec-draft-p-min`` (drafting stops
+at the first position whose top draft probability is below it), one server per (k, p-min); :func:`best_setting`
+picks the fastest (the highest median per-prompt speedup) and says, from the paired per-prompt ratios of the two,
+whether it is clearly ahead of the runner-up (the 90 % interval of their ratio above 1). A round in which the gate
+or an n-gram method drafted nothing is a plain target step: it counts as a round of 0 drafts (τ 1), as the
+built-in decoder counts its gated rounds, so τ is per target forward for every method.
 """
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -28,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines import llamacpp
+from ..errors import DraftsmithError
+from ..tables import wrapped
 from .costs import median_interval
 from .paired import paired_runs
 
@@ -44,15 +54,22 @@ class Method:
     k: int = 0
 
 
+def drafter_name(k: int, p_min: float) -> str:
+    """The row of the drafter at draft length k behind the gate p-min (``drafter k=2``, ``drafter k=2 p-min=0.5``)."""
+    return f"drafter k={k}" + (f" p-min={p_min:g}" if p_min > 0 else "")
+
+
 def methods(target_gguf: str, draft_gguf: str | None, family: str | None, ks: Sequence[int], threads: int,
-            ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True, n_max_ngram: int = 16) -> list[Method]:
-    """The configurations :func:`measure` compares (the target alone first)."""
+            ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True, n_max_ngram: int = 16,
+            p_mins: Sequence[float] = (0.0,)) -> list[Method]:
+    """The configurations :func:`measure` compares (the target alone first): the drafter at every (k, p-min)."""
     base = dict(model=target_gguf, threads=threads)
     out = [Method(TARGET, llamacpp.ServerSpec(**base))]
     if draft_gguf:
         kind = llamacpp.SPEC_TYPES[family or "eagle3"]
-        out += [Method(f"drafter k={k}", llamacpp.ServerSpec(**base, draft=draft_gguf, spec_type=kind, n_max=k), k)
-                for k in ks]
+        out += [Method(drafter_name(k, p), llamacpp.ServerSpec(**base, draft=draft_gguf, spec_type=kind, n_max=k,
+                                                               p_min=p), k)
+                for k in ks for p in p_mins]
         if hybrid:
             k = max(ks)
             out.append(Method(f"drafter+ngram k={k}", llamacpp.ServerSpec(
@@ -64,12 +81,72 @@ def methods(target_gguf: str, draft_gguf: str | None, family: str | None, ks: Se
 def measure(target_gguf: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_gguf: str | None = None,
             family: str | None = None, ks: Sequence[int] = (1, 2, 3, 4), threads: int = 1, repeats: int = 2,
             warmup: int = 1, ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True,
-            progress: Any = None) -> dict[str, Any]:
-    """Every method of :func:`methods` over ``prompts`` (token ids); returns name → its row (module docstring)."""
-    result = measure_methods(methods(target_gguf, draft_gguf, family, ks, threads, ngram, hybrid), prompts,
-                             max_new_tokens, repeats, warmup, progress)
-    result.update(threads=threads, target_gguf=target_gguf, draft_gguf=draft_gguf)
+            progress: Any = None, p_mins: Sequence[float] = (0.0,), target_type: str | None = None) -> dict[str, Any]:
+    """Every method of :func:`methods` over ``prompts`` (token ids); returns name → its row (module docstring),
+    and under "best" the drafter's fastest setting (:func:`best_setting`) with the ``llama-server`` command that
+    serves it. target_type: the target GGUF's type, recorded with the best setting (it decides what can pay)."""
+    todo = methods(target_gguf, draft_gguf, family, ks, threads, ngram, hybrid, p_mins=p_mins)
+    result = measure_methods(todo, prompts, max_new_tokens, repeats, warmup, progress)
+    result.update(threads=threads, target_gguf=target_gguf, draft_gguf=draft_gguf, target_type=target_type)
+    best = best_setting(result)
+    if best is not None:
+        best["command"] = command(next(m.spec for m in todo if m.name == best["method"]))
+        result["best"] = best
     return result
+
+
+def best_setting(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The drafter's fastest measured setting among the rows of :func:`measure` that serve it (every k and p-min,
+    and the drafter mixed with ngram-simple): the highest median per-prompt speedup against the target alone.
+    ``clearly_best`` says whether it is ahead of the runner-up beyond noise: the 90 % interval of the median of
+    their paired per-prompt ratios (the same prompts, the same target-alone runs) lies above 1. ``pays``: its own
+    interval lies above 1×. None without a drafter."""
+    rows = {name: r for name, r in result["methods"].items() if "p_min" in r}
+    if not rows:
+        return None
+    ranked = sorted(rows, key=lambda name: rows[name]["speedup"], reverse=True)
+    r = rows[ranked[0]]
+    best: dict[str, Any] = {"method": ranked[0], "spec_type": r["spec_type"], "k": r["k"], "p_min": r["p_min"],
+                            "target_type": result.get("target_type"), "speedup": r["speedup"], "interval": r["interval"],
+                            "pays": r["interval"][0] > 1.0, "tau": r.get("tau"),
+                            "identical_to_target": r["identical_to_target"], "prompts": result["prompts"],
+                            "threads": result["threads"], "llama_cpp": result["llama_cpp"], "runner_up": None,
+                            "clearly_best": len(ranked) == 1}
+    if len(ranked) > 1:
+        other = rows[ranked[1]]
+        ratios = [a / b for a, b in zip(r["per_prompt_speedup"], other["per_prompt_speedup"])]
+        lo, hi = median_interval(ratios)
+        best["runner_up"] = {"method": ranked[1], "speedup": other["speedup"], "interval": other["interval"],
+                             "best_over_it": round(statistics.median(ratios), 4),
+                             "best_over_it_interval": [round(lo, 4), round(hi, 4)]}
+        best["clearly_best"] = lo > 1.0
+    return best
+
+
+def command(spec: llamacpp.ServerSpec) -> str:
+    """The ``llama-server`` command line that serves ``spec`` as it was measured (add --host / --port)."""
+    try:
+        binary = llamacpp.binaries(build=False).tool("llama-server")
+    except DraftsmithError:
+        binary = "llama-server"
+    return shlex.join([binary, *spec.args()])
+
+
+def describe_best(best: dict[str, Any]) -> str:
+    """One line: the best setting, its speedup, and how sure the choice is."""
+    gate = f"p-min {best['p_min']:g}" if best["p_min"] > 0 else "no p-min gate"
+    mixed = " mixed with ngram-simple" if "," in (best["spec_type"] or "") else ""
+    lo, hi = best["interval"]
+    line = (f"best served setting ({best['target_type'] or 'this'} target): k = {best['k']}, {gate}{mixed}: "
+            f"{best['speedup']:.2f}x [{lo:.2f}-{hi:.2f}] vs the target alone")
+    if not best["pays"]:
+        line += " (not faster than the target alone" + (": serve the target alone)" if hi < 1.0 else " beyond noise)")
+    up = best["runner_up"]
+    if up is not None:
+        ahead = "clearly ahead of" if best["clearly_best"] else "not clearly ahead of"
+        line += (f"; {ahead} the runner-up {up['method']} ({up['speedup']:.2f}x; paired ratio {up['best_over_it']:.3f} "
+                 f"[{up['best_over_it_interval'][0]:.3f}-{up['best_over_it_interval'][1]:.3f}])")
+    return line
 
 
 def measure_methods(todo: Sequence[Method], prompts: Sequence[Sequence[int]], max_new_tokens: int, repeats: int = 2,
@@ -130,38 +207,54 @@ def row(m: Method, runs: list[llamacpp.EngineRun], secs: list[float], alone: lis
                            "first_sight_only": m.name in FIRST_SIGHT, "spec_type": m.spec.spec_type}
     if m.name == TARGET:
         return out
+    if m.spec.draft:
+        out.update(k=m.k, p_min=m.spec.p_min)
     ratios = [(len(r.completion.tokens) / s) / (len(a.completion.tokens) / t)
               for r, s, a, t in zip(runs, secs, alone, alone_secs)]
     lo, hi = median_interval(ratios)
     out.update(speedup=round(statistics.median(ratios), 4), interval=[round(lo, 4), round(hi, 4)],
+               per_prompt_speedup=[round(x, 4) for x in ratios],
                speedup_total=round((tokens / sum(secs)) / (sum(len(a.completion.tokens) for a in alone) / sum(alone_secs)), 4))
     stats = llamacpp.rounds_stats(runs, m.k)
+    undrafted = undrafted_steps(runs)
+    for _ in range(undrafted):  # target steps with no draft (the gate stopped it, no n-gram matched)
+        stats.record_round(0, 0)
     if stats.rounds:
         # the engine's cost of a round (drafting + verifying) in target-alone decode steps, from llama.cpp's own
         # decode timings: the τ at which this method breaks even (speedup ≈ τ / round cost)
         step = sum(a.completion.predicted_ms for a in alone) / max(1, sum(a.completion.predicted_n for a in alone))
         decode_ms = sum(r.completion.predicted_ms for r in runs)
         cost = decode_ms / stats.rounds / step if step > 0 else None
-        out.update(k=m.k, tau=round(stats.tau, 4), rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted,
+        out.update(k=m.k, tau=round(stats.tau, 4), rounds=stats.rounds, undrafted_rounds=undrafted, drafted=stats.drafted,
+                   accepted=stats.accepted,
                    acceptance_at_position=[None if x is None else round(x, 4) for x in stats.acceptance_at_position],
                    round_cost_steps=None if cost is None else round(cost, 4),
                    break_even_tau=None if cost is None else round(cost, 4))
     return out
 
 
+def undrafted_steps(runs: Sequence[llamacpp.EngineRun]) -> int:
+    """Target steps that verified no draft: llama.cpp logs only rounds with a draft, and a completion's tokens are
+    its first (from the prefill) plus each logged round's accepted drafts and bonus token plus one per such step."""
+    return sum(max(0, len(r.completion.tokens) - 1 - sum(a + 1 for a, _ in r.rounds)) for r in runs)
+
+
 def table(result: dict[str, Any], title: str = "in llama.cpp") -> str:
-    """The rows of :func:`measure` as a table that fits 80 columns."""
+    """The rows of :func:`measure` as a table that fits 80 columns, then the best setting and the command that
+    serves it (on one line)."""
     lines = [f"{title} (llama.cpp {result['llama_cpp']}, {result['threads']} thread(s), {result['prompts']} prompts, "
              f"greedy, paired ×{result['repeats']})",
-             f"{'method':<20} {'tok/s':>7} {'speedup':>8} {'90% interval':>14} {'tau':>5} {'same':>5}"]
+             f"{'method':<24} {'tok/s':>7} {'speedup':>8} {'90% interval':>14} {'tau':>5} {'same':>5}"]
     for name, r in result["methods"].items():
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else "1.00x"
         iv = f"[{r['interval'][0]:.2f}-{r['interval'][1]:.2f}]" if "interval" in r else ""
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
         flag = "*" if r.get("first_sight_only") else ""
-        lines.append(f"{name + flag:<20} {r['tokens_per_s']:>7.1f} {sp:>8} {iv:>14} {tau:>5} "
+        lines.append(f"{name + flag:<24} {r['tokens_per_s']:>7.1f} {sp:>8} {iv:>14} {tau:>5} "
                      f"{r['identical_to_target']:>2}/{result['prompts']:<2}")
     if any(r.get("first_sight_only") for r in result["methods"].values()):
         lines.append("* first sight of each prompt only (its state outlives a request)")
     lines.append("tau counts the bonus token; same = outputs identical to llama.cpp's target alone")
+    if result.get("best"):
+        lines += [*wrapped(describe_best(result["best"])), "serve it (one line, to copy):", result["best"]["command"]]
     return "\n".join(lines)

@@ -256,7 +256,8 @@ def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
         print(f"report [{name}]: served in llama.cpp (k = {recipe.decode.k})", flush=True)
         from ..export.serve import evaluate_in_llamacpp
 
-        served = replace(recipe, eval=replace(recipe.eval, engine_k=[recipe.decode.k]))
+        # chains of decode.k without a gate: the engine's τ is compared with the built-in decoder's chain
+        served = replace(recipe, eval=replace(recipe.eval, engine_k=[recipe.decode.k], engine_p_min=[0.0]))
         measured = evaluate_in_llamacpp(served, [target.render_chat(q.messages()) for q in questions], target)
         results[name]["engine"] = engine_vs_builtin(measured, results[name], recipe.decode.k)
     report = {

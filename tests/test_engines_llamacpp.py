@@ -122,14 +122,23 @@ def test_a_draft_lm_in_gguf_decodes_as_the_target_alone_and_accepts_what_draftsm
     info = json.loads((out / "draftsmith_export.json").read_text())
     assert info["gguf"]["type"] == "f32" and info["gguf"]["spec_type"] == "draft-simple"
     assert gguf.read_metadata(str(out / gguf.DRAFT_FILE))["general.architecture"] == "llama"
-    capsys.readouterr()
-    assert main(["export", "--check", str(out)]) == 0
+    assert "serve it (unmeasured: k = 1, no p-min gate" in capsys.readouterr().out
+    assert main(["export", "--check", str(out), "--k", "1,3", "--p-min", "0,0.9", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     assert "llama.cpp with the export = llama.cpp's F32 target alone on 2 prompts" in printed
     line = next(x for x in printed.splitlines() if "acceptance by position" in x)
     assert "max |Δ| 0.000" in line  # a faithful conversion agrees exactly on this peaked target
     accepted = int(re.search(r"llama.cpp \[[^]]*\] \((\d+)/\d+ drafts", line).group(1))
     assert accepted > 0  # …and there was acceptance to agree on
+    # the sweep: 4 servers (k 1, 3 × p-min 0, 0.9), the fastest recorded in the export and its command printed
+    served = json.loads((out / "draftsmith_export.json").read_text())["gguf"]["served"]
+    assert served["method"] in ("drafter k=1", "drafter k=3", "drafter k=1 p-min=0.9", "drafter k=3 p-min=0.9")
+    assert served["target_type"] == "f32" and served["measured_by"] == "draftsmith export --check"
+    assert served["runner_up"] is not None and served["identical_to_target"] == 2
+    command = next(x for x in printed.splitlines() if "serve it: " in x).split("serve it: ", 1)[1]
+    assert command == served["command"]
+    assert f"--spec-draft-n-max {served['k']} " in command and f"--spec-draft-p-min {served['p_min']:g}" in command
+    assert str(out / gguf.DRAFT_FILE) in command
 
 
 def test_the_engine_check_fails_a_gguf_that_drafts_otherwise(llama, draft_lm, tmp_path, target):
@@ -237,13 +246,20 @@ def test_eval_serves_the_drafter_in_llamacpp_beside_its_ngram_methods(llama, dra
     assert main(["eval", "-c", str(recipe), *overrides]) == 0
     m = json.loads((tmp_path / "eval_metrics.json").read_text())["engine"]
     rows = m["methods"]
-    assert list(rows) == ["target", "drafter k=1", "drafter k=2", "drafter+ngram k=2", "ngram-simple", "ngram-mod"]
-    for name in ("drafter k=1", "drafter k=2"):
+    assert list(rows) == ["target", "drafter k=1", "drafter k=1 p-min=0.5", "drafter k=2", "drafter k=2 p-min=0.5",
+                          "drafter+ngram k=2", "ngram-simple", "ngram-mod"]  # eval.engine_p_min's default [0, 0.5]
+    for name in ("drafter k=1", "drafter k=2", "drafter k=1 p-min=0.5", "drafter k=2 p-min=0.5"):
         r = rows[name]
         assert r["identical_to_target"] == 2 and r["tau"] >= 1.0 and len(r["acceptance_at_position"]) == r["k"]
         assert r["speedup"] > 0 and r["interval"][0] <= r["speedup"] <= r["interval"][1]
-        assert r["drafted"] == sum(1 for _ in range(r["rounds"])) * r["k"] or r["drafted"] <= r["rounds"] * r["k"]
+        assert r["drafted"] <= (r["rounds"] - r["undrafted_rounds"]) * r["k"]
+        # every token is the prefill's, a round's accepted drafts and bonus, or a step without a draft
+        assert r["new_tokens"] == 2 + r["accepted"] + r["rounds"]
     assert rows["ngram-mod"]["first_sight_only"] and not rows["ngram-simple"]["first_sight_only"]
+    best = m["best"]
+    assert best["method"] == max((n for n in rows if "p_min" in rows[n]), key=lambda n: rows[n]["speedup"])
+    exported = json.loads((tmp_path / "engine" / "draft" / "draftsmith_export.json").read_text())
+    assert exported["gguf"]["served"]["command"] == best["command"] and best["target_type"] == "as-loaded"
 
 
 # ---------------------------------------------------------------- the build and the server's log, with stand-in tools
