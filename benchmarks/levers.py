@@ -40,6 +40,8 @@ VARIANTS: dict[str, list[str]] = {
     "init_next": ["drafter.init_from_layer=27"],
     # the lm_head left at the target's rows (fewer trainable weights on little data)
     "frozen_lm_head": ["drafter.freeze_lm_head=true"],
+    # decoupled weight decay (AdamW): the recipe has none, and the head overfits a small data set
+    "weight_decay": ["train.optimizer.weight_decay=0.1"],
     # a second decoder layer after EAGLE-3's (speculators' num_hidden_layers = 2)
     "layers2": ["drafter.num_layers=2"],
     # the loss: LK losses aim at the acceptance Σ min(p, q) itself (train/losses.py)
@@ -60,6 +62,9 @@ VARIANTS: dict[str, list[str]] = {
     "fc_norm": ["drafter.fc_norm=true"],
     "norm_before_fc": ["drafter.norm_before_fc=true"],
     "fc_norm+norm_output": ["drafter.fc_norm=true", "drafter.norm_output=true"],
+    # combinations of the levers that won alone
+    "init_last+frozen_lm_head": ["drafter.init_from_layer=-1", "drafter.freeze_lm_head=true"],
+    "init_last+ttt3": ["drafter.init_from_layer=-1", "train.ttt_steps=3"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
