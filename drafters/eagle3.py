@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, default_eagle3_layers, describe
+from ..target import Target, check_architecture, default_eagle3_layers, describe
 from .common import (
     default_positions,
     draft_layer_config,
@@ -113,21 +113,24 @@ def attend(
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v projections read 2H inputs (concat(embedding, hidden))."""
+    """Llama attention whose q/k/v projections read 2H inputs (concat(embedding, hidden)) in the head's first
+    layer, H in the layers after it (``inputs``); ``layer_idx`` is its layer in the decoding cache."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
+                 inputs: int = 2, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scaling = head_dim**-0.5
-        self.q_proj = nn.Linear(2 * hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(2 * hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(inputs * hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(inputs * hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(inputs * hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: Any = None, ttt: UnrollKV | None = None
     ) -> Tensor:
-        """x: [B, S, 2H]; cos/sin: [B, S, d]; mask: [B|1, 1, S, L] → [B, S, H].
+        """x: [B, S, 2H] (first layer) or [B, S, H]; cos/sin: [B, S, d]; mask: [B|1, 1, S, L] → [B, S, H].
 
         cache: a HF cache (decoding; extended in place, L = past + S; mask None = every key, the
         one-row draft step); ttt: the unroll's K/V (training; this step's keys are appended, L = S);
@@ -142,7 +145,7 @@ class Eagle3Attention(nn.Module):
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:  # decoding: SDPA over the cache, grouped heads unrepeated, no mask for one row
-            k, v = cache.update(k, v, 0)  # [B, kv, past + S, d]
+            k, v = cache.update(k, v, self.layer_idx)  # [B, kv, past + S, d]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
             return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         diag_k: list[Tensor] = []
@@ -190,13 +193,37 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class Eagle3NextLayer(nn.Module):
+    """A layer after the first of a multi-layer head (speculators' ``layers.1…``): a plain pre-norm Llama layer,
+    attention over H inputs, with the first layer's unroll and cache scheme."""
+
+    def __init__(self, layer_config: Any, layer_idx: int):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        c = layer_config
+        h, eps = int(c.hidden_size), float(c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias,
+                                         inputs=1, layer_idx=layer_idx)
+        self.mlp = LlamaMLP(c)
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None,
+                ttt: UnrollKV | None = None) -> Tensor:
+        """hidden: [B, S, H] → [B, S, H]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache, ttt)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class Eagle3Head(nn.Module):
     """The EAGLE-3 draft model. Shapes and alignment in the module docstring."""
 
     def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int,
-                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False):
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False, num_layers: int = 1):
         """embed: frozen copy of the target's embedding; layer_config: a one-layer LlamaConfig; fc_norm,
-        norm_before_fc, norm_output: the EAGLE-3.1 options (module docstring)."""
+        norm_before_fc, norm_output: the EAGLE-3.1 options (module docstring); num_layers: decoder layers, the
+        first reading concat(embedding, hidden) (``midlayer``), the others plain (``next_layers``)."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -212,6 +239,9 @@ class Eagle3Head(nn.Module):
         self.input_norm = LlamaRMSNorm(3 * h, eps=eps) if norm_before_fc else None
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(layer_config)
+        # created only past one layer, so that a one-layer head has EAGLE-3's tensors and no others
+        self.next_layers = nn.ModuleList(Eagle3NextLayer(layer_config, i) for i in range(1, num_layers)) \
+            if num_layers > 1 else None
         self.norm = LlamaRMSNorm(h, eps=float(layer_config.rms_norm_eps))
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(layer_config)
@@ -227,8 +257,14 @@ class Eagle3Head(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    @property
+    def num_layers(self) -> int:
+        return 1 + (len(self.next_layers) if self.next_layers is not None else 0)
+
     def new_cache(self) -> Any:
-        return single_layer_cache(self.layer_config)
+        """A decoding cache with a layer per decoder layer of the head."""
+        c = self.layer_config
+        return single_layer_cache(c if self.num_layers == 1 else type(c)(**{**c.to_dict(), "num_hidden_layers": self.num_layers}))
 
     def forward(
         self,
@@ -237,7 +273,7 @@ class Eagle3Head(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         cache: Any = None,
-        ttt: UnrollKV | None = None,
+        ttt: list[UnrollKV] | None = None,
         logits_to_keep: int = 0,
         logits_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
@@ -260,7 +296,9 @@ class Eagle3Head(nn.Module):
         else:
             position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        out = self.midlayer(emb, hidden, cos, sin, mask, cache, ttt)  # [B, S, H]
+        out = self.midlayer(emb, hidden, cos, sin, mask, cache, None if ttt is None else ttt[0])  # [B, S, H]
+        for i, layer in enumerate(self.next_layers or ()):
+            out = layer(out, cos, sin, mask, cache, None if ttt is None else ttt[i + 1])
         if self.norm_output:  # the next step reads the normed state, which the lm_head reads as is
             out = self.norm(out)
         kept = out[logits_rows] if logits_rows is not None else out[:, -logits_to_keep:]
@@ -295,7 +333,7 @@ class Eagle3Head(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = default_positions(b, s, 0, input_ids.device)
-        kv = UnrollKV()
+        kv = [UnrollKV() for _ in range(self.num_layers)]  # one per layer
         hidden, out = features, []
         for j in range(steps):
             hidden, logits = self(shift_left(input_ids, j + 1), hidden, position_ids + j, attention_mask, ttt=kv,
@@ -311,13 +349,42 @@ class Eagle3Head(nn.Module):
 # ---------------------------------------------------------------- builder and config
 
 
-def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0, **norms: bool) -> Eagle3Head:
+@torch.no_grad()
+def init_from_target_layer(head: Eagle3Head, layer: nn.Module) -> None:
+    """Start ``head`` as the target's decoder ``layer`` (a Llama-style layer of the same width) applied to the
+    highest fused feature: fc copies the last H of its 3H inputs through (identity there, zero elsewhere);
+    q/k/v read the hidden half of concat(embedding, hidden) with the layer's weights and start blind to the
+    embedding half (zeros: the head learns what the next token adds); o_proj, the MLP and the norms are the
+    layer's (hidden_norm is its input norm). A layer of another shape or structure is refused in one line."""
+    mid, h = head.midlayer, head.hidden_size
+    try:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ours, theirs = getattr(mid.self_attn, name), getattr(layer.self_attn, name)
+            ours.weight.zero_()
+            ours.weight[:, h:].copy_(theirs.weight)
+            if ours.bias is not None:
+                ours.bias.copy_(theirs.bias)
+        mid.self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
+        mid.mlp.load_state_dict(layer.mlp.state_dict())
+        mid.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+        mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    except (AttributeError, RuntimeError) as e:  # another layer structure (extra norms, other names) or shape
+        raise DraftsmithError(f"drafter.init_from_layer: the target's layer ({type(layer).__name__}) is not a Llama-style "
+                              f"layer of the head's shape ({type(e).__name__}: {str(e).splitlines()[0]}); leave it unset") from e
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * h:].copy_(torch.eye(h, dtype=head.fc.weight.dtype, device=head.fc.weight.device))
+
+
+
+def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0, num_layers: int = 1,
+                 **norms: bool) -> Eagle3Head:
     """An EAGLE-3 head for a target with HF config ``arch`` around ``embed``; seeded-random, full-vocab mapping.
     norms: the EAGLE-3.1 options of :class:`Eagle3Head` (their RMSNorms start at 1 and draw no random numbers,
-    so the other weights are the same with or without them)."""
+    so the other weights are the same with or without them); num_layers: decoder layers (the layers past the first
+    are drawn after every one-layer weight, so those are the same whatever the depth)."""
     vocab = int(text_config(arch).vocab_size)
     with seeded(seed):
-        return Eagle3Head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab, **norms)
+        return Eagle3Head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab, num_layers=num_layers, **norms)
 
 
 @dataclass
@@ -342,6 +409,17 @@ class Eagle3Config:
     fc_norm."""
     norm_output: bool = False
     """EAGLE-3.1: pass the normed hidden state (what the lm_head reads) on to the next step, not the pre-norm one."""
+    freeze_lm_head: bool = False
+    """Training leaves the lm_head at the target's rows of the draft vocabulary (it is still saved with the head):
+    fewer trainable weights where the data is small. False = trained (EAGLE-3)."""
+    num_layers: int = 1
+    """Decoder layers of the head: the first reads concat(embedding, hidden) as in EAGLE-3, the others are plain Llama
+    layers after it (speculators' ``num_hidden_layers``). More layers cost a proportional draft step."""
+    init_from_layer: int | None = None
+    """Training starts the head from the target: its decoder layer from the target's layer of this id (0-based,
+    negative from the end: -1 = the last) and fc passing the highest fused layer through
+    (:func:`init_from_target_layer`); None = seeded-random fc and layer (EAGLE-3). Read only when a head is built
+    for training; a saved head loads its own weights."""
 
     target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.",)
     """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
@@ -352,6 +430,8 @@ class Eagle3Config:
                 f"drafter.feature_layers = {self.feature_layers}: EAGLE-3 fuses exactly 3 target layers "
                 f"(low, middle, high); leave it empty for the default"
             )
+        if self.num_layers < 1:
+            raise ConfigError(f"drafter.num_layers = {self.num_layers} must be at least 1")
         if self.draft_vocab_size < 0:
             raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} must be ≥ 0 (0 = full vocabulary)")
         if self.fc_norm and self.norm_before_fc:
@@ -393,19 +473,24 @@ class Eagle3Config:
 
         d2t, t2d = resolve_draft_vocab(vocab, cfg.draft_vocab, cfg.draft_vocab_size, target.vocab_size, target.tokenizer_hash)
         own = target_parts(target.model)
-        head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed, **cfg.norms)
+        head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed, cfg.num_layers, **cfg.norms)
         head = place(head, target.device, target.dtype)
         head.set_vocab(d2t.to(target.device), t2d.to(target.device))
         with torch.no_grad():
             head.norm.weight.copy_(own.norm.weight)
             head.lm_head.weight.copy_(own.lm_head.weight[head.draft_ids])
+        head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
+        if cfg.init_from_layer is not None:
+            layers = check_architecture(target.model, target.name, "features")
+            init_from_target_layer(head, layers[resolve_layer(cfg.init_from_layer, target.num_layers,
+                                                              "drafter.init_from_layer")])
         return head
 
     def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> Eagle3Head:
         """The head's structure for loading (d2t/t2d come from the checkpoint)."""
         cfg = self.resolve(target)
         head = build_eagle3(target.config, frozen_copy(target_parts(target.model).embed), cfg.draft_vocab_size, cfg.seed,
-                            **cfg.norms)
+                            cfg.num_layers, **cfg.norms)
         return place(head, target.device, target.dtype)
 
     def runtime(self, module: Eagle3Head, target: Target) -> EagleDrafter:

@@ -94,7 +94,7 @@ def meta_module(config: Any, arch: Any) -> nn.Module:
         if isinstance(config, Eagle1Config):
             return build_eagle1(arch, placeholder_parts(arch))
         if isinstance(config, Eagle3Config):
-            return build_eagle3(arch, placeholder_parts(arch).embed, config.draft_vocab_size)
+            return build_eagle3(arch, placeholder_parts(arch).embed, config.draft_vocab_size, num_layers=config.num_layers)
         if isinstance(config, MedusaConfig):
             return build_medusa(arch, placeholder_parts(arch).norm, config.num_heads, config.num_layers)
         if isinstance(config, DraftLMConfig):

@@ -142,6 +142,10 @@ def write(source: Any, fmt: str, out: str) -> None:
     """Write the head of ``source`` into the folder ``out`` in ``fmt`` (eagle3 | speculators)."""
     from .tensors import cast_floats
 
+    layers = source.drafter.module.num_layers
+    if layers > 1:
+        raise DraftsmithError(f"this head has {layers} decoder layers; the {fmt} export writes one-layer EAGLE-3 heads only "
+                              f"(a multi-layer head decodes in draftsmith; its export is not written yet)")
     used = [flag for flag in EAGLE31_FLAGS if norm_flags(source.drafter.module)[flag]]
     if fmt == "eagle3" and used:
         raise DraftsmithError(f"this head uses {', '.join(used)} (EAGLE-3.1), which the original eagle3 layout's "

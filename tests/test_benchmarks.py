@@ -90,3 +90,20 @@ def test_decode_runs_all_three_and_checks_identity(decode, capsys, tmp_path, smo
     # both speculative methods did the same number of verification rounds: same drafter, same k
     assert s["draftsmith"]["target_forwards"] == s["hf_assisted"]["target_forwards"]
     assert s["greedy"]["new_tokens"] == s["draftsmith"]["new_tokens"]
+
+
+# ---------------------------------------------------------------- benchmarks/levers.py
+
+
+def test_every_lever_is_a_valid_override_of_the_eagle3_recipe():
+    from draftsmith.config import load_recipe
+
+    levers = benchmark_script("levers")
+    try:
+        for name, flags in levers.VARIANTS.items():
+            recipe = load_recipe("smollm2-135m-eagle3", flags)
+            assert name == "base" or flags, name
+            if "train.loss.kind=lk_alpha" in flags:
+                assert recipe.train.loss.kind == "lk_alpha"
+    finally:
+        del sys.modules["draftsmith_bench_levers"]

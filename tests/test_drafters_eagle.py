@@ -190,6 +190,13 @@ def eagle31(tiny_target):
     return cfg.runtime(head, tiny_target)
 
 
+@pytest.fixture(scope="module")
+def eagle3_deep(tiny_target):
+    """A two-layer head: EAGLE-3's 2H-input layer, then a plain layer."""
+    cfg = Eagle3Config(feature_layers=LAYERS, seed=5, num_layers=2)
+    return cfg.runtime(cfg.build_module(tiny_target, sparse_vocab()), tiny_target)
+
+
 def test_eagle3_default_layers_follow_the_field():
     assert default_eagle3_layers(30) == (1, 14, 26)  # SmolLM2-135M
     assert default_eagle3_layers(32) == (1, 15, 28)  # Llama-3.1-8B: SGLang captures 2, 16, 29 (inputs)
@@ -273,7 +280,7 @@ def test_ttt_attention_equals_explicit_block_mask():
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["eagle3", "eagle31"])
+@pytest.mark.parametrize("family", ["eagle3", "eagle31", "eagle3_deep"])
 def test_unroll_equals_chained_decoding(tiny_target, family, request):
     """Step j, row t of the unroll = the (j+1)-th chained draft after true rows 0 … t (teacher-forced tokens)."""
     eagle3 = request.getfixturevalue(family)
@@ -304,7 +311,7 @@ def test_unroll_backpropagates_into_trainable_parts_only(tiny_target):
     assert head.embed_tokens.weight.grad is None
 
 
-@pytest.mark.parametrize("family", ["eagle3", "eagle31"])
+@pytest.mark.parametrize("family", ["eagle3", "eagle31", "eagle3_deep"])
 def test_eagle3_runtime_matches_from_scratch_reference(tiny_target, family, request):
     eagle3 = request.getfixturevalue(family)
     prompt = list(range(300, 311))
@@ -446,3 +453,40 @@ def test_the_options_come_from_the_recipe_and_survive_save_and_load(tiny_target,
     assert back.norm_output and torch.equal(back.input_norm.weight, head.input_norm.weight)
     with pytest.raises(ConfigError, match="drafter.fc_norm and drafter.norm_before_fc exclude each other"):
         load_recipe("smollm2-135m-eagle3", ["drafter.fc_norm=true", "drafter.norm_before_fc=true"])
+
+
+def test_init_from_layer_makes_the_head_the_targets_next_layer(tiny_target):
+    """fc passes the highest fused layer (2) through and the head's layer is the target's layer 3 on it, blind to the
+    token: step 0 reproduces the target's output of layer 3 and, with its final norm and lm_head, its logits."""
+    head = Eagle3Config(feature_layers=[0, 1, 2], init_from_layer=-1).build_module(tiny_target)  # full vocabulary
+    ids = torch.randint(0, 1000, (2, 7))
+    out = tiny_target.forward(ids, feature_layers=(0, 1, 2, 3))
+    hidden, logits = head(shift_left(ids, 1), out.features[..., :192])
+    assert torch.allclose(hidden, out.features[..., 192:], atol=1e-5)
+    assert torch.allclose(logits, out.logits, atol=1e-4)
+    assert head.midlayer.self_attn.q_proj.weight[:, :64].abs().sum() == 0  # the embedding half starts at zero
+    plain = Eagle3Config(feature_layers=[0, 1, 2]).build_module(tiny_target)
+    assert not torch.allclose(plain(shift_left(ids, 1), out.features[..., :192])[1], out.logits, atol=1e-2)
+
+
+def test_a_two_layer_head_keeps_the_one_layer_weights_and_survives_save_and_load(tiny_target, eagle3, eagle3_deep,
+                                                                                   tmp_path):
+    from draftsmith import drafters
+
+    one, two = eagle3.module.state_dict(), eagle3_deep.module.state_dict()
+    assert {k for k in two if k not in one} == {k for k in two if k.startswith("next_layers.0.")} != set()
+    assert all(torch.equal(one[k], two[k]) for k in one)  # the extra layer is drawn after every other weight
+    assert "next_layers.0.self_attn.q_proj.weight" in two and two["next_layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    assert eagle3_deep.module.new_cache() is not None
+    drafters.save(eagle3_deep, str(tmp_path / "deep"))
+    back = drafters.load(str(tmp_path / "deep"), tiny_target)
+    assert back.module.num_layers == 2 and all(torch.equal(back.module.state_dict()[k], v) for k, v in two.items())
+
+
+def test_freeze_lm_head_leaves_the_targets_rows_untrained(tiny_target):
+    head = Eagle3Config(feature_layers=LAYERS, freeze_lm_head=True).build_module(tiny_target, sparse_vocab())
+    trainable = {n.split(".")[0] for n, p in head.named_parameters() if p.requires_grad}
+    assert trainable == {"fc", "midlayer", "norm"}
+    steps = head.unroll(torch.randint(0, 5000, (1, 6)), torch.randn(1, 6, 192), steps=2)
+    sum(lg.float().logsumexp(-1).sum() for _, lg in steps).backward()
+    assert head.lm_head.weight.grad is None and head.fc.weight.grad is not None

@@ -422,3 +422,12 @@ def test_export_from_a_checkpoint_equals_export_from_the_saved_drafter(tmp_path,
         cfg = [json.load(open(tmp_path / d / "config.json")) for d in ("from_ckpt", "from_drafter")]
         assert cfg[0] == cfg[1]
         assert any("proposes the source drafter's" in line for line in check(str(tmp_path / "from_ckpt")))
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])  # gguf writes through the eagle3 layout
+def test_a_multi_layer_eagle3_head_is_refused_in_one_line(tmp_path, target, vocab, fmt):
+    config = Eagle3Config(feature_layers=EAGLE3_LAYERS, num_layers=2)
+    drafters.save(config.runtime(config.build_module(target, vocab), target), str(tmp_path / "deep"))
+    with pytest.raises(DraftsmithError, match=f"2 decoder layers; the {fmt} export writes one-layer"):
+        export(str(tmp_path / "deep"), fmt, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")

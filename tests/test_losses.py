@@ -33,7 +33,27 @@ GOLDEN = {
     # β = 0.5: m = [0.3125, 0.3125, 0.375]
     "jsd": 0.5 * (0.5 * ln(0.5 / 0.3125) + 0.25 * ln(0.25 / 0.3125) + 0.25 * ln(0.25 / 0.375))
     + 0.5 * (0.125 * ln(0.125 / 0.3125) + 0.375 * ln(0.375 / 0.3125) + 0.5 * ln(0.5 / 0.375)),
+    # α = Σ min(p, q) = 0.125 + 0.25 + 0.25 = 0.625
+    "lk_alpha": -ln(0.625),
+    # λ = exp(−3·α); λ·KL(p‖q) + (1 − λ)·(1 − α)
+    "lk_hybrid": math.exp(-3 * 0.625) * (0.5 * ln(0.5 / 0.125) + 0.25 * ln(0.25 / 0.375) + 0.25 * ln(0.25 / 0.5))
+    + (1 - math.exp(-3 * 0.625)) * 0.375,
 }
+
+
+def test_every_token_loss_has_a_golden_value():
+    assert set(GOLDEN) == set(L.TOKEN_LOSSES)
+
+
+def test_lk_hybrid_takes_no_gradient_through_its_weight():
+    # d/dq of λ·KL + (1 − λ)·TV with λ constant: the weight's own dependence on α must not add a term
+    draft, target, mask = _pair()
+    draft = draft.clone().requires_grad_(True)
+    L.lk_hybrid(draft, target, mask).backward()
+    lam = math.exp(-3 * 0.625)
+    draft2 = draft.detach().clone().requires_grad_(True)
+    (lam * L.forward_kl(draft2, target, mask) + (1 - lam) * L.tvd(draft2, target, mask)).backward()
+    assert torch.allclose(draft.grad[0], draft2.grad[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", sorted(GOLDEN))

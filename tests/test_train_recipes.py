@@ -73,6 +73,11 @@ def draft_vocab(tmp_path_factory, tiny_train_data) -> str:
 
 @pytest.mark.parametrize("method, gain, extra", [
     ("eagle3", 1.2, ["train.ttt_steps=3", "train.loss.kind=soft_ce", "drafter.feature_layers=[0,1,2]"]),
+    # levers of benchmarks/levers.py: the LK losses, GRIFFIN's mask (the head started as the target's layer has its
+    # own exact test in test_drafters_eagle.py: on this random target it starts at acceptance 0.56, not from zero)
+    ("eagle3", 1.2, ["train.ttt_steps=3", "train.loss.kind=lk_hybrid", "train.align_top_k=1",
+                     "drafter.feature_layers=[0,1,2]"]),
+    ("eagle3", 1.2, ["train.ttt_steps=2", "train.loss.kind=lk_alpha", "drafter.feature_layers=[0,1,2]"]),
     # a reduced vocabulary: this random target spreads p over ~1100 distinct tokens, so a 2048-token
     # draft vocabulary caps acceptance low; the loss over it must still fall and acceptance rise
     ("eagle3", 1.0, ["train.ttt_steps=2", "train.loss.kind=soft_ce", "drafter.feature_layers=[0,1,2]",

@@ -181,3 +181,19 @@ def test_eagle3_targets_at_the_loss_rows_are_the_full_targets_shifted():
     t = Targets(full[need], index, keep)
     for j in range(3):
         assert torch.equal(t.logits[t.at(j)], shift_left(full, j + 1)[keep[j]])
+
+
+def test_token_alignable_mask_drops_the_rows_a_chain_never_reaches():
+    """GRIFFIN's mask, by hand: 3 rows at a step, draft vocabulary = target ids [10, 20, 30]; the target's tokens are
+    20, 30, 10. Top-1 hits row 0 only; top-2 also row 1 (30 is its second); a row outside the step stays as it was."""
+    from draftsmith.train.eagle3 import still_aligned
+
+    alive = torch.tensor([[True, True, True, True]])
+    rows = torch.tensor([[True, False, True, True]])  # row-major: columns 0, 2, 3
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 3.0], [0.0, 4.0, 2.0]])  # argmax 20; 10 then 30; 20 then 30
+    draft_ids, target = torch.tensor([10, 20, 30]), torch.tensor([20, 30, 10])
+    assert still_aligned(alive, rows, logits, draft_ids, target, 1).tolist() == [[True, True, False, False]]
+    assert still_aligned(alive, rows, logits, draft_ids, target, 2).tolist() == [[True, True, True, False]]
+    assert still_aligned(alive, rows, logits, draft_ids, target, 3).all()
+    dead = torch.tensor([[False, True, True, True]])
+    assert still_aligned(dead, rows, logits, draft_ids, target, 3).tolist() == [[False, True, True, True]]

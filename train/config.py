@@ -56,12 +56,15 @@ class ScheduleConfig:
 @dataclass
 class LossConfig:
     kind: TokenLoss = "forward_kl"
-    """Token loss between the drafter's q and the target's p: forward_kl, reverse_kl, jsd, tvd,
-    ce (on the target's argmax) or soft_ce (−Σ p log q; EAGLE's choice)."""
+    """Token loss between the drafter's q and the target's p, one of ``train/losses.py:TOKEN_LOSS_FNS``: forward_kl,
+    reverse_kl, jsd, tvd, ce (on the target's argmax), soft_ce (−Σ p log q; EAGLE's choice), or the LK losses that
+    aim at the acceptance Σ min(p, q) itself, lk_alpha (−log of it) and lk_hybrid (KL blended into TV as it grows)."""
     temperature: float = 1.0
     """Both distributions are softmax(logits / temperature) inside the loss."""
     jsd_beta: float = 0.5
     """β of the generalized JSD (DistillSpec): 0.5 is symmetric JSD."""
+    lk_eta: float = 3.0
+    """η of ``lk_hybrid``: KL weighs exp(−η·α), TV the rest (the LK paper's and the reference trainer's 3)."""
     token_weight: float = 1.0
     """Weight of the token loss (EAGLE-1 uses 0.1 beside feature_weight 1.0)."""
     feature_weight: float = 0.0
@@ -74,6 +77,8 @@ class LossConfig:
             raise ConfigError(f"train.loss.temperature = {self.temperature} must be > 0")
         if not 0.0 < self.jsd_beta < 1.0:
             raise ConfigError(f"train.loss.jsd_beta = {self.jsd_beta} must be in (0, 1)")
+        if self.lk_eta < 0:
+            raise ConfigError(f"train.loss.lk_eta = {self.lk_eta} must be ≥ 0")
         if self.token_weight < 0 or self.feature_weight < 0 or self.token_weight + self.feature_weight == 0:
             raise ConfigError("train.loss.token_weight and feature_weight must be ≥ 0 and not both 0")
         if not 0.0 < self.step_decay <= 1.0:
@@ -193,6 +198,10 @@ class TrainConfig:
     """Micro-batches with a NaN/inf loss that are skipped (and counted) before the run stops."""
     ttt_steps: int = 7
     """EAGLE-3 training-time test: how many steps the head is unrolled on its own outputs."""
+    align_top_k: int = 0
+    """EAGLE-3, GRIFFIN's token-alignable training: a row's loss at unrolled step j ≥ 1 counts only while the target's
+    token was in the head's top ``align_top_k`` at every earlier step (1 for chains, the tree's top-k for trees);
+    0 = every row (EAGLE-3)."""
     feature_noise: float = 0.0
     """EAGLE-1/-3: add uniform noise U(−a, a) to the target features fed to the head (EAGLE: 0.1)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -213,5 +222,7 @@ class TrainConfig:
             raise ConfigError(f"train.group_by_length = {self.group_by_length} must be ≥ 0 (0 = random batches)")
         if self.max_bad_steps < 0:
             raise ConfigError(f"train.max_bad_steps = {self.max_bad_steps} must be ≥ 0")
+        if self.align_top_k < 0:
+            raise ConfigError(f"train.align_top_k = {self.align_top_k} must be ≥ 0 (0 = off)")
         if self.feature_noise < 0:
             raise ConfigError(f"train.feature_noise = {self.feature_noise} must be ≥ 0")

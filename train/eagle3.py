@@ -12,6 +12,11 @@ Over the reduced vocabulary the target's p is renormalized onto the draft ids, a
 position whose target argmax is outside the draft vocabulary is masked (the head could
 never propose it). There is no feature regression: EAGLE-3 drops it.
 
+With ``train.align_top_k`` = k ≥ 1 (GRIFFIN's token-alignable training, Hu et al. 2025), a row counts at step
+j ≥ 1 only while the target's token was among the head's top k at every earlier step of that row: a chain (k = 1)
+or a top-k tree never drafts past a miss, so those rows are never reached when decoding, and their loss only pulls
+the head towards inputs it will not see. Held-out figures are over every row, as without it.
+
 Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the head's q
 (zero outside the draft vocabulary) against the target's full p, and top-1 agreement
 (see ``heldout.heldout_metrics`` for the summary figures derived from them).
@@ -49,6 +54,18 @@ class Targets:
         return target_side.rows_ahead(self.index, j + 1, self.keep[j])
 
 
+@torch.no_grad()
+def still_aligned(alive: Tensor, rows: Tensor, logits: Tensor, draft_ids: Tensor, target_ids: Tensor, k: int) -> Tensor:
+    """GRIFFIN's token-alignable mask after one unrolled step: ``alive`` [B, S] bool with each row of ``rows`` [B, S]
+    (N of them, row-major) kept only where the target's token ``target_ids`` [N] is among the top ``k`` of the
+    step's ``logits`` [N, Vd] (draft ids, mapped to target ids by ``draft_ids`` [Vd]). Rows outside ``rows`` keep
+    their value. Returns a new tensor."""
+    top = draft_ids[logits.topk(min(k, logits.shape[-1]), dim=-1).indices]  # [N, k] target ids
+    out = alive.clone()
+    out[rows] &= (top == target_ids.unsqueeze(-1)).any(-1)
+    return out
+
+
 def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
@@ -79,11 +96,14 @@ def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any
         # p over the draft vocabulary, and where the target's argmax is in it, once for all steps
         p_draft, in_vocab = losses.restrict_to_draft_vocab(t.logits, draft_ids, t.logits.new_ones(len(t.logits), dtype=torch.bool))
         total, parts = None, {}
+        alive = torch.ones_like(batch.loss_mask, dtype=torch.bool)  # [B, S]: rows whose earlier steps were in the top k
         for j, (_, logits) in enumerate(steps):  # logits: [N_j, Vd] at the rows of t.keep[j]
             at = t.at(j)  # the target's row at t+j+1 for each of them
-            ok = in_vocab[at]
+            ok = in_vocab[at] & alive[t.keep[j]]
+            if cfg.align_top_k:  # GRIFFIN: step j+1 trains only the rows this step kept within its top k
+                alive = still_aligned(alive, t.keep[j], logits, draft_ids, t.logits[at].argmax(-1), cfg.align_top_k)
             step_sum = losses.token_loss(cfg.loss.kind, logits[ok], p_draft[at][ok], ok[ok], cfg.loss.temperature,
-                                         cfg.loss.jsd_beta, reduction="sum")  # 0 past short sequences' ends
+                                         cfg.loss.jsd_beta, reduction="sum", eta=cfg.loss.lk_eta)  # 0 past short sequences' ends
             total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
             parts[f"loss/step{j}"] = (step_sum.item(), float(ok.sum()))
         return total, parts

@@ -10,8 +10,10 @@ p is the target's distribution, q the drafter's; both are ``softmax(logits / T)`
 
 The token losses are DistillSpec's set (Zhou et al. 2023): forward KL(p‖q), reverse
 KL(q‖p), generalized JSD(β) and total variation distance, plus cross-entropy on the
-target's argmax and soft cross-entropy −Σ p log q (EAGLE's classification loss),
-optionally over a reduced draft vocabulary. :func:`smooth_l1` is EAGLE's feature
+target's argmax and soft cross-entropy −Σ p log q (EAGLE's classification loss), and the
+LK losses (Samarin et al. 2026) that aim at the acceptance rate α = Σ min(p, q) itself:
+−log α, and the hybrid λ·KL(p‖q) + (1 − λ)·TV with λ = exp(−η·sg[α]); optionally over a
+reduced draft vocabulary. :data:`TOKEN_LOSS_FNS` is their one table (name → function). :func:`smooth_l1` is EAGLE's feature
 regression. :func:`expected_acceptance` Σ_x min(p, q) is the probability that one
 sampled draft token is accepted by speculative sampling (= 1 − TVD); it is a metric.
 
@@ -23,6 +25,7 @@ nothing is 0 (still on the autograd graph, so a backward through it gives zero g
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -31,8 +34,6 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 
-TokenLoss = Literal["forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce"]
-TOKEN_LOSSES: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce", "soft_ce")
 Reduction = Literal["mean", "sum", "none"]
 
 
@@ -126,6 +127,51 @@ def soft_ce(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperatu
     return masked_reduce(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1), mask, reduction)
 
 
+ACCEPT_EPS = 1e-5
+"""Floor of α inside −log α (the reference trainer's): a row with no overlap at all gives a finite loss."""
+
+
+def _acceptance(draft_logits: Tensor, target_logits: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(α [...] = Σ min(p, q), log q [..., V], log p [..., V]) in float32."""
+    log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
+    return torch.minimum(log_p.exp(), log_q.exp()).sum(-1), log_q, log_p
+
+
+def lk_alpha(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+             reduction: Reduction = "mean") -> Tensor:
+    """LK^α: −log Σ min(p, q), the negative log acceptance. Its gradient is TV's scaled by 1/α, so it does not
+    vanish where the overlap is small; with a one-hot p it is cross-entropy on p's token."""
+    alpha, _, _ = _acceptance(draft_logits, target_logits, temperature)
+    return masked_reduce(-alpha.clamp_min(ACCEPT_EPS).log(), mask, reduction)
+
+
+def lk_hybrid(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+              eta: float = 3.0, reduction: Reduction = "mean") -> Tensor:
+    """LK^λ: λ·KL(p‖q) + (1 − λ)·TV(p, q) per position with λ = exp(−η·α), α = Σ min(p, q) held constant
+    (no gradient through λ): KL's strong gradient while the overlap is small, the acceptance itself as it grows.
+    η = 3 is the paper's best setting (and the reference trainer's default)."""
+    alpha, log_q, log_p = _acceptance(draft_logits, target_logits, temperature)
+    lam = torch.exp(-eta * alpha.detach())
+    return masked_reduce(lam * _kl_terms(log_p, log_q) + (1 - lam) * (1 - alpha), mask, reduction)
+
+
+TOKEN_LOSS_FNS: dict[str, Callable[..., Tensor]] = {
+    "forward_kl": lambda d, t, m, temperature, beta, eta, reduction: forward_kl(d, t, m, temperature, reduction),
+    "reverse_kl": lambda d, t, m, temperature, beta, eta, reduction: reverse_kl(d, t, m, temperature, reduction),
+    "jsd": lambda d, t, m, temperature, beta, eta, reduction: jsd(d, t, m, beta, temperature, reduction),
+    "tvd": lambda d, t, m, temperature, beta, eta, reduction: tvd(d, t, m, temperature, reduction),
+    "ce": lambda d, t, m, temperature, beta, eta, reduction: hard_ce(d, t.argmax(-1), m, temperature, reduction),
+    "soft_ce": lambda d, t, m, temperature, beta, eta, reduction: soft_ce(d, t, m, temperature, reduction),
+    "lk_alpha": lambda d, t, m, temperature, beta, eta, reduction: lk_alpha(d, t, m, temperature, reduction),
+    "lk_hybrid": lambda d, t, m, temperature, beta, eta, reduction: lk_hybrid(d, t, m, temperature, eta, reduction),
+}
+"""The token losses by name (``train.loss.kind``): each takes (draft logits, target logits, mask, temperature,
+JSD β, LK η, reduction). ``ce`` is cross-entropy on the target's argmax."""
+
+TOKEN_LOSSES: tuple[str, ...] = tuple(TOKEN_LOSS_FNS)
+TokenLoss = Literal[TOKEN_LOSSES]  # type: ignore[valid-type]  # the config's choices, from the table
+
+
 def restrict_to_draft_vocab(target_logits: Tensor, draft_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Map the target's logits onto a reduced draft vocabulary (EAGLE-3).
 
@@ -148,21 +194,13 @@ def token_loss(
     temperature: float = 1.0,
     beta: float = 0.5,
     reduction: Reduction = "mean",
+    eta: float = 3.0,
 ) -> Tensor:
-    """Dispatch by name to one of :data:`TOKEN_LOSSES` (``ce`` uses the target's argmax)."""
-    if kind == "forward_kl":
-        return forward_kl(draft_logits, target_logits, mask, temperature, reduction)
-    if kind == "reverse_kl":
-        return reverse_kl(draft_logits, target_logits, mask, temperature, reduction)
-    if kind == "jsd":
-        return jsd(draft_logits, target_logits, mask, beta, temperature, reduction)
-    if kind == "tvd":
-        return tvd(draft_logits, target_logits, mask, temperature, reduction)
-    if kind == "ce":
-        return hard_ce(draft_logits, target_logits.argmax(-1), mask, temperature, reduction)
-    if kind == "soft_ce":
-        return soft_ce(draft_logits, target_logits, mask, temperature, reduction)
-    raise DraftsmithError(f"unknown token loss '{kind}'; choose one of: {', '.join(TOKEN_LOSSES)}")
+    """The token loss ``kind`` of :data:`TOKEN_LOSS_FNS` (β: JSD's, η: LK hybrid's)."""
+    fn = TOKEN_LOSS_FNS.get(kind)
+    if fn is None:
+        raise DraftsmithError(f"unknown token loss '{kind}'; choose one of: {', '.join(TOKEN_LOSSES)}")
+    return fn(draft_logits, target_logits, mask, temperature, beta, eta, reduction)
 
 
 def smooth_l1(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0, reduction: Reduction = "mean") -> Tensor:
@@ -215,6 +253,7 @@ def decayed_weights(n: int, decay: float) -> list[float]:
 
 __all__ = [
     "TOKEN_LOSSES",
+    "TOKEN_LOSS_FNS",
     "EmptyBatchError",
     "decayed_weights",
     "draft_vocab_agreement",
@@ -222,6 +261,8 @@ __all__ = [
     "forward_kl",
     "hard_ce",
     "jsd",
+    "lk_alpha",
+    "lk_hybrid",
     "masked_mean",
     "masked_reduce",
     "restrict_to_draft_vocab",

@@ -1,0 +1,170 @@
+"""Which training levers buy acceptance? One recipe trained with one lever changed at a time, and the table.
+
+    python benchmarks/levers.py train CONFIG OUT [--only a,b] [override ...]   # OUT/<variant>, missing ones
+    python benchmarks/levers.py decode RUN_DIR [RUN_DIR ...] [--prompts 20] [--ks 3,4] [--max-new-tokens 96]
+    python benchmarks/levers.py table RUN_DIR [RUN_DIR ...]                     # a markdown row per run
+
+``train`` runs ``draftsmith train -c CONFIG run_dir=OUT/<variant>`` for each variant of :data:`VARIANTS` (or those
+of ``--only``) whose ``train_summary.json`` is missing (a killed run resumes from its checkpoint), one after
+another, each on ``OMP_NUM_THREADS`` threads (1 unless set: no figure here depends on it, and two ``train``
+commands side by side use two cores better than one on both); wandb off. Same data, steps, schedule and seed as
+CONFIG and the overrides given (e.g. a demo run's ``eagle3/config.yaml``, or the recipe with the demo's train
+overrides): only the variant's overrides differ, and they come last, so they win over the given ones (``ttt3``
+over a given ``train.ttt_steps=2``); each lever is measured alone at a fixed budget.
+
+``decode`` runs each run's ``drafter-best`` in the built-in decoder, greedy, as plain chains of each k in ``--ks``
+(no gate, no tree) on the first ``--prompts`` MT-bench first turns, the target in bf16 (the dtype speed is measured
+in; τ in fp32 differs only where bf16 rounding moves a near-tie), and writes ``levers_decode.json`` into the run
+folder: τ (bonus counted) and the acceptance by position at each k. The target and prompts are loaded once.
+
+``table`` reads each run folder's ``train_summary.json``, ``logs/train.rank0.jsonl`` and, when present,
+``levers_decode.json``: held-out sim τ at the end and at its best, held-out top-1 agreement and expected acceptance
+per unrolled step, the held-out loss, the training loss at steps 10 / 50 / 100 / last, and the decoded τ. None of
+these depends on the machine's load. Figures: benchmarks/RESULTS.md, "levers" and "EAGLE-3.1 norms".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+VARIANTS: dict[str, list[str]] = {
+    "base": [],
+    # the head's layer starts as the target's: the last one (-1), or the one after the highest fused layer (27 on
+    # SmolLM2's 30 layers, fused 1/14/26); fc passes the highest fused layer through (drafters/eagle3.py)
+    "init_last": ["drafter.init_from_layer=-1"],
+    "init_next": ["drafter.init_from_layer=27"],
+    # the lm_head left at the target's rows (fewer trainable weights on little data)
+    "frozen_lm_head": ["drafter.freeze_lm_head=true"],
+    # a second decoder layer after EAGLE-3's (speculators' num_hidden_layers = 2)
+    "layers2": ["drafter.num_layers=2"],
+    # the loss: LK losses aim at the acceptance Σ min(p, q) itself (train/losses.py)
+    "lk_alpha": ["train.loss.kind=lk_alpha"],
+    "lk_hybrid": ["train.loss.kind=lk_hybrid"],
+    "tvd": ["train.loss.kind=tvd"],
+    # GRIFFIN's token-alignable training: step j trains only rows whose earlier steps kept the target's token in
+    # their top 1 (a chain) or top 3 (the demo's tree)
+    "align1": ["train.align_top_k=1"],
+    "align3": ["train.align_top_k=3"],
+    # a deeper training-time test: the head unrolled on its own states for more steps
+    "ttt3": ["train.ttt_steps=3"],
+    "ttt4": ["train.ttt_steps=4"],
+    # the learning-rate schedule
+    "constant_lr": ["train.schedule.kind=constant"],
+    "linear_lr": ["train.schedule.kind=linear", "train.schedule.min_lr_ratio=0.0"],
+    # EAGLE-3.1's norms (fc_norm and norm_before_fc exclude each other)
+    "fc_norm": ["drafter.fc_norm=true"],
+    "norm_before_fc": ["drafter.norm_before_fc=true"],
+    "fc_norm+norm_output": ["drafter.fc_norm=true", "drafter.norm_output=true"],
+}
+"""Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
+
+
+def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -> None:
+    unknown = sorted(set(only or []) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; choose from: {', '.join(VARIANTS)}")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    for name in only or list(VARIANTS):
+        run_dir = os.path.join(out, name)
+        if os.path.isfile(os.path.join(run_dir, "train_summary.json")):
+            continue
+        os.makedirs(out, exist_ok=True)
+        cmd = [sys.executable, "-m", "draftsmith.cli", "train", "-c", config, f"run_dir={run_dir}",
+               "train.logging.wandb=disabled", "train.logging.progress=false", *overrides, *VARIANTS[name]]  # the lever wins
+        print(" ".join(cmd), flush=True)
+        with open(os.path.join(out, f"{name}.log"), "a") as log:
+            subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int) -> None:
+    from dataclasses import replace
+
+    from draftsmith.config import load_recipe
+    from draftsmith.measure.evaluate import evaluate
+    from draftsmith.measure.prompts import load_questions
+    from draftsmith.target import load_target
+    from draftsmith.train.save import BEST
+
+    target, questions = None, load_questions("mtbench", prompts)
+    for run_dir in run_dirs:
+        recipe = load_recipe(os.path.join(run_dir, "config.yaml"), [
+            "drafter.type=saved", f"drafter.path={os.path.join(run_dir, BEST)}", "target.dtype=bfloat16",
+            f"decode.max_new_tokens={max_new_tokens}", "decode.min_confidence=0.0", "decode.tree=none",
+            "decode.temperature=0.0"])
+        target = target or load_target(recipe.target)
+        drafter = recipe.drafter.build(target)
+        out: dict[str, Any] = {"prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": "bfloat16", "by_k": {}}
+        for k in ks:
+            stats = evaluate(target, drafter, questions, replace(recipe.decode, k=k), progress=False).stats.summary()
+            out["by_k"][str(k)] = {"tau_with_bonus": stats["tau_with_bonus"],
+                                   "acceptance_at_position": stats["acceptance_at_position"]}
+            print(f"{run_dir}: k={k} tau {stats['tau_with_bonus']:.3f} acceptance "
+                  + " ".join(f"{a:.3f}" for a in stats["acceptance_at_position"]), flush=True)
+        from draftsmith.files import write_json
+
+        write_json(os.path.join(run_dir, "levers_decode.json"), out)
+
+
+def row(run_dir: str) -> str:
+    summary = json.load(open(os.path.join(run_dir, "train_summary.json")))
+    losses: dict[int, float] = {}
+    with open(os.path.join(run_dir, "logs", "train.rank0.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "loss" in rec:
+                losses[rec["step"]] = rec["loss"]  # a resumed run logs a step again: the later record wins
+    held, best, last = summary["heldout"], summary["best"], summary["steps"]
+    steps = sorted(k[len("heldout/top1_step"):] for k in held if k.startswith("heldout/top1_step"))
+    top1 = " / ".join(f"{held[f'heldout/top1_step{s}']:.3f}" for s in steps)
+    accept = " / ".join(f"{held[f'heldout/expected_accept_step{s}']:.3f}" for s in steps)
+    curve = " / ".join(f"{losses[s]:.2f}" if s in losses else "–" for s in (10, 50, 100, last))
+    decoded = "–"
+    path = os.path.join(run_dir, "levers_decode.json")
+    if os.path.isfile(path):
+        by_k = json.load(open(path))["by_k"]
+        decoded = " / ".join(f"{by_k[k]['tau_with_bonus']:.3f}" for k in sorted(by_k, key=int))
+    return (f"| {os.path.basename(os.path.normpath(run_dir))} | **{held['sim_tau']:.4f}** | {best['sim_tau']:.4f} "
+            f"(step {best['step']}) | {top1} | {accept} | {held['heldout/loss']:.2f} | {curve} | {decoded} |")
+
+
+def table(run_dirs: list[str]) -> None:
+    print("| run | held-out sim τ | best (step) | top-1 per step | expected acceptance per step | held-out loss "
+          "| train loss at 10 / 50 / 100 / last | τ decoded, chain of k (bf16) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for run_dir in run_dirs:
+        print(row(run_dir))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the variants of a recipe")
+    t.add_argument("config")
+    t.add_argument("out")
+    t.add_argument("--only", default="", help="comma-separated variant names (default: all)")
+    t.add_argument("overrides", nargs="*")
+    d = sub.add_parser("decode", help="decode each run's drafter-best as chains")
+    d.add_argument("run_dirs", nargs="+")
+    d.add_argument("--prompts", type=int, default=20)
+    d.add_argument("--ks", default="3,4")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    s = sub.add_parser("table", help="a markdown row per run")
+    s.add_argument("run_dirs", nargs="+")
+    args, extra = parser.parse_known_args()  # overrides may follow --only
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "train":
+        train(args.config, args.out, [x for x in args.only.split(",") if x] or None, args.overrides + extra)
+    elif args.command == "decode":
+        decode(args.run_dirs, args.prompts, [int(k) for k in args.ks.split(",")], args.max_new_tokens)
+    else:
+        table(args.run_dirs)
+
+
+if __name__ == "__main__":
+    main()
