@@ -364,7 +364,7 @@ def table(results: dict[str, dict[str, Any]], ttt: int) -> str:
         pos = "–" if d is None else " / ".join("–" if a is None else f"{a:.3f}" for a in d["acceptance_at_position"])
         rows.append([name, f"{h['sim_tau']:.3f}", top1, acc, dec, pos])
     return "\n".join(text_table(["head", "held-out sim τ", "top-1 per step", "E[accept] per step", "decoder τ ± se",
-                       "acceptance at position (cumulative)"], rows))
+                       "acceptance at position (cumulative)"], rows, width=200))
 
 
 def main() -> int:
