@@ -313,6 +313,77 @@ def _load_exact(module: torch.nn.Module, state: dict[str, Tensor], skip: tuple[s
                               f"{list(unexpected)[:5]}")
 
 
+# ---------------------------------------------------------------- import: a speculators checkpoint → a drafter
+
+
+LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+              "rms_norm_eps", "attention_bias", "mlp_bias")
+"""The layer-config fields a draftsmith head rebuilds from the target (``drafters.common.draft_layer_config``): an
+imported head whose fields differ would load into another shape (or silently another eps) when its folder is read."""
+
+
+def refuse_speculators_target(cfg: dict[str, Any], tensors: dict[str, Tensor], target: Target, where: str) -> None:
+    """Refuse, in one line, a speculators EAGLE-3 checkpoint (``cfg``: its config.json, ``tensors``: its file) that
+    does not fit ``target``: another vocabulary or hidden size, feature layers the target does not have, an embedding
+    other than the target's (speculators stores the verifier's: the one fingerprint its folder carries), a layer
+    config other than the one draftsmith builds for the target, or ``norm_before_residual`` (speculators' default;
+    draftsmith's head has no such option yet, so it would compute something else)."""
+    from ..drafters.common import draft_layer_config
+
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise DraftsmithError(f"{where}: not a speculators EAGLE-3 checkpoint (speculators_model_type = "
+                              f"{cfg.get('speculators_model_type')!r}, expected 'eagle3')")
+    lc = cfg.get("transformer_layer_config") or {}
+    if int(lc.get("vocab_size", -1)) != target.vocab_size or int(cfg.get("target_hidden_size") or lc.get("hidden_size", -1)) \
+            != target.hidden_size:
+        raise DraftsmithError(f"{where} was trained for a target with vocabulary {lc.get('vocab_size')} and hidden size "
+                              f"{cfg.get('target_hidden_size') or lc.get('hidden_size')}, not {target.name}'s "
+                              f"{target.vocab_size} and {target.hidden_size}")
+    if cfg.get("norm_before_residual"):
+        raise DraftsmithError(f"{where} was trained with norm_before_residual = true (speculators' default), which "
+                              f"draftsmith's EAGLE-3 head does not have: train it with --norm-before-residual false")
+    ours = draft_layer_config(target.config)
+    differ = [k for k in LAYER_KEYS if k in lc and lc[k] != getattr(ours, k)]
+    if differ:
+        raise DraftsmithError(f"{where}: its layer config differs from the one draftsmith builds for {target.name} in "
+                              f"{', '.join(f'{k} ({lc[k]} vs {getattr(ours, k)})' for k in differ)}")
+    native_layer_ids(cfg.get("eagle_aux_hidden_state_layer_ids") or [], target.num_layers, "vllm")  # refuses foreign ids
+    embed = tensors.get("embed_tokens.weight")
+    if embed is not None:
+        from ..drafters.common import target_parts
+
+        own = target_parts(target.model).embed.weight.detach().cpu()
+        if embed.shape != own.shape or not torch.equal(embed.to(torch.bfloat16), own.to(torch.bfloat16)):
+            raise DraftsmithError(f"{where}: its embedding (the verifier's, "
+                                  f"{(cfg.get('speculators_config') or {}).get('verifier', {}).get('name_or_path')}) "
+                                  f"is not {target.name}'s: it was trained for another target")
+
+
+def import_speculators(folder: str, target: Target, out: str) -> dict[str, Any]:
+    """A speculators EAGLE-3 checkpoint folder (``Eagle3DraftModel.save_pretrained``, what ``speculators train``
+    writes) → the draftsmith drafter folder ``out`` (written atomically), for ``target``; returns its config.json.
+
+    The inverse of ``--to speculators``, through the same name table (``adapters.SPECULATORS``, read backwards:
+    ``layers.0.* → midlayer.*``; fc, norm, lm_head, d2t, t2d as they are; the stored embedding dropped, as the
+    drafter takes the target's) and the same layer-id convention (vLLM's input-of-layer ids, ``conventions``).
+    Refuses a checkpoint for another target in one line (:func:`refuse_speculators_target`). What the folder
+    stores is exactly what :func:`load` builds from the file, cast to the target's dtype."""
+    from ..drafters import checkpoint
+    from ..drafters.eagle3 import Eagle3Config
+
+    cfg = read_json(os.path.join(folder, "config.json"))
+    refuse_speculators_target(cfg, read_safetensors(os.path.join(folder, WEIGHTS)), target, folder)
+    drafter = load(folder, "speculators", target)
+    head = drafter.module
+    config = Eagle3Config(feature_layers=list(drafter.feature_layers), draft_vocab_size=int(head.d2t.shape[0]),
+                          **{flag: bool(cfg.get(flag)) for flag in EAGLE31_FLAGS})
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    checkpoint.save(out, config, head, target, extra={"imported": {
+        "from": os.path.abspath(folder), "format": "speculators", "verifier": verifier.get("name_or_path"),
+        "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}})
+    return checkpoint.read_meta(out)
+
+
 # ---------------------------------------------------------------- speculators' own classes
 
 
