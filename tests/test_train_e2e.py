@@ -23,7 +23,8 @@ def test_eagle3_on_smollm2_raises_heldout_acceptance(tmp_path, smollm2_folder):
                                                 "data.vocab.size=2048", f"run_dir={tmp_path / 'prep'}"])
     run_prepare(prep, progress=False)
     data = PreparedPaths.at(prep.data.resolve_out_dir(prep.run_dir))
-    recipe = load_recipe("smollm2-135m-eagle3", [
+    recipe = load_recipe("smollm2-135m-eagle3", [  # a random head (the recipe starts it from the target's last layer)
+        "drafter.init_from_layer=null",
         f"drafter.draft_vocab={data.vocab}", f"train.dataset={data.tokenized}", "train.steps=6",
         "train.batch_size=4", "train.max_length=96", "train.ttt_steps=2", "train.optimizer.lr=0.003",
         "train.schedule.warmup_steps=0", "train.eval.every=6", "train.eval.heldout=8",
