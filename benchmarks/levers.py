@@ -90,6 +90,7 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
     from dataclasses import replace
 
     from draftsmith.config import load_recipe
+    from draftsmith.files import write_json
     from draftsmith.measure.evaluate import evaluate
     from draftsmith.measure.prompts import load_questions
     from draftsmith.target import load_target
@@ -110,8 +111,6 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
                                    "acceptance_at_position": stats["acceptance_at_position"]}
             print(f"{run_dir}: k={k} tau {stats['tau_with_bonus']:.3f} acceptance "
                   + " ".join(f"{a:.3f}" for a in stats["acceptance_at_position"]), flush=True)
-        from draftsmith.files import write_json
-
         write_json(os.path.join(run_dir, "levers_decode.json"), out)
 
 
