@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -252,7 +253,22 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
     return render_prompt(tokenizer, messages, add_generation_prompt)
 
 
+MIN_TRANSFORMERS = "5.24"
+"""The oldest transformers whose models take the KV cache as ``cache=`` (pyproject.toml's lower bound, tested)."""
 DECODABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_cache_argument(model: torch.nn.Module, name: str) -> None:
+    """Refuse a model whose forward has no ``cache`` argument. draftsmith hands the KV cache over as ``cache=``
+    (transformers 5.24 renamed ``past_key_values``); an older transformers takes the unknown keyword without a
+    word and runs every step without the cache, so regenerated answers and drafts turn to noise (a GPU machine
+    with transformers 5.17 did exactly that)."""
+    if "cache" not in inspect.signature(model.forward).parameters:
+        import transformers
+
+        raise DraftsmithError(
+            f"target '{name}' ({type(model).__name__}, transformers {transformers.__version__}) takes no cache= "
+            f"argument: draftsmith needs transformers >= {MIN_TRANSFORMERS} (pip install 'transformers>={MIN_TRANSFORMERS}')")
 
 
 def check_architecture(model: torch.nn.Module, name: str, need: Literal["decode", "features"]) -> Any:
@@ -472,6 +488,7 @@ def load_target(
             f"Pass a local HF model folder, a .gguf file, a hub id reachable from this machine, "
             f"or a builtin alias ({', '.join(BUILTINS)})."
         ) from e
+    check_cache_argument(model, spec)
     model.to(dev)
     freeze(model)  # before install: frozen bf16 linears are packed there, not in the first timed step
     # CPU: fp32 on oneDNN; bf16 on an AVX2 CPU on our kernel (flat cost for 1-8 tokens), on AVX512-BF16 on

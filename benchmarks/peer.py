@@ -143,7 +143,7 @@ def draftsmith_data(recipe: Any, target: Target) -> Data:
 
     cfg = recipe.train
     rows = load_rows(cfg.dataset, cfg.features, target)
-    split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed)
+    split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed, cfg.max_records)
     lengths = record_lengths(rows) if cfg.group_by_length else None
     order = BatchOrder(split.train, cfg.batch_size, 1, 0, cfg.seed, lengths, cfg.group_by_length)
     layers = tuple(recipe.drafter.resolve(target).feature_layers)

@@ -289,3 +289,19 @@ def test_weights_without_safetensors_are_hashed_from_the_loaded_model(tmp_path, 
     monkeypatch.setattr(target_module, "load_target", lambda *a, **k: loads.append(a[1:]) or real(*a, **k))
     assert target_module.load_target_files(str(tmp_path)).fingerprint == model_fingerprint(model)
     assert loads == [("bfloat16", "cpu")]
+
+
+def test_a_model_without_the_cache_argument_is_refused():
+    """transformers < 5.24 takes cache= silently and decodes without it (noise): refused at load, in one line."""
+    import re
+
+    from draftsmith.target import MIN_TRANSFORMERS, check_cache_argument
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return input_ids
+
+    with pytest.raises(DraftsmithError, match=f"needs transformers >= {MIN_TRANSFORMERS}"):
+        check_cache_argument(Old(), "old")
+    pyproject = open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")).read()
+    assert re.search(r'"transformers>=([0-9.]+)"', pyproject).group(1) == MIN_TRANSFORMERS  # one fact, two places

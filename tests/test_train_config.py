@@ -135,6 +135,8 @@ def test_heldout_split_and_shards():
     assert D.split_heldout(20, 5, seed=1) == split
     with pytest.raises(DraftsmithError, match="leaves no training records"):
         D.split_heldout(5, 5, seed=0)
+    sub = D.split_heldout(20, 5, seed=1, max_records=4)  # a curve's subset: the same held-out records, the first 4 others
+    assert sub.heldout == split.heldout and sub.train == split.train[:4]
     shards = [D.heldout_batches(list(range(7)), 2, 2, r) for r in (0, 1)]
     assert shards == [[[0, 1], [2]], [[3, 4], [5]]]  # same number of batches on every rank
 

@@ -202,6 +202,10 @@ class TrainConfig:
     batches, so it stays opt-in until measured side by side (benchmarks/RESULTS.md, "train")."""
     seed: int = 0
     """Seeds the drafter's init, the data order and the held-out split."""
+    max_records: int = 0
+    """Train on only the first this many of the records left after the held-out split (0 = all of them):
+    nested subsets of one dataset that share one held-out set, the points of a data-scaling curve
+    (``benchmarks/data_curve.py``)."""
     max_bad_steps: int = 10
     """Micro-batches with a NaN/inf loss that are skipped (and counted) before the run stops."""
     ttt_steps: int = 7
@@ -228,6 +232,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} = {getattr(self, name)} must be at least 1")
         if self.group_by_length < 0:
             raise ConfigError(f"train.group_by_length = {self.group_by_length} must be ≥ 0 (0 = random batches)")
+        if self.max_records < 0:
+            raise ConfigError(f"train.max_records = {self.max_records} must be ≥ 0 (0 = every record)")
         if self.max_bad_steps < 0:
             raise ConfigError(f"train.max_bad_steps = {self.max_bad_steps} must be ≥ 0")
         if self.align_top_k < 0:

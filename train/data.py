@@ -74,12 +74,14 @@ class Split:
     heldout: list[int]
 
 
-def split_heldout(n: int, heldout: int, seed: int) -> Split:
-    """Hold ``heldout`` records out of ``n``, chosen by ``seed``."""
+def split_heldout(n: int, heldout: int, seed: int, max_records: int = 0) -> Split:
+    """Hold ``heldout`` records out of ``n``, chosen by ``seed``; train on the rest, or on the first
+    ``max_records`` of the rest (in record order), so that every subset size holds out the same records."""
     if heldout >= n:
         raise DraftsmithError(f"train.eval.heldout = {heldout} leaves no training records out of {n}; lower it")
     order = np.random.default_rng(seed).permutation(n).tolist()
-    return Split(train=sorted(order[heldout:]), heldout=sorted(order[:heldout]))
+    train = sorted(order[heldout:])
+    return Split(train=train[:max_records] if max_records else train, heldout=sorted(order[:heldout]))
 
 
 @dataclass

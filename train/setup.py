@@ -123,7 +123,7 @@ def start(recipe: Any, world: World) -> Run:
     checkpoint.seed_everything(cfg.seed)
     target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
     rows = load_rows(cfg.dataset, cfg.features, target)
-    split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed)
+    split = split_heldout(len(rows), cfg.eval.heldout, cfg.seed, cfg.max_records)
     lengths = record_lengths(rows) if cfg.group_by_length else None
     order = BatchOrder(split.train, cfg.batch_size, world.world_size, world.rank, cfg.seed, lengths, cfg.group_by_length)
     order.steps_per_epoch  # noqa: B018 — fail now, not after the engine is built, if data is too small
