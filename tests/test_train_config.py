@@ -39,6 +39,10 @@ def test_bad_train_values_are_named():
         load_recipe(None, ["train.loss.jsd_beta=1.5"])
     with pytest.raises(ConfigError, match="train.on_policy.fraction"):
         load_recipe(None, ["train.on_policy.fraction=2"])
+    with pytest.raises(ConfigError, match="train.checkpoint.keep = 0 must be ≥ 1"):  # once silently 1
+        load_recipe(None, ["train.checkpoint.keep=0"])
+    with pytest.raises(ConfigError, match="train.max_records = -1"):
+        load_recipe(None, ["train.max_records=-1"])
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3"])

@@ -109,11 +109,14 @@ class CheckpointConfig:
     every: int = 500
     """Optimizer steps between checkpoints (one is always written at the end); 0 = only at the end."""
     keep: int = 2
-    """How many recent checkpoints to keep in <run_dir>/checkpoints."""
+    """How many recent checkpoints to keep in <run_dir>/checkpoints (at least 1: a killed run resumes from it)."""
 
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(f"train.checkpoint.every = {self.every} must be ≥ 0 (0 = only at the end)")
+        if self.keep < 1:
+            raise ConfigError(f"train.checkpoint.keep = {self.keep} must be ≥ 1: the newest checkpoint is what a "
+                              f"killed run resumes from")
 
 
 @dataclass
