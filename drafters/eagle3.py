@@ -51,6 +51,10 @@ for targets whose features reach the head unnormalized at a large scale (Gemma-3
 SmolLM2's ~50): a norm makes fc see features of one scale whatever the layer. Measured here, ``fc_norm`` did not
 pay: no clear gain on SmolLM2, held-out sim τ 1.14 against 1.23 without it on Gemma-3 (benchmarks/RESULTS.md,
 "EAGLE-3.1 norms"), so no recipe sets them; they load and export checkpoints trained with them elsewhere.
+
+``norm_before_residual`` (speculators' and vLLM's flag, read by llama.cpp too): the first layer's residual is
+``hidden_norm(hidden)`` instead of ``hidden``, the attention input unchanged (parameter-free: the same tensors). Off
+in EAGLE-3 and SGLang; ``draftsmith import`` carries it from the checkpoints of trainers that set it.
 """
 
 from __future__ import annotations
@@ -169,9 +173,10 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """residual = hidden; attn(concat(input_layernorm(emb), hidden_norm(hidden))) + residual; then Llama MLP block."""
+    """residual = hidden; attn(concat(input_layernorm(emb), hidden_norm(hidden))) + residual; then Llama MLP block.
+    With ``norm_before_residual`` the residual is ``hidden_norm(hidden)`` instead (speculators' and vLLM's option)."""
 
-    def __init__(self, layer_config: Any):
+    def __init__(self, layer_config: Any, norm_before_residual: bool = False):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
@@ -182,13 +187,15 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
         self.input_layernorm = LlamaRMSNorm(h, eps=eps)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.norm_before_residual = norm_before_residual
 
     def forward(
         self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None, ttt: UnrollKV | None = None
     ) -> Tensor:
         """emb, hidden: [B, S, H] → [B, S, H] (pre-norm)."""
-        residual = hidden
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [B, S, 2H]
         hidden = residual + self.self_attn(x, cos, sin, mask, cache, ttt)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -220,10 +227,12 @@ class Eagle3Head(nn.Module):
     """The EAGLE-3 draft model. Shapes and alignment in the module docstring."""
 
     def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int,
-                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False, num_layers: int = 1):
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False, num_layers: int = 1,
+                 norm_before_residual: bool = False):
         """embed: frozen copy of the target's embedding; layer_config: a one-layer LlamaConfig; fc_norm,
         norm_before_fc, norm_output: the EAGLE-3.1 options (module docstring); num_layers: decoder layers, the
-        first reading concat(embedding, hidden) (``midlayer``), the others plain (``next_layers``)."""
+        first reading concat(embedding, hidden) (``midlayer``), the others plain (``next_layers``);
+        norm_before_residual: the first layer's residual is the normed hidden state (module docstring)."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -238,7 +247,7 @@ class Eagle3Head(nn.Module):
         self.fc_norm = nn.ModuleList([LlamaRMSNorm(h, eps=eps) for _ in range(3)]) if fc_norm else None
         self.input_norm = LlamaRMSNorm(3 * h, eps=eps) if norm_before_fc else None
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.midlayer = Eagle3DecoderLayer(layer_config)
+        self.midlayer = Eagle3DecoderLayer(layer_config, norm_before_residual)
         # created only past one layer, so that a one-layer head has EAGLE-3's tensors and no others
         self.next_layers = nn.ModuleList(Eagle3NextLayer(layer_config, i) for i in range(1, num_layers)) \
             if num_layers > 1 else None
@@ -409,6 +418,9 @@ class Eagle3Config:
     fc_norm."""
     norm_output: bool = False
     """EAGLE-3.1: pass the normed hidden state (what the lm_head reads) on to the next step, not the pre-norm one."""
+    norm_before_residual: bool = False
+    """The first layer's residual is its normed input hidden state (speculators' ``norm_before_residual``); off in
+    EAGLE-3 and SGLang. Exported --to speculators and --to gguf (vLLM and llama.cpp read it), refused --to eagle3."""
     freeze_lm_head: bool = False
     """Training leaves the lm_head at the target's rows of the draft vocabulary (it is still saved with the head):
     fewer trainable weights where the data is small. False = trained (EAGLE-3)."""
@@ -440,8 +452,9 @@ class Eagle3Config:
 
     @property
     def norms(self) -> dict[str, bool]:
-        """The EAGLE-3.1 options, as :class:`Eagle3Head` takes them."""
-        return {"fc_norm": self.fc_norm, "norm_before_fc": self.norm_before_fc, "norm_output": self.norm_output}
+        """The norm options (EAGLE-3.1's and norm_before_residual), as :class:`Eagle3Head` takes them."""
+        return {"fc_norm": self.fc_norm, "norm_before_fc": self.norm_before_fc, "norm_output": self.norm_output,
+                "norm_before_residual": self.norm_before_residual}
 
     def resolve(self, target: Target) -> Eagle3Config:
         """This config checked against ``target``, with feature_layers made explicit (0-based)."""

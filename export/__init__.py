@@ -4,9 +4,11 @@
 in one engine format; ``check(folder)`` proves an export. One state-dict adapter per (family,
 format) (``adapters.py``); the layer-id and vocabulary conventions written once
 (``conventions.py``). This package imports drafters/, target.py and train/checkpoint.py, and
-nothing imports it but the CLI.
+nothing imports it but the CLI. ``import_drafter(folder, out, target)`` is the inverse (``importer.py``): a drafter
+trained elsewhere, in one of ``IMPORTS``, becomes a draftsmith drafter folder.
 """
 
+from .importer import IMPORTS, import_drafter
 from .run import FORMATS, TARGET_FORMAT, CheckFailed, check, export, export_target
 
-__all__ = ["FORMATS", "TARGET_FORMAT", "CheckFailed", "check", "export", "export_target"]
+__all__ = ["FORMATS", "IMPORTS", "TARGET_FORMAT", "CheckFailed", "check", "export", "export_target", "import_drafter"]

@@ -21,7 +21,11 @@ engines name the same tensor differently:
    It skips an id ≥ the target's layer count, so the output of the last layer (ours N-1) cannot
    be a llama.cpp feature: :func:`engine_layer_ids` refuses it for ``llamacpp``.
 
-:func:`engine_layer_ids` is the one place that converts; :func:`native_layer_ids` inverts it.
+ * z-lab's DFlash (``dflash_config.target_layer_ids``) reads ``hidden_states[id + 1]``, the output of layer id:
+   ours unchanged. speculators' DFlash (``aux_hidden_state_layer_ids``) is vLLM's convention, ours + 1.
+
+:func:`engine_layer_ids` is the one place that converts; :func:`native_layer_ids` inverts it; ``draftsmith import``
+reads every format's ids through the latter, so a head imported from either convention drafts from the same layers.
 
 **Draft vocabulary.** ``d2t`` [Vd] int64 holds offsets, ``target_id = draft_id + d2t[draft_id]``;
 ``t2d`` [V] bool marks the target ids in the draft vocabulary (EAGLE-3 / SGLang / vLLM /
@@ -38,8 +42,8 @@ from typing import Literal
 from ..data.vocab import check_draft_vocab  # noqa: F401  (exports check the pair they write here)
 from ..errors import DraftsmithError
 
-Engine = Literal["vllm", "speculators", "sglang", "llamacpp"]
-ENGINE_OFFSET: dict[str, int] = {"vllm": 1, "speculators": 1, "sglang": 0, "llamacpp": 1}
+Engine = Literal["vllm", "speculators", "sglang", "llamacpp", "zlab"]
+ENGINE_OFFSET: dict[str, int] = {"vllm": 1, "speculators": 1, "sglang": 0, "llamacpp": 1, "zlab": 0}
 """engine id = draftsmith id + offset (see the module docstring for where each engine reads it)."""
 
 

@@ -85,7 +85,7 @@ def zlab_config(source: Any) -> dict[str, Any]:
         "num_target_layers": int(source.target.num_layers),
         "block_size": int(m.block_size),
         "dflash_config": {"block_size": int(m.block_size), "mask_token_id": int(m.mask_token_id),
-                          "target_layer_ids": [int(i) for i in m.feature_layers]},
+                          "target_layer_ids": engine_layer_ids(m.feature_layers, source.target.num_layers, "zlab")},
         "torch_dtype": dtype_name(source.dtype),
         "dtype": dtype_name(source.dtype),
     }
@@ -158,7 +158,7 @@ def _draft_fields(cfg: dict[str, Any], fmt: str, num_layers: int) -> dict[str, A
                 "draft_vocab_size": 0 if vd == v else vd}
     d = cfg.get("dflash_config") or {}
     return {"block_size": int(d.get("block_size", cfg.get("block_size", 16))), "mask_token_id": int(d["mask_token_id"]),
-            "feature_layers": [int(i) for i in d["target_layer_ids"]]}
+            "feature_layers": native_layer_ids(d["target_layer_ids"], num_layers, "zlab")}
 
 
 def expected_tensors(cfg: dict[str, Any], fmt: str, num_features: int) -> dict[str, TensorSpec]:
@@ -250,6 +250,17 @@ def load(folder: str, fmt: str, target: Target) -> Any:
         raise DraftsmithError(f"{folder} does not load back into draftsmith: missing {missing[:5]}, unexpected "
                               f"{list(unexpected)[:5]}")
     return config.runtime(module.eval(), target)
+
+
+def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
+    """A DFlash drafter trained elsewhere (z-lab's layout or speculators') as (config, module, record) for ``target``
+    (``export/importer.py``): the static checks of ``--check`` first (the target's dimensions, layers it has, every
+    tensor the loaders read and no other, d2t), each refusal one line; then :func:`load`."""
+    static_check(folder, fmt, target)
+    drafter = load(folder, fmt, target)
+    cfg = read_json(os.path.join(folder, "config.json"))
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return drafter.config, drafter.module, {"verifier": verifier} if verifier else {}
 
 
 # ---------------------------------------------------------------- the reference loader (speculators)

@@ -18,9 +18,10 @@ speculators 0.9.0 from PyPI):
 * config: ``tie_word_embeddings: false`` (SGLang ties lm_head to the embedding otherwise), no
   attention / fc bias (SGLang builds the 2H-input qkv without bias and drops a bias tensor
   silently), ``draft_vocab_size``, ``target_hidden_size``, ``num_hidden_layers: 1``.
-* norm flags, all written: ``norm_before_residual: false`` (our residual is the fc output before
-  ``hidden_norm``, as in EAGLE-3 and SGLang; vLLM defaults a missing flag to false on the
-  ``LlamaForCausalLMEagle3`` path but to TRUE on the speculators path); ``norm_before_fc``,
+* norm flags, all written: ``norm_before_residual`` as the head has it (false by default: the residual is
+  the fc output before ``hidden_norm``, as in EAGLE-3 and SGLang; true: ``hidden_norm``'s output, as
+  speculators can train it, which vLLM and llama.cpp read — the original layout refuses it, as SGLang's
+  loader at the commit above has no such flag); ``norm_before_fc``,
   ``fc_norm``, ``norm_output`` as the head has them (the EAGLE-3.1 options of ``drafters/eagle3.py``,
   false by default). speculators holds them (``input_norm.weight`` [3H], ``fc_norm.{0,1,2}.weight``
   [H]); the original layout's loaders (vLLM's and SGLang's ``LlamaForCausalLMEagle3`` at the commits
@@ -47,8 +48,13 @@ from .tensors import DTYPES, loaded_mismatch, CheckFailed, TensorSpec, check_ten
 
 WEIGHTS = "model.safetensors"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+"""The head's norm options (``drafters/eagle3.py``), under the names every format's config uses."""
 EAGLE31_FLAGS = NORM_FLAGS[1:]
-"""The EAGLE-3.1 options a head may use (``drafters/eagle3.py``); norm_before_residual is always false."""
+"""The EAGLE-3.1 options among them."""
+UNREAD_FLAGS = {"eagle3": NORM_FLAGS, "llamacpp": EAGLE31_FLAGS, "speculators": ()}
+"""Flags a reader of the eagle3 HF layout does not have (SGLang's and vLLM's ``LlamaForCausalLMEagle3`` for
+``eagle3``, llama.cpp's converter and ``eagle3`` runtime for ``llamacpp``, which read ``norm_before_residual``): a head
+that sets one is refused in that format."""
 SPECULATIVE_TOKENS = 3
 """speculators_config.proposal_methods[0].speculative_tokens: vLLM's default num_speculative_tokens."""
 
@@ -86,7 +92,7 @@ def _ids(source: Any) -> tuple[list[int], list[int]]:
 
 def norm_flags(head: Any) -> dict[str, bool]:
     """The four norm flags as the head has them (see the module docstring)."""
-    return {"norm_before_residual": False, "norm_before_fc": head.input_norm is not None,
+    return {"norm_before_residual": bool(head.midlayer.norm_before_residual), "norm_before_fc": head.input_norm is not None,
             "fc_norm": head.fc_norm is not None, "norm_output": bool(head.norm_output)}
 
 
@@ -138,19 +144,21 @@ def speculators_config(source: Any) -> dict[str, Any]:
     }
 
 
-def write(source: Any, fmt: str, out: str) -> None:
-    """Write the head of ``source`` into the folder ``out`` in ``fmt`` (eagle3 | speculators)."""
+def write(source: Any, fmt: str, out: str, reader: str = "") -> None:
+    """Write the head of ``source`` into the folder ``out`` in ``fmt`` (eagle3 | speculators); ``reader``: who reads
+    it (``UNREAD_FLAGS``; default the format's own engines)."""
     from .tensors import cast_floats
 
     layers = source.drafter.module.num_layers
     if layers > 1:
         raise DraftsmithError(f"this head has {layers} decoder layers; the {fmt} export writes one-layer EAGLE-3 heads only "
                               f"(a multi-layer head decodes in draftsmith; its export is not written yet)")
-    used = [flag for flag in EAGLE31_FLAGS if norm_flags(source.drafter.module)[flag]]
-    if fmt == "eagle3" and used:
-        raise DraftsmithError(f"this head uses {', '.join(used)} (EAGLE-3.1), which the original eagle3 layout's "
-                              f"loaders (vLLM's and SGLang's LlamaForCausalLMEagle3) do not have: export it with "
-                              f"--to speculators")
+    used = [flag for flag in UNREAD_FLAGS[reader or fmt] if norm_flags(source.drafter.module)[flag]]
+    if used:
+        who = "llama.cpp" if reader == "llamacpp" else "the original eagle3 layout's loaders (SGLang's LlamaForCausalLMEagle3)"
+        raise DraftsmithError(f"this head uses {', '.join(used)} (EAGLE-3.1 / speculators options), which {who} do not "
+                              f"have: export it with "
+                              f"--to speculators (vLLM)")
     state = {k: v for k, v in source.drafter.module.state_dict().items() if not k.startswith("rotary_emb.")}
     if fmt == "speculators" and not _reduced(source.drafter.module.d2t.shape[0], source.target.vocab_size):
         del state["d2t"], state["t2d"]  # speculators has no such buffers for a full vocabulary (they would be unexpected)
@@ -252,10 +260,9 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
     need(int(cfg.get("target_hidden_size", -1)) == target.hidden_size, f"target_hidden_size = {target.hidden_size}")
     need(lc.get("tie_word_embeddings") is False, "tie_word_embeddings = false (SGLang would tie lm_head to the embedding)")
     need(lc.get("attention_bias") is False and not cfg.get("bias"), "no attention / fc bias (SGLang loads none)")
-    need(cfg.get("norm_before_residual") is False, "norm_before_residual = false, written explicitly")
-    for flag in EAGLE31_FLAGS:
+    for flag in NORM_FLAGS:
         if fmt == "eagle3":
-            need(cfg.get(flag) is False, f"{flag} = false, written explicitly (this layout has no EAGLE-3.1 norms)")
+            need(cfg.get(flag) is False, f"{flag} = false, written explicitly (SGLang's loader has no such norm)")
         else:
             need(isinstance(cfg.get(flag), bool), f"{flag} = {str(cfg.get(flag)).lower()}, written explicitly")
     need(not (cfg.get("fc_norm") and cfg.get("norm_before_fc")), "fc_norm and norm_before_fc not both (speculators "
@@ -279,27 +286,34 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
 def load(folder: str, fmt: str, target: Target) -> Any:
     """The exported head as a draftsmith drafter: structure from the exported config, tensors from the
     exported file (renamed back by the adapter), feature layers from the exported ids."""
+    return _load_config(folder, read_json(os.path.join(folder, "config.json")), fmt, target)
+
+
+def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> Any:
+    """:func:`load` with the folder's config given (``cfg``). A layer field the config lacks (a foreign checkpoint's
+    older config: no ``head_dim`` or ``rope_parameters``) is the target's, as draftsmith builds the head for it."""
     from transformers import LlamaConfig
 
-    from ..drafters.common import frozen_copy, target_parts
+    from ..drafters.common import draft_layer_config, frozen_copy, target_parts
     from ..drafters.eagle3 import Eagle3Head
     from ..drafters.eagle_runtime import EagleDrafter
 
-    cfg = read_json(os.path.join(folder, "config.json"))
     lc = dict(_layer_section(cfg, fmt))
     engine = adapter("eagle3", fmt)
     native = engine.from_engine(read_safetensors(os.path.join(folder, WEIGHTS)))
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "attention_bias", "mlp_bias")
-    layer_config = LlamaConfig(num_hidden_layers=1, tie_word_embeddings=False, **{k: lc[k] for k in keys})
+    ours = draft_layer_config(target.config)
+    layer_config = LlamaConfig(num_hidden_layers=1, tie_word_embeddings=False,
+                               **{k: lc[k] if k in lc else getattr(ours, k) for k in keys})
     layer_config._attn_implementation = "sdpa"
     embed = frozen_copy(target_parts(target.model).embed)  # the engine's: the target's embedding
     if "embed_tokens.weight" in native:  # speculators carries its own copy
         embed.weight.data = native.pop("embed_tokens.weight").to(embed.weight.dtype)
     head = Eagle3Head(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]),
-                      **{flag: bool(cfg.get(flag)) for flag in EAGLE31_FLAGS})
+                      **{flag: bool(cfg.get(flag)) for flag in NORM_FLAGS})
     head.to(device=target.device, dtype=target.dtype)
-    full = () if _has_vocab_map(cfg, fmt) else ("d2t", "t2d")  # the identity mapping the head starts with
+    full = () if "d2t" in native else ("d2t", "t2d")  # without them: the identity mapping the head starts with
     _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)
     layers = native_layer_ids(cfg["eagle_aux_hidden_state_layer_ids"], target.num_layers, "vllm")
     return EagleDrafter(head.eval(), tuple(layers), None, describe(target))
@@ -313,7 +327,7 @@ def _load_exact(module: torch.nn.Module, state: dict[str, Tensor], skip: tuple[s
                               f"{list(unexpected)[:5]}")
 
 
-# ---------------------------------------------------------------- import: a speculators checkpoint → a drafter
+# ---------------------------------------------------------------- import: a foreign EAGLE-3 checkpoint → a drafter
 
 
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
@@ -322,32 +336,42 @@ LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
 imported head whose fields differ would load into another shape (or silently another eps) when its folder is read."""
 
 
-def refuse_speculators_target(cfg: dict[str, Any], tensors: dict[str, Tensor], target: Target, where: str) -> None:
-    """Refuse, in one line, a speculators EAGLE-3 checkpoint (``cfg``: its config.json, ``tensors``: its file) that
-    does not fit ``target``: another vocabulary or hidden size, feature layers the target does not have, an embedding
-    other than the target's (speculators stores the verifier's: the one fingerprint its folder carries), a layer
-    config other than the one draftsmith builds for the target, or ``norm_before_residual`` (speculators' default;
-    draftsmith's head has no such option yet, so it would compute something else)."""
+def refuse_foreign(cfg: dict[str, Any], tensors: dict[str, Tensor], fmt: str, target: Target, where: str) -> None:
+    """Refuse, in one line, an EAGLE-3 checkpoint in ``fmt`` (``cfg``: its config.json, ``tensors``: its file) that
+    does not fit ``target`` or that draftsmith's head cannot compute: another vocabulary or hidden size, feature layers
+    the target does not have, an embedding other than the target's (speculators stores the verifier's: the one
+    fingerprint its folder carries), a layer config other than the one draftsmith builds for the target (another
+    layer family, such as speculators' Qwen3 layer with q/k norms), or more than one decoder layer."""
     from ..drafters.common import draft_layer_config
 
-    if cfg.get("speculators_model_type") != "eagle3":
-        raise DraftsmithError(f"{where}: not a speculators EAGLE-3 checkpoint (speculators_model_type = "
-                              f"{cfg.get('speculators_model_type')!r}, expected 'eagle3')")
-    lc = cfg.get("transformer_layer_config") or {}
-    if int(lc.get("vocab_size", -1)) != target.vocab_size or int(cfg.get("target_hidden_size") or lc.get("hidden_size", -1)) \
-            != target.hidden_size:
-        raise DraftsmithError(f"{where} was trained for a target with vocabulary {lc.get('vocab_size')} and hidden size "
-                              f"{cfg.get('target_hidden_size') or lc.get('hidden_size')}, not {target.name}'s "
-                              f"{target.vocab_size} and {target.hidden_size}")
-    if cfg.get("norm_before_residual"):
-        raise DraftsmithError(f"{where} was trained with norm_before_residual = true (speculators' default), which "
-                              f"draftsmith's EAGLE-3 head does not have: train it with --norm-before-residual false")
+    lc = _layer_section(cfg, fmt)
+    vocab, hidden = lc.get("vocab_size"), cfg.get("target_hidden_size") or lc.get("hidden_size")
+    if int(vocab or -1) != target.vocab_size or int(hidden or -1) != target.hidden_size:
+        raise DraftsmithError(f"{where} was trained for a target with vocabulary {vocab} and hidden size {hidden}, not "
+                              f"{target.name}'s {target.vocab_size} and {target.hidden_size}")
+    if lc.get("model_type", "llama") != "llama":
+        raise DraftsmithError(f"{where}: its decoder layer is a {lc.get('model_type')} layer; draftsmith's EAGLE-3 head "
+                              f"computes a Llama layer (another layer family is not imported yet)")
+    if int(lc.get("num_hidden_layers", 1)) != 1:
+        raise DraftsmithError(f"{where}: a {lc.get('num_hidden_layers')}-layer head; import reads one-layer EAGLE-3 heads "
+                              f"(the name table of layers 1… is not written yet)")
     ours = draft_layer_config(target.config)
     differ = [k for k in LAYER_KEYS if k in lc and lc[k] != getattr(ours, k)]
     if differ:
         raise DraftsmithError(f"{where}: its layer config differs from the one draftsmith builds for {target.name} in "
                               f"{', '.join(f'{k} ({lc[k]} vs {getattr(ours, k)})' for k in differ)}")
-    native_layer_ids(cfg.get("eagle_aux_hidden_state_layer_ids") or [], target.num_layers, "vllm")  # refuses foreign ids
+    theirs_rope = (lc.get("rope_parameters") or {}).get("rope_theta", lc.get("rope_theta"))
+    ours_rope = (getattr(ours, "rope_parameters", None) or {}).get("rope_theta")
+    if theirs_rope is not None and ours_rope is not None and float(theirs_rope) != float(ours_rope):
+        raise DraftsmithError(f"{where}: its rope_theta {theirs_rope} is not the {ours_rope} draftsmith builds the head with "
+                              f"for {target.name}")
+    kind = (lc.get("rope_parameters") or lc.get("rope_scaling") or {}).get("rope_type", "default")
+    if kind != (getattr(ours, "rope_parameters", None) or {}).get("rope_type", "default"):
+        raise DraftsmithError(f"{where}: its RoPE type {kind!r} is not the one draftsmith builds the head with for "
+                              f"{target.name}")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids:  # SGLang's ids (eagle_config) must name the same layers; refuses ids the target does not have
+        _checkpoint_layers(cfg, fmt, target.num_layers)
     embed = tensors.get("embed_tokens.weight")
     if embed is not None:
         from ..drafters.common import target_parts
@@ -359,29 +383,50 @@ def refuse_speculators_target(cfg: dict[str, Any], tensors: dict[str, Tensor], t
                                   f"is not {target.name}'s: it was trained for another target")
 
 
-def import_speculators(folder: str, target: Target, out: str) -> dict[str, Any]:
-    """A speculators EAGLE-3 checkpoint folder (``Eagle3DraftModel.save_pretrained``, what ``speculators train``
-    writes) → the draftsmith drafter folder ``out`` (written atomically), for ``target``; returns its config.json.
+def _checkpoint_layers(cfg: dict[str, Any], fmt: str, num_layers: int) -> list[int]:
+    """Our feature layer ids of a checkpoint, from whichever convention it writes them in (``conventions``): the top-level
+    vLLM ids, or the eagle3 layout's ``eagle_config`` SGLang ids (both when both are there, which must agree). A
+    checkpoint with neither gets the engines' default capture points (the same in both conventions)."""
+    from ..target import default_eagle3_layers
 
-    The inverse of ``--to speculators``, through the same name table (``adapters.SPECULATORS``, read backwards:
-    ``layers.0.* → midlayer.*``; fc, norm, lm_head, d2t, t2d as they are; the stored embedding dropped, as the
-    drafter takes the target's) and the same layer-id convention (vLLM's input-of-layer ids, ``conventions``).
-    Refuses a checkpoint for another target in one line (:func:`refuse_speculators_target`). What the folder
-    stores is exactly what :func:`load` builds from the file, cast to the target's dtype."""
-    from ..drafters import checkpoint
+    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3" else None
+    ours = native_layer_ids(vllm, num_layers, "vllm") if vllm else None
+    if sglang:
+        theirs = native_layer_ids(sglang, num_layers, "sglang")
+        if ours is not None and ours != theirs:
+            raise DraftsmithError(f"eagle_aux_hidden_state_layer_ids {vllm} (vLLM: inputs of layers) and eagle_config's "
+                                  f"{sglang} (SGLang adds 1) name different layers, {ours} and {theirs}")
+        ours = theirs
+    return ours if ours is not None else list(default_eagle3_layers(num_layers))
+
+
+def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
+    """A foreign EAGLE-3 checkpoint in ``fmt`` (speculators: ``Eagle3DraftModel.save_pretrained``, what ``speculators
+    train`` writes; eagle3: the original layout, what SpecForge and the EAGLE authors publish) as (config, head, what
+    the drafter folder records of it), for ``target``.
+
+    The inverse of ``--to`` ``fmt``, through the same name table (``adapters``, read backwards: ``layers.0.* →
+    midlayer.*``; fc, norm, lm_head, d2t, t2d as they are; a stored embedding dropped, as the drafter takes the
+    target's) and the same layer-id conventions (``conventions``). Refused in one line: :func:`refuse_foreign`."""
     from ..drafters.eagle3 import Eagle3Config
 
     cfg = read_json(os.path.join(folder, "config.json"))
-    refuse_speculators_target(cfg, read_safetensors(os.path.join(folder, WEIGHTS)), target, folder)
-    drafter = load(folder, "speculators", target)
+    refuse_foreign(cfg, read_safetensors(os.path.join(folder, WEIGHTS)), fmt, target, folder)
+    if not cfg.get("eagle_aux_hidden_state_layer_ids"):  # load() reads the vLLM ids: give it the resolved ones
+        cfg = {**cfg, "eagle_aux_hidden_state_layer_ids": engine_layer_ids(_checkpoint_layers(cfg, fmt, target.num_layers),
+                                                                           target.num_layers, "vllm")}
+    if "d2t" not in read_safetensors(os.path.join(folder, WEIGHTS)) and int(cfg.get("draft_vocab_size", -1)) != \
+            int(_layer_section(cfg, fmt)["vocab_size"]):
+        raise DraftsmithError(f"{folder}: a draft vocabulary of {cfg.get('draft_vocab_size')} tokens without its d2t / "
+                              f"t2d tensors: which target ids its rows are is unknown")
+    drafter = _load_config(folder, cfg, fmt, target)
     head = drafter.module
     config = Eagle3Config(feature_layers=list(drafter.feature_layers), draft_vocab_size=int(head.d2t.shape[0]),
-                          **{flag: bool(cfg.get(flag)) for flag in EAGLE31_FLAGS})
+                          **{flag: bool(cfg.get(flag)) for flag in NORM_FLAGS})
     verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
-    checkpoint.save(out, config, head, target, extra={"imported": {
-        "from": os.path.abspath(folder), "format": "speculators", "verifier": verifier.get("name_or_path"),
-        "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}})
-    return checkpoint.read_meta(out)
+    return config, head, {"verifier": verifier.get("name_or_path"),
+                          "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}
 
 
 # ---------------------------------------------------------------- speculators' own classes

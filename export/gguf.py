@@ -10,7 +10,7 @@ reads (its source, ``conversion/llama.py`` and ``src/models/eagle3.cpp``):
 * ``eagle3.target_layers``: the top-level ``eagle_aux_hidden_state_layer_ids``, input-of-layer
   ids (``conventions.engine_layer_ids(…, "llamacpp")`` = ours + 1); exactly three.
 * ``eagle3.target_hidden_size``, ``eagle3.norm_before_residual`` and ``eagle3.norm_before_fc``
-  (both false for draftsmith's head); ``fc_norm`` and ``norm_output`` are not read.
+  (the head's; a head with norm_before_fc, fc_norm or norm_output is refused, ``eagle3.UNREAD_FLAGS``).
 * ``d2t`` (a reduced draft vocabulary; without it the head drafts over the target's vocabulary);
   ``t2d`` is dropped; the token embedding is the target's.
 
@@ -57,7 +57,7 @@ def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
         engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips
     with tempfile.TemporaryDirectory(prefix=".hf-layout.", dir=out) as tmp:
         if source.family == "eagle3":
-            eagle3.write(source, "eagle3", tmp)
+            eagle3.write(source, "eagle3", tmp, reader="llamacpp")
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
         elif source.family == "dflash":  # z-lab's layout: the converter's DFlashModel (a Qwen3 backbone)
             dflash.write(source, "gguf", tmp)
@@ -164,9 +164,11 @@ def static_check(folder: str, fmt: str, target: Target, source: Any) -> list[str
         if got != want:
             raise DraftsmithError(f"{path}: eagle3.target_layers = {got}, but the head reads draftsmith layers "
                                   f"{list(source.drafter.feature_layers)} = llama.cpp (input of layer) {want}")
+        flags = eagle3.norm_flags(source.drafter.module)
         for flag in ("norm_before_residual", "norm_before_fc"):
-            if bool(meta.get(f"eagle3.{flag}", False)):
-                raise DraftsmithError(f"{path}: eagle3.{flag} is true; draftsmith's head has no such norm")
+            if bool(meta.get(f"eagle3.{flag}", False)) != flags[flag]:
+                raise DraftsmithError(f"{path}: eagle3.{flag} is {bool(meta.get(f'eagle3.{flag}', False))}, the head's "
+                                      f"is {flags[flag]}")
         if int(meta.get("eagle3.target_hidden_size", -1)) != target.hidden_size:
             raise DraftsmithError(f"{path}: eagle3.target_hidden_size is {meta.get('eagle3.target_hidden_size')}, the "
                                   f"target's hidden size is {target.hidden_size}")
@@ -175,7 +177,7 @@ def static_check(folder: str, fmt: str, target: Target, source: Any) -> list[str
         if vd != target.vocab_size and (d2t is None or d2t[0] != vd):
             raise DraftsmithError(f"{path}: the head drafts over {vd} tokens but the GGUF's d2t is {d2t}")
         lines.append(f"eagle3.target_layers = {got} (llama.cpp captures layer inputs; draftsmith "
-                     f"{list(source.drafter.feature_layers)}), norm flags false, target_hidden_size {target.hidden_size}, "
+                     f"{list(source.drafter.feature_layers)}), norm flags the head's, target_hidden_size {target.hidden_size}, "
                      f"draft vocabulary {vd}")
     if family == "dflash":
         lines += dflash_static_check(path, meta, target, source.drafter.module)

@@ -36,6 +36,24 @@ def load(folder: str, fmt: str, target: Target) -> Any:
     return HFDrafter(freeze(load_same_vocab_lm(folder, target, what=f"the hf export '{folder}'").to(target.dtype)))
 
 
+def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
+    """A transformers causal LM folder (weights in safetensors, the target's tokenizer beside them) as a draft_lm
+    drafter: (config, model, record) for ``target`` (``export/importer.py``). Another tokenizer vocabulary or another
+    number of output ids is refused in one line (``drafters.hf_lm.load_same_vocab_lm``); so is a folder with pickled
+    weights only (transformers would unpickle them)."""
+    import os
+
+    from ..drafters.draft_lm import DraftLMConfig
+    from ..drafters.hf_lm import load_same_vocab_lm
+
+    if not any(f.endswith(".safetensors") for f in os.listdir(folder)):
+        raise DraftsmithError(f"'{folder}' holds no .safetensors weights; draftsmith does not load pickled ones (loading "
+                              f"them runs code from the file): save the model with safe_serialization")
+    model = load_same_vocab_lm(folder, target, what=f"the draft LM '{folder}'").to(target.dtype)
+    layers = int(getattr(model.config, "num_hidden_layers", 0) or getattr(model.config.get_text_config(), "num_hidden_layers"))
+    return DraftLMConfig(num_layers=layers), model, {"model_type": model.config.model_type}
+
+
 def assisted_identity(folder: str, target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
     """transformers' assisted generation with the exported model must give the target's greedy output."""
     from transformers import AutoModelForCausalLM

@@ -123,4 +123,17 @@ def load(folder: str, fmt: str, target: Target) -> Any:
     return MedusaDrafter(heads.eval(), target.num_layers - 1, None, describe(target))
 
 
-__all__ = ["FILES", "load", "static_check", "write"]
+def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
+    """Medusa heads trained elsewhere (either layout) as (config, heads, record) for ``target`` (``export/importer.py``);
+    the static checks of ``--check`` refuse another hidden size or vocabulary, or a tensor the layout lacks, in one
+    line. Medusa-2 checkpoints (heads fine-tuned together with the target) are not heads alone and are not read."""
+    from ..drafters.medusa import MedusaConfig
+
+    static_check(folder, fmt, target)
+    c = read_config(folder, fmt)
+    heads = load(folder, fmt, target).module
+    return MedusaConfig(num_heads=c["heads"], num_layers=c["layers"]), heads, {
+        "base_model_name_or_path": c["raw"].get("base_model_name_or_path")}
+
+
+__all__ = ["FILES", "imported", "load", "static_check", "write"]

@@ -1,5 +1,7 @@
-"""Import, the inverse of export: a speculators EAGLE-3 checkpoint becomes a draftsmith drafter folder through the
-same name table, with identical tensors and logits, and a checkpoint for another target is refused in one line."""
+"""Import, the inverse of export: every export format imports back into the drafter it came from (same tensors, same
+proposals), a checkpoint built by speculators' own class imports with its class's logits (norm_before_residual too, in
+its own layout and in the EAGLE-3 layout SGLang reads), and a checkpoint for another target, another vocabulary or
+hidden size, or with shifted layer ids is refused in one line before anything is written."""
 
 from __future__ import annotations
 
@@ -11,10 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import drafters
-from draftsmith.drafters import Eagle3Config
+from draftsmith.cli import main
+from draftsmith.drafters import DraftLMConfig, Eagle3Config, MedusaConfig
+from draftsmith.drafters.dflash import DFlashConfig
+from draftsmith.drafters.common import shift_left
 from draftsmith.errors import DraftsmithError
-from draftsmith.export import export
-from draftsmith.export.eagle3 import import_speculators
+from draftsmith.export import IMPORTS, export, import_drafter
+from draftsmith.export.eagle3 import speculators_logits
+from draftsmith.export.importer import detect
+from draftsmith.export.run import LOGIT_TOLERANCE, compare_proposals, default_prompts
 from draftsmith.target import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,69 +30,249 @@ LAYERS = [0, 1, 3]
 """Three distinct layers of the 4-layer tiny target."""
 
 
+def perturb(module: torch.nn.Module, seed: int = 1) -> None:
+    """Every trainable tensor off its init, so that a swapped or dropped one changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
 @pytest.fixture(scope="module")
 def target(tiny_target_dir):
     return load_target(tiny_target_dir, "float32", "cpu")
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, target):
-    """A tiny random head with a scattered 1,000-token draft vocabulary, saved and exported --to speculators."""
-    root = tmp_path_factory.mktemp("import")
+def vocab(target):
+    """A scattered 1,000-token draft vocabulary (d2t offsets, t2d mask)."""
     ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:1000].sort().values
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[ids] = True
-    config = Eagle3Config(feature_layers=LAYERS)
-    module = config.build_module(target, (ids - torch.arange(1000), t2d))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # every trainable tensor off its init, so a swapped or dropped one changes the logits
-        for p in module.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    source, spec = str(root / "head"), str(root / "speculators")
-    drafters.save(config.runtime(module, target), source)
-    export(source, "speculators", spec)
-    return source, spec
+    return ids - torch.arange(1000), t2d
 
 
-def test_export_then_import_is_an_identity(tmp_path, target, exported):
-    source, spec = exported
+SOURCES = {  # export format → the drafter it holds
+    "speculators": lambda: Eagle3Config(feature_layers=LAYERS, norm_before_residual=True),
+    "eagle3": lambda: Eagle3Config(feature_layers=LAYERS),
+    "medusa": lambda: MedusaConfig(num_heads=3, num_layers=2),
+    "medusa-vllm": lambda: MedusaConfig(num_heads=2, num_layers=1),
+    "dflash": lambda: DFlashConfig(num_layers=2, block_size=6, feature_layers=[0, 2]),
+    "speculators-dflash": lambda: DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 1], draft_vocab_size=1000),
+    "hf": lambda: DraftLMConfig(num_layers=2),
+}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, target, vocab):
+    """fmt → (saved drafter folder, its export in fmt)."""
+    root = tmp_path_factory.mktemp("import")
+    out = {}
+    for fmt, make in SOURCES.items():
+        config = make()
+        reduced = isinstance(config, Eagle3Config) or getattr(config, "draft_vocab_size", 0)
+        module = config.build_module(target, vocab) if reduced else config.build_module(target)
+        perturb(module)
+        source, folder = str(root / f"{fmt}-source"), str(root / fmt)
+        drafters.save(config.runtime(module, target), source)
+        export(source, fmt, folder)
+        out[fmt] = (source, folder)
+    return out
+
+
+def test_every_export_format_is_importable():
+    from draftsmith.export import FORMATS
+
+    assert set(IMPORTS) == set(FORMATS) - {"gguf", "eagle1"}  # GGUF: llama.cpp's own file; eagle1: refused on export
+
+
+@pytest.mark.parametrize("fmt", list(SOURCES))
+def test_export_then_import_is_an_identity(tmp_path, target, exported, fmt):
+    """Detected from its files, imported back: the same tensors, the same drafter config, the same proposals."""
+    source, folder = exported[fmt]
+    assert detect(folder) == fmt
     out = str(tmp_path / "imported")
-    meta = import_speculators(spec, target, out)
-    assert meta["feature_layers"] == LAYERS and meta["target"]["fingerprint"] == target.fingerprint
-    assert meta["imported"]["format"] == "speculators" and meta["imported"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    meta = import_drafter(folder, out, target)
+    assert meta["imported"]["format"] == fmt and meta["target"]["fingerprint"] == target.fingerprint
+    before = json.load(open(os.path.join(source, "config.json")))
+    assert meta["drafter"] == before["drafter"] and meta["feature_layers"] == before["feature_layers"]
     ours, theirs = load_file(os.path.join(source, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    a, b = drafters.load(source, target), drafters.load(out, target)
-    ids = torch.randint(0, target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
-    features = target.forward(ids, feature_layers=tuple(LAYERS)).features
+    lines = compare_proposals(target, drafters.load(source, target), drafters.load(out, target), default_prompts(target))
+    assert "max |Δq| = 0.0e+00" in lines[0]
+
+
+def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3) -> str:
+    """A foreign checkpoint: speculators' own ``Eagle3DraftModel``, built from its config class the way its
+    ``from_training_args`` builds it (the verifier's config as the layer config, norm_before_residual on), weights moved off their init,
+    written by its own ``save_pretrained``."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig
+
+    layer = AutoConfig.from_pretrained(target_dir)
+    layer.num_hidden_layers = 1
+    layer._attn_implementation = "eager"
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=1000, norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=aux_ids,
+        speculators_config=SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(
+            speculative_tokens=3)], default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target_dir)))
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(config)
+    d2t, t2d = vocab
+    model.load_vocab_mappings(t2d, d2t)
+    model.load_verifier_weights()  # the embedding and the lm_head rows of the draft vocabulary, from the verifier
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # what training moves (the lm_head too: speculators trains it unless told not to)
+        for name, p in model.named_parameters():
+            if not name.startswith(("embed_tokens.", "verifier_")):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory, tiny_target_dir, target, vocab):
+    return speculators_checkpoint(str(tmp_path_factory.mktemp("foreign") / "spec"), tiny_target_dir, target, vocab,
+                                  aux_ids=[1, 2, 4])
+
+
+def logits_gap(folder: str, drafter, target) -> float:
+    """max |Δlogit| between the drafter's head unrolled 3 steps and speculators' Eagle3DraftModel loaded from ``folder``
+    on the same hidden states, as a fraction of ``export --check``'s tolerance (≤ 1: equal)."""
+    ids = default_prompts(target)[0]
+    x = torch.tensor([ids])
+    features = target.forward(x, feature_layers=tuple(drafter.feature_layers)).features
+    theirs, _ = speculators_logits(folder, shift_left(x, 1), features, 3)
     with torch.no_grad():
-        for (_, la), (_, lb) in zip(a.module.unroll(ids, features, steps=3), b.module.unroll(ids, features, steps=3)):
-            assert torch.equal(la, lb)
-    assert torch.equal(a.module.draft_ids, b.module.draft_ids)
+        ours = [logits for _, logits in drafter.module.unroll(x, features, steps=3)]
+    scale = max(1.0, max(float(a.abs().max()) for a in ours))
+    assert len(theirs) == 3
+    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) / (LOGIT_TOLERANCE * scale)
 
 
-def _copy(spec: str, dst: str, config: dict | None = None, tensors=None) -> str:
+def test_a_speculators_checkpoint_imports_with_its_own_classes_logits(tmp_path, target, foreign):
+    assert json.load(open(os.path.join(foreign, "config.json")))["norm_before_residual"] is True
+    out = str(tmp_path / "imported")
+    meta = import_drafter(foreign, out, target)
+    assert meta["feature_layers"] == LAYERS and meta["drafter"]["norm_before_residual"] is True  # vLLM ids [1, 2, 4]
+    drafter = drafters.load(out, target)
+    assert logits_gap(foreign, drafter, target) <= 1
+    drafter.module.midlayer.norm_before_residual = False  # the option is what makes it equal: without it, it is not
+    assert logits_gap(foreign, drafter, target) > 100
+
+
+def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(tmp_path, target, foreign):
+    """SpecForge / SGLang's layout of that head: midlayer.*, no embedding, SGLang's ids in eagle_config (ours)."""
+    cfg = json.load(open(os.path.join(foreign, "config.json")))
+    layout = {"architectures": ["LlamaForCausalLMEagle3"], **cfg["transformer_layer_config"],
+              "draft_vocab_size": 1000, "target_hidden_size": 64, "norm_before_residual": True,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": LAYERS, "use_aux_hidden_state": True}}
+    folder = tmp_path / "sglang"
+    os.makedirs(folder)
+    json.dump(layout, open(folder / "config.json", "w"))
+    state = load_file(os.path.join(foreign, "model.safetensors"))
+    save_file({k.replace("layers.0.", "midlayer."): v for k, v in state.items() if k != "embed_tokens.weight"},
+              str(folder / "model.safetensors"))
+    out = str(tmp_path / "imported")
+    meta = import_drafter(str(folder), out, target)
+    assert meta["imported"]["format"] == "eagle3" and meta["feature_layers"] == LAYERS
+    assert logits_gap(foreign, drafters.load(out, target), target) <= 1
+
+
+def _copy(src: str, dst: str, config: dict | None = None, tensors=None) -> str:
     os.makedirs(dst)
-    cfg = json.load(open(os.path.join(spec, "config.json")))
+    for name in os.listdir(src):
+        if name.endswith(".json") and name != "config.json":
+            json.dump(json.load(open(os.path.join(src, name))), open(os.path.join(dst, name), "w"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
     cfg.update(config or {})
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
-    state = load_file(os.path.join(spec, "model.safetensors"))
+    state = load_file(os.path.join(src, "model.safetensors"))
     save_file(tensors(state) if tensors else state, os.path.join(dst, "model.safetensors"))
     return dst
 
 
-def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target, exported):
-    _, spec = exported
+@pytest.fixture(scope="module")
+def other_target(tmp_path_factory, smollm2_tokenizer):
+    """Another tiny target of the same shape and tokenizer (other weights: another fingerprint)."""
+    from .conftest import tiny_llama
+
+    path = str(tmp_path_factory.mktemp("other_target"))
+    tiny_llama(layers=4, seed=7).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return load_target(path, "float32", "cpu")
+
+
+def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target, other_target, exported, foreign):
+    spec = exported["speculators"][1]
     other_embedding = lambda s: {**s, "embed_tokens.weight": s["embed_tokens.weight"] + 0.5}  # noqa: E731
-    cases = {
-        "hidden": ({"target_hidden_size": 32}, None, "hidden size 32"),
-        "embedding": (None, other_embedding, "is not .*'s: it was trained for another target"),
-        "layers": ({"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, None, "names no decoder output"),
-        "residual": ({"norm_before_residual": True}, None, "norm_before_residual = true"),
+    cases = {  # name: (folder, target, config changes, tensor changes, message)
+        "fingerprint": (spec, other_target, None, None, "exported for target fingerprint .* pass that one with --target"),
+        "embedding": (foreign, target, None, other_embedding, "is not .*'s: it was trained for another target"),
+        "vocabulary": (foreign, target, {"transformer_layer_config": {**json.load(open(os.path.join(
+            foreign, "config.json")))["transformer_layer_config"], "vocab_size": 32000}}, None, "vocabulary 32000"),
+        "hidden": (foreign, target, {"target_hidden_size": 32}, None, "hidden size 32"),
+        "layers": (foreign, target, {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, None, "names no decoder output"),
+        "medusa": (exported["medusa"][1], other_target, None, None, "exported for target fingerprint"),
     }
-    for name, (config, tensors, match) in cases.items():
-        folder = _copy(spec, str(tmp_path / name), config, tensors)
+    for name, (src, tgt, config, tensors, match) in cases.items():
+        folder = _copy(src, str(tmp_path / name), config, tensors) if (config or tensors) else src
+        if name == "medusa":
+            folder = src
         with pytest.raises(DraftsmithError, match=match) as e:
-            import_speculators(folder, target, str(tmp_path / f"{name}-out"))
-        assert "\n" not in str(e.value) and not os.path.exists(tmp_path / f"{name}-out")
+            import_drafter(folder, str(tmp_path / f"{name}-out"), tgt)
+        assert "\n" not in str(e.value) and not os.path.exists(tmp_path / f"{name}-out"), name
+
+
+class _LayerBoundHead(torch.nn.Module):
+    """A stand-in for a trained head that drafts the target's next prediction exactly from the features of the layers it
+    was trained on and wrongly from any others (on the tiny random target every layer set drafts alike: its predictions
+    follow the token embedding, so a fitted head cannot show the effect)."""
+
+    def __init__(self, target, layers: list[int]):
+        super().__init__()
+        self.vocab = target.vocab_size
+        self.draft_ids = torch.arange(self.vocab)
+        self.known = {}
+        with torch.no_grad():
+            for ids in default_prompts(target):
+                out = target.forward(torch.tensor([ids]), feature_layers=tuple(layers))
+                self.known[len(ids)] = (out.features, out.logits[0, 1:].argmax(-1))
+
+    def forward(self, input_ids, features):
+        feats, want = self.known[features.shape[1]]
+        right = torch.equal(feats, features)
+        logits = torch.zeros(1, features.shape[1], self.vocab)
+        logits[0, torch.arange(len(want)), want if right else (want + 1) % self.vocab] = 1.0
+        return None, logits
+
+
+def test_a_head_whose_layer_ids_are_shifted_is_refused(target):
+    """A head trained on our layers [0, 1, 2]: named so, it is taken; named [1, 2, 3] (its vLLM ids [1, 2, 3] read as
+    ours, as an import that skipped the convention would), it is refused in one line naming the layers it fits."""
+    from types import SimpleNamespace
+
+    from draftsmith.export.importer import check_layers
+
+    head = _LayerBoundHead(target, [0, 1, 2])
+    lines = check_layers(SimpleNamespace(module=head, feature_layers=(0, 1, 2)), target, "head")
+    assert lines == ["feature layers [0, 1, 2]: first drafts 100% right, [1, 2, 3] 0%"]
+    with pytest.raises(DraftsmithError, match=r"feature layers look shifted: it drafts .* at 0% from the layers it names "
+                                              r"\(ours \[1, 2, 3\]\) and at 100% from \[0, 1, 2\]") as e:
+        check_layers(SimpleNamespace(module=head, feature_layers=(1, 2, 3)), target, "head")
+    assert "\n" not in str(e.value)
+
+
+def test_cli_import_detects_the_format_and_writes_a_drafter(tmp_path, tiny_target_dir, target, exported, capsys):
+    out = tmp_path / "imported"
+    assert main(["import", exported["medusa"][1], "--out", str(out), "--target", tiny_target_dir]) == 0
+    assert "a medusa drafter imported from medusa" in capsys.readouterr().out
+    assert drafters.load(str(out), target).module.num_heads == 3
+    assert main(["import", exported["medusa"][1], "--out", str(out), "--target", tiny_target_dir]) == 2
+    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+    assert main(["import", str(tmp_path), "--out", str(tmp_path / "x"), "--target", tiny_target_dir]) == 2
+    assert "has no config.json" in capsys.readouterr().err

@@ -1,0 +1,165 @@
+"""``draftsmith import``: a drafter trained elsewhere becomes an ordinary draftsmith drafter folder.
+
+Import is the inverse of export: each foreign format is read by the module that writes it (``FORMATS`` of
+``export/run.py``), through the same name table (``adapters``) and the same layer-id conventions
+(``conventions``). What each format module gives back, ``imported(folder, fmt, target)`` → (trainable config,
+module, what the folder records of its source), is saved by ``drafters.save`` like a trained drafter, so eval,
+report, the tree decoder and ``export`` (``--to gguf`` included) take it.
+
+``detect(folder)`` tells the formats apart from their files (``IMPORTS``, the one list); ``--from`` overrides it.
+Refused in one line, before anything is written: a folder in no known format; an export of draftsmith that records
+another target's fingerprint; a checkpoint whose vocabulary, hidden size, feature layers or embedding are not the
+target's (each format's own refusal); and an EAGLE-3 head whose layer ids look shifted (:func:`check_layers`: it
+drafts the target's next token clearly better from the neighbouring layers than from the ones it names — what a head
+whose ids were written in the other engine's convention does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import DraftsmithError
+from ..target import Target, load_target
+from . import dflash, eagle3, hf, medusa
+from .run import INFO_FILE, INFO_FORMAT, refuse_overlap
+from .tensors import read_json
+
+
+@dataclass(frozen=True)
+class Import:
+    family: str
+    """The drafter family the import makes."""
+    source: str
+    """Who writes this format."""
+    module: Any
+    """The format module: ``imported(folder, fmt, target)``."""
+
+
+IMPORTS: dict[str, Import] = {
+    "speculators": Import("eagle3", "vLLM speculators (Eagle3DraftModel.save_pretrained, `speculators train`)", eagle3),
+    "eagle3": Import("eagle3", "the EAGLE-3 layout (LlamaForCausalLMEagle3): SpecForge / SGLang, the EAGLE authors", eagle3),
+    "medusa": Import("medusa", "the Medusa reference code and TGI (medusa_lm_head.safetensors)", medusa),
+    "medusa-vllm": Import("medusa", "vLLM's MedusaModel layout", medusa),
+    "dflash": Import("dflash", "z-lab's DFlashDraftModel layout (z-lab, SpecForge)", dflash),
+    "speculators-dflash": Import("dflash", "vLLM speculators (DFlashDraftModel, speculators_model_type dflash)", dflash),
+    "hf": Import("draft_lm", "a transformers causal LM with the target's tokenizer (a draft model)", hf),
+}
+PROBE_MARGIN = 0.1
+"""A neighbouring layer set must draft the target's next token this much more often (top-1, fraction of positions)
+than the named one before :func:`check_layers` calls the ids shifted."""
+
+
+def detect(folder: str) -> str:
+    """The import format of ``folder`` from its files (config.json's keys, the Medusa file name); one line if none."""
+    if not os.path.isdir(folder):
+        raise DraftsmithError(f"import source '{folder}' is not a folder")
+    if os.path.isfile(os.path.join(folder, medusa.FILES["medusa"])):
+        return "medusa"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        pickled = [f for f in os.listdir(folder) if f.endswith((".pt", ".bin", ".pth"))]
+        raise DraftsmithError(f"'{folder}' has no config.json" + (
+            f" and holds pickled weights ({', '.join(sorted(pickled)[:3])}), which draftsmith does not load (it would run "
+            f"code from the file): convert them to safetensors first" if pickled else ""))
+    cfg = read_json(os.path.join(folder, "config.json"))
+    arch = list(cfg.get("architectures") or [])
+    kind = cfg.get("speculators_model_type")
+    if cfg.get("format") == "draftsmith-drafter":
+        raise DraftsmithError(f"'{folder}' is a draftsmith drafter already: use it as it is")
+    if kind in ("eagle3", "dflash"):
+        return "speculators" if kind == "eagle3" else "speculators-dflash"
+    if kind:
+        raise DraftsmithError(f"'{folder}' is a speculators {kind} checkpoint; draftsmith imports speculators eagle3 and "
+                              f"dflash")
+    if "DFlashDraftModel" in arch or "dflash_config" in cfg:
+        return "dflash"
+    if any("Eagle3" in a for a in arch) or "eagle_config" in cfg or "draft_vocab_size" in cfg:
+        return "eagle3"
+    if cfg.get("model_type") == "medusa" or "MedusaModel" in arch:
+        return "medusa-vllm"
+    if any(a.endswith("ForCausalLM") for a in arch):
+        return "hf"
+    raise DraftsmithError(f"'{folder}' is in no format draftsmith imports (config.json architectures {arch}); "
+                          f"formats: {', '.join(IMPORTS)}; name one with --from")
+
+
+def refuse_recorded_target(folder: str, target: Target) -> None:
+    """An export of draftsmith (``draftsmith_export.json`` beside the files) records its target's fingerprint: another
+    target is refused, as loading a drafter folder refuses it."""
+    path = os.path.join(folder, INFO_FILE)
+    if not os.path.isfile(path):
+        return
+    info = read_json(path)
+    recorded = (info.get("target") or {}).get("fingerprint") if info.get("format") == INFO_FORMAT else None
+    if recorded and recorded != target.fingerprint:
+        raise DraftsmithError(f"'{folder}' was exported for target fingerprint {recorded} "
+                              f"({(info.get('target') or {}).get('name')}), and '{target.name}' has {target.fingerprint}: "
+                              f"a drafter only fits the exact target it was trained with; pass that one with --target")
+
+
+def import_drafter(folder: str, out: str, target: str | Target, fmt: str | None = None, force: bool = False,
+                   check_ids: bool = True) -> dict[str, Any]:
+    """Import the foreign drafter in ``folder`` (format ``fmt``, detected when None) for ``target`` (a spec, loaded in
+    fp32 on CPU, or a loaded target) into the draftsmith drafter folder ``out`` (written atomically); returns its
+    config.json. check_ids: run :func:`check_layers` on an EAGLE-3 head."""
+    from ..drafters import checkpoint
+
+    fmt = fmt or detect(folder)
+    if fmt not in IMPORTS:
+        raise DraftsmithError(f"unknown import format '{fmt}'; formats: {', '.join(IMPORTS)}")
+    refuse_overlap(folder, out)
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise DraftsmithError(f"--out '{out}' exists and is not empty; pass --force to replace it")
+    if isinstance(target, str):
+        target = load_target(target, "float32", "cpu")
+    refuse_recorded_target(folder, target)
+    config, module, record = IMPORTS[fmt].module.imported(folder, fmt, target)
+    if check_ids and IMPORTS[fmt].family == "eagle3":
+        check_layers(config.runtime(module, target), target, folder)
+    extra = {"imported": {"from": os.path.abspath(folder), "format": fmt, **record}}
+    checkpoint.save(out, config, module, target, extra=extra)  # atomic: replaces --out as a whole once it is written
+    return checkpoint.read_meta(out)
+
+
+def check_layers(drafter: Any, target: Target, where: str, prompts: list[list[int]] | None = None) -> list[str]:
+    """Refuse an EAGLE-3 head whose feature layer ids look shifted by one, in one line.
+
+    The head's first draft at every position of ``prompts`` (default: the two fixed chat prompts of ``export --check``)
+    is compared with what it is trained to draft, the target's own next prediction there (its argmax one position on),
+    from the layers the head names and from the same layers shifted by −1 and +1 where the target has them. A head
+    trained on the named layers drafts best from them; one whose ids came in another engine's convention
+    (input-of-layer read as output-of-layer, or the reverse) drafts best one layer over. Returns the rates measured."""
+    from ..drafters.common import shift_left
+    from .run import default_prompts
+
+    layers, n = list(drafter.feature_layers), target.num_layers
+    candidates = {0: layers}
+    for shift in (-1, 1):
+        moved = [i + shift for i in layers]
+        if all(0 <= i < n for i in moved):
+            candidates[shift] = moved
+    if len(candidates) == 1:
+        return []
+    hits = {shift: 0 for shift in candidates}
+    total = 0
+    for ids in prompts or default_prompts(target):
+        x = torch.tensor([ids], device=target.device)  # [1, S]
+        with torch.no_grad():
+            for shift, chosen in candidates.items():
+                out = target.forward(x, feature_layers=tuple(chosen))
+                _, logits = drafter.module(shift_left(x, 1), out.features)  # row t drafts the target's argmax at t + 1
+                drafted = drafter.module.draft_ids[logits[0, :-1].argmax(-1)]  # [S - 1]
+                hits[shift] += int((drafted == out.logits[0, 1:].argmax(-1)).sum())
+        total += len(ids) - 1
+    rate = {shift: hits[shift] / total for shift in hits}
+    best = max(rate, key=rate.get)
+    if best != 0 and rate[best] > rate[0] + PROBE_MARGIN:
+        raise DraftsmithError(
+            f"{where}: its feature layers look shifted: it drafts the target's next token at {rate[0]:.0%} from the layers "
+            f"it names (ours {layers}) and at {rate[best]:.0%} from {candidates[best]}; its ids are likely in another "
+            f"engine's convention (docs/export.md, 'Import'); fix them, or pass --no-layer-check")
+    return [f"feature layers {layers}: first drafts {rate[0]:.0%} right, "
+            + ", ".join(f"{candidates[s]} {rate[s]:.0%}" for s in candidates if s)]
