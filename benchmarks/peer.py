@@ -34,9 +34,8 @@ Prints one table and writes ``OUT/peer.json``. Held-out and acceptance figures d
 load; no time is reported.
 
 Flags matched to draftsmith's (speculators' own options, no shim): ``norm_before_residual``, ``norm_before_fc``
-and ``norm_output`` false (speculators' EAGLE-3 defaults are all true; draftsmith's head has no
-norm_before_residual, so the matched run is the primary one; ``--speculators-defaults`` trains with speculators'
-defaults except that one, which the import would refuse), one full-attention layer (its default is a 2048-token
+and ``norm_output`` false as draftsmith's recipe has them (speculators' EAGLE-3 defaults are all true;
+``--speculators-defaults`` trains with those, and the import carries them into draftsmith's head), one full-attention layer (its default is a 2048-token
 sliding window, no different on records ≤ 2048 tokens), the recipe's feature layers (vLLM ids = ours + 1),
 ``ttt_step_loss_decay`` = the recipe's ``loss.step_decay`` (its default 1.0), ``kl_div`` loss (the same gradient as
 draftsmith's soft CE over the draft vocabulary), cosine schedule with the recipe's warmup (its default is linear),
@@ -217,8 +216,8 @@ class StepBatches(torch.utils.data.Sampler):
 def train_speculators(data: Data, recipe: Any, target: Target, data_dir: str, out: str, defaults: bool) -> str:
     """Train speculators' EAGLE-3 head for the recipe's steps on draftsmith's batches; returns its checkpoint folder.
 
-    defaults: speculators' own norm flags (norm_before_fc, norm_output true) instead of draftsmith's; never
-    norm_before_residual, which draftsmith's head lacks."""
+    defaults: speculators' own norm flags (norm_before_residual, norm_before_fc, norm_output true) instead of the
+    recipe's."""
     final = os.path.join(out, "0")
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
@@ -235,7 +234,7 @@ def train_speculators(data: Data, recipe: Any, target: Target, data_dir: str, ou
     layer_config = create_transformer_layer_config(verifier, num_layers=1, draft_arch="llama", hidden_act=None,
                                                    sliding_window=2048, full_attention_indices=[0])
     args = {"verifier_name_or_path": verifier, "target_layer_ids": engine_layer_ids(data.layers, target.num_layers, "speculators"),
-            "draft_vocab_size": int(data.d2t.shape[0]), "norm_before_residual": False, "norm_before_fc": defaults,
+            "draft_vocab_size": int(data.d2t.shape[0]), "norm_before_residual": defaults, "norm_before_fc": defaults,
             "fc_norm": False, "norm_output": defaults, "embed_requires_grad": False, "ttt_steps": cfg.ttt_steps,
             "draft_attn_impl": "sdpa", "ttt_step_loss_decay": cfg.loss.step_decay, "loss_fn": "kl_div",
             "loss_implementation": "eager"}
@@ -381,7 +380,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=4, help="drafts per round (a chain)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--speculators-defaults", action="store_true",
-                   help="train speculators with its own norm_before_fc / norm_output (true) instead of draftsmith's")
+                   help="train speculators with its own norm_before_residual / norm_before_fc / norm_output (true) instead of draftsmith's")
     p.add_argument("--no-decoder", action="store_true", help="held-out figures only")
     args = p.parse_args()
     torch.manual_seed(0)
