@@ -296,7 +296,7 @@ def sweep_of(given: dict[str, Any]) -> Any:
     what is not given); a bad value names the option."""
     from .errors import ConfigError
     from .export.served import Sweep
-    from .engines.targets import TARGET_TYPES
+    from .engines.llamacpp import TARGET_GGUF_TYPES
 
     fields = {}
     try:
@@ -309,8 +309,8 @@ def sweep_of(given: dict[str, Any]) -> Any:
     if any(k < 1 for k in fields.get("ks", ())) or not all(0.0 <= p < 1.0 for p in fields.get("p_mins", ())):
         raise ConfigError("--k: each at least 1; --p-min: each in [0, 1)")
     if given["target_type"] is not None:
-        if given["target_type"] not in TARGET_TYPES:
-            raise ConfigError(f"--target-type {given['target_type']!r}: choose {', '.join(TARGET_TYPES)}")
+        if given["target_type"] not in TARGET_GGUF_TYPES:
+            raise ConfigError(f"--target-type {given['target_type']!r}: choose {', '.join(TARGET_GGUF_TYPES)}")
         fields["target_type"] = given["target_type"]
     if given["threads"] is not None:
         fields["threads"] = given["threads"]

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from ..engines import Launch
+from ..engines.llamacpp import TargetGGUFType
 from ..errors import ConfigError
 
 Stage = Literal["regenerate", "tokenize", "features", "vocab"]
@@ -91,11 +93,11 @@ class ServerConfig:
     model: str = ""
     """The ``model`` field of each request: the name the server serves the target under (vLLM: the
     ``--served-model-name`` or path). Empty: the target's name."""
-    launch: Literal["none", "llamacpp"] = "none"
+    launch: Launch = "none"
     """llamacpp: start a local llama-server (built once, engines/llamacpp.py) on the target's GGUF."""
-    gguf_type: Literal["as-loaded", "f32", "bf16", "f16", "q8_0"] = "as-loaded"
+    gguf_type: TargetGGUFType = "as-loaded"
     """launch=llamacpp: the target's own GGUF file (as-loaded; a GGUF target only), or one converted once by
-    llama.cpp's converter: f32 (the fp32 target's answers), bf16, f16 or q8_0."""
+    llama.cpp's converter (f32: the fp32 target's answers)."""
     slots: int = 8
     """launch=llamacpp: parallel sequences (``-np``) decoded together in one batch."""
     threads: int = 1
