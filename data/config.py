@@ -25,6 +25,8 @@ from ..engines.llamacpp import TargetGGUFType
 from ..errors import ConfigError
 
 Stage = Literal["regenerate", "tokenize", "features", "vocab"]
+RegenerateMethod = Literal["generate", "speculative", "server"]
+"""Who answers when regenerating (each one's implementation: ``data.regenerate.METHODS``)."""
 STAGE_ORDER: tuple[str, ...] = ("regenerate", "tokenize", "features", "vocab")
 
 
@@ -135,7 +137,7 @@ class ServerConfig:
 class RegenerateConfig:
     """Self-distillation: every assistant turn rewritten by the frozen target, turn by turn."""
 
-    method: Literal["generate", "speculative", "server"] = "generate"
+    method: RegenerateMethod = "generate"
     """generate: batched generation with left padding (faster on CPU than batch 1 and than the speculative
     decoder with the untrained layer-skip drafter: benchmarks/RESULTS.md, "prepare"); speculative: the built-in
     decoder with the recipe's drafter, batch 1 (worth it only with a drafter that is accepted often); server:
