@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import textwrap
 from typing import Any
 
 from .demo import SIZES
@@ -89,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="distill the target into the recipe's drafter (DeepSpeed; resumable)",
-                       description="Train the recipe's drafter (draft_lm, eagle1, eagle3, medusa, dflash) against the frozen "
+                       formatter_class=ListsHelp,
+                       description="Train the recipe's drafter ({trainable}; draftsmith drafters lists them) against the frozen "
                                    "target: one process as is, or many under torchrun / the deepspeed launcher. "
                                    "Writes checkpoints, logs and the final drafter folder to the run folder, and "
                                    "resumes from the run folder's latest checkpoint when there is one. SIGTERM or "
@@ -121,23 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("export", help="write a drafter in a serving engine's format; --check proves an export",
+                       formatter_class=ListsHelp,
                        description="Write the drafter of SOURCE (a drafter folder, <run_dir>/drafter, or a training "
-                                   "checkpoint folder of any ZeRO stage, <run_dir>/checkpoints/step_N) in FORMAT: "
-                                   "hf (draft LM: transformers assistant model), eagle3 (SGLang / vLLM), speculators "
-                                   "(vLLM), medusa (reference / TGI), medusa-vllm, gguf (llama.cpp: an EAGLE-3 head or a "
-                                   "draft LM, converted by llama.cpp's own converter), eagle1 (refused: the head's "
-                                   "semantics differ from the original layout); --to gguf-target --target T writes the "
+                                   "checkpoint folder of any ZeRO stage, <run_dir>/checkpoints/step_N) in FORMAT, "
+                                   "one of: {format_engines}; --to {target_format} --target T writes the "
                                    "target itself as a GGUF. --check DIR loads an export back and proves it: "
                                    "static checks against the engines' loaders, proposals equal to the source drafter's "
                                    "in draftsmith's decoder, and per format transformers' assisted generation, "
                                    "speculators' own forward, or (gguf) the export served in llama.cpp: output identical "
                                    "to llama.cpp's target alone, acceptance by position equal to draftsmith's decoder's.")
     p.add_argument("source", nargs="?", help="drafter folder or training checkpoint folder")
-    p.add_argument("--to", dest="fmt", default=None,
-                   help="hf | eagle3 | speculators | medusa | medusa-vllm | gguf | gguf-target | eagle1")
+    p.add_argument("--to", dest="fmt", default=None, help="{formats}")
     p.add_argument("--gguf-type", default=None,
-                   help="GGUF tensor type: for gguf auto (the drafter's dtype) | f32 | bf16 | f16 | q8_0; for "
-                        "gguf-target as-loaded (the GGUF the target came from) | f32 | bf16 | f16 | q8_0")
+                   help="GGUF tensor type: for gguf {draft_gguf_types} (auto: the drafter's dtype); for "
+                        "{target_format} {target_gguf_types} (as-loaded: the GGUF the target came from)")
     p.add_argument("--out", default=None, help="the export folder to write (refused if it exists and is not empty)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--target", default=None,
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p-min", default=None, help="with --check of a gguf export: llama.cpp's --spec-draft-p-min "
                                                   "gates served at each k (default 0,0.5)")
     p.add_argument("--target-type", default=None, help="with --check of a gguf export: the target GGUF it is served "
-                                                        "on: f32 (default), as-loaded, bf16, f16, q8_0")
+                                                        "on: {target_gguf_types} (default f32)")
     p.add_argument("--threads", type=int, default=None, help="with --check of a gguf export: llama.cpp's threads "
                                                              "(default 0 = every core)")
     p.set_defaults(func=cmd_export)
@@ -194,6 +194,49 @@ def build_parser() -> argparse.ArgumentParser:
 def _recipe_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--config", "-c", default=default, help=f"recipe YAML path or name in configs/ (default: {default})")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. decode.k=5 target.dtype=bfloat16")
+
+
+def help_lists() -> dict[str, str]:
+    """The lists the help text names (``{formats}`` …), each built from its one home (DESIGN.md, "One home per
+    fact"): export formats from ``export.FORMATS``, trainable families from the drafter registry, GGUF types
+    from ``engines.llamacpp``."""
+    from .drafters.registry import specs
+    from .engines.llamacpp import DRAFT_GGUF_TYPES, TARGET_GGUF_TYPES
+    from .export import FORMATS, TARGET_FORMAT
+
+    return {
+        "formats": " | ".join([*FORMATS, TARGET_FORMAT]),
+        "format_engines": "; ".join(f"{name} ({', '.join(f.families)}) for {f.engines}" for name, f in FORMATS.items()),
+        "target_format": TARGET_FORMAT,
+        "trainable": ", ".join(name for name, s in specs().items() if s.trainable),
+        "draft_gguf_types": " | ".join(DRAFT_GGUF_TYPES),
+        "target_gguf_types": " | ".join(TARGET_GGUF_TYPES),
+    }
+
+
+class ListsHelp(argparse.HelpFormatter):
+    """Help whose ``{name}`` fields are filled from :func:`help_lists` when the help is printed, so that parsing a
+    command imports only what the command runs; names are not broken at their hyphens (``speculators-dflash``)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(_filled(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return _filled(super()._expand_help(action))
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+
+def _filled(text: str) -> str:
+    if "{" not in text:
+        return text
+    lists = help_lists()
+    return re.sub(r"\{(\w+)\}", lambda m: lists.get(m.group(1), m.group(0)), text)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -328,7 +371,7 @@ def sweep_of(given: dict[str, Any]) -> Any:
     what is not given); a bad value names the option."""
     from .errors import ConfigError
     from .export.served import Sweep
-    from .engines.targets import TARGET_TYPES
+    from .engines.llamacpp import TARGET_GGUF_TYPES
 
     fields = {}
     try:
@@ -341,8 +384,8 @@ def sweep_of(given: dict[str, Any]) -> Any:
     if any(k < 1 for k in fields.get("ks", ())) or not all(0.0 <= p < 1.0 for p in fields.get("p_mins", ())):
         raise ConfigError("--k: each at least 1; --p-min: each in [0, 1)")
     if given["target_type"] is not None:
-        if given["target_type"] not in TARGET_TYPES:
-            raise ConfigError(f"--target-type {given['target_type']!r}: choose {', '.join(TARGET_TYPES)}")
+        if given["target_type"] not in TARGET_GGUF_TYPES:
+            raise ConfigError(f"--target-type {given['target_type']!r}: choose {', '.join(TARGET_GGUF_TYPES)}")
         fields["target_type"] = given["target_type"]
     if given["threads"] is not None:
         fields["threads"] = given["threads"]

@@ -20,9 +20,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from ..engines import Launch
+from ..engines.llamacpp import TargetGGUFType
 from ..errors import ConfigError
 
 Stage = Literal["regenerate", "tokenize", "features", "vocab"]
+RegenerateMethod = Literal["generate", "speculative", "server"]
+"""Who answers when regenerating (each one's implementation: ``data.regenerate.METHODS``)."""
 STAGE_ORDER: tuple[str, ...] = ("regenerate", "tokenize", "features", "vocab")
 
 
@@ -91,11 +95,11 @@ class ServerConfig:
     model: str = ""
     """The ``model`` field of each request: the name the server serves the target under (vLLM: the
     ``--served-model-name`` or path). Empty: the target's name."""
-    launch: Literal["none", "llamacpp"] = "none"
+    launch: Launch = "none"
     """llamacpp: start a local llama-server (built once, engines/llamacpp.py) on the target's GGUF."""
-    gguf_type: Literal["as-loaded", "f32", "bf16", "f16", "q8_0"] = "as-loaded"
+    gguf_type: TargetGGUFType = "as-loaded"
     """launch=llamacpp: the target's own GGUF file (as-loaded; a GGUF target only), or one converted once by
-    llama.cpp's converter: f32 (the fp32 target's answers), bf16, f16 or q8_0."""
+    llama.cpp's converter (f32: the fp32 target's answers)."""
     slots: int = 8
     """launch=llamacpp: parallel sequences (``-np``) decoded together in one batch."""
     threads: int = 1
@@ -133,7 +137,7 @@ class ServerConfig:
 class RegenerateConfig:
     """Self-distillation: every assistant turn rewritten by the frozen target, turn by turn."""
 
-    method: Literal["generate", "speculative", "server"] = "generate"
+    method: RegenerateMethod = "generate"
     """generate: batched generation with left padding (faster on CPU than batch 1 and than the speculative
     decoder with the untrained layer-skip drafter: benchmarks/RESULTS.md, "prepare"); speculative: the built-in
     decoder with the recipe's drafter, batch 1 (worth it only with a drafter that is accepted often); server:

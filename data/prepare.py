@@ -251,21 +251,22 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
 
 def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, summary: PrepareSummary,
                       progress: bool, workers: Workers, restart: bool) -> tuple[str, str]:
-    from .regenerate import regenerate_conversations, regenerated_records
+    from .regenerate import METHODS, regenerate_conversations, regenerated_records
 
     from ..target import load_target
 
     r = cfg.regenerate
-    if r.method == "server":
+    method = METHODS[r.method]
+    if not method.loads_target:
         # the client needs the tokenizer, the template, the end-of-turn ids and the fingerprint, not the model:
         # no weights in memory, every GPU of the node left to the server (vLLM, SGLang) that answers
         target = env.files()
     else:
         target = env.target()
-    if r.method != "server" and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
+    if method.loads_target and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
         target = load_target(env.recipe.target.name, r.dtype, str(target.device),
                              env.recipe.target.chat_template)  # this stage only
-    drafter = env.recipe.drafter.build(target) if r.method == "speculative" else None
+    drafter = env.recipe.drafter.build(target) if method.drafter else None
     report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, drafter=drafter, restart=restart,
                                       progress=progress, workers=workers)

@@ -31,7 +31,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from ..errors import DraftsmithError
 from ..target import Target, TargetFiles
-from .config import RegenerateConfig
+from .config import RegenerateConfig, RegenerateMethod
 from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_digest
 from .turns import Conversation, answer_text, finish_shard, new_stats
 
@@ -136,14 +136,16 @@ def regenerate_conversations(
     retried = {s: meta["finish"]["failed"] for s in todo if (meta := job.done(by_index[s])) is not None}
     if retried:
         report.note += f"; asking again the {sum(retried.values())} failed request(s) of {len(retried)} shard(s)"
-    if settings.method == "server":
+    answer = METHODS[settings.method].answer
+    if answer is None:
         from .regenerate_server import regenerate_through_server
 
         regenerate_through_server(todo, rows, commit, job.folder, target, settings, max_length, bar,
                                   tags={i: by_index[i].inputs for i in todo})
     else:
         for s in todo:
-            commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, drafter, bar))
+            commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, answer, drafter,
+                                         bar))
     bar.close()
     shards = job.collect(workers)
     report.seconds = time.perf_counter() - start
@@ -161,11 +163,10 @@ def _answer_settings(st: RegenerateConfig, target: TargetFiles) -> dict[str, Any
     method, the server's address and its transport (concurrency, timeouts, slots, threads) are left out, so a
     job resumes against another server of the same model (a launched llama-server's port changes every run);
     the model name and the GGUF type stay in."""
-    keep = {"method", "max_new_tokens", "max_turns", "temperature", "top_p", "seed"}
-    if st.method == "speculative":
-        keep.add("k")
+    method = METHODS[st.method]
+    keep = {"method", "max_new_tokens", "max_turns", "temperature", "top_p", "seed", *method.settings}
     out = {f"data.regenerate.{k}": v for k, v in asdict(st).items() if k in keep}
-    if st.method != "server":
+    if method.loads_target:
         return {**out, "dtype": str(target.dtype)}  # the dtype it runs in
     out["data.regenerate.server"] = {"model": st.server.model or target.name, "launch": st.server.launch,
                                      **({"gguf_type": st.server.gguf_type} if st.server.launch == "llamacpp" else {})}
@@ -205,10 +206,11 @@ def _count_turns(conversations: Any) -> int:
 
 
 def _regenerate_shard(
-    convs: list[dict[str, Any]], target: Target, st: RegenerateConfig, max_length: int, seed: int, drafter: Any,
-    bar: tqdm,
+    convs: list[dict[str, Any]], target: Target, st: RegenerateConfig, max_length: int, seed: int, answer: Answer,
+    drafter: Any, bar: tqdm,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Answer every assistant turn of ``convs``, turn by turn, batched across conversations."""
+    """Answer every assistant turn of ``convs``, turn by turn, batched across conversations (``answer``: the
+    method's :attr:`Method.answer`)."""
     torch.manual_seed(seed)  # generate() samples from the global generator: one fixed stream per shard
     state = [Conversation(c) for c in convs]
     stats = new_stats(convs)
@@ -224,7 +226,7 @@ def _regenerate_shard(
             asks.append((j, prompt))
         if not asks:
             break
-        for j, tokens, finish in _answer(asks, target, st, seed, drafter):
+        for j, tokens, finish in answer(asks, target, st, seed, drafter):
             state[j].answer(answer_text(target, tokens), finish)
             stats["turns"] += 1
             stats["new_tokens"] += len(tokens)
@@ -233,26 +235,61 @@ def _regenerate_shard(
     return finish_shard(state, stats)
 
 
-def _answer(
+Answer = Callable[[list[tuple[int, list[int]]], Target, RegenerateConfig, int, Any], Iterator[tuple[int, list[int], str]]]
+"""An in-process method: (prompts as (conversation, ids), target, settings, shard seed, drafter) → (conversation, new
+tokens ending with EOS if any, finish reason) for every prompt."""
+
+
+def _answer_speculative(
     asks: list[tuple[int, list[int]]], target: Target, st: RegenerateConfig, seed: int, drafter: Any
 ) -> Iterator[tuple[int, list[int], str]]:
-    """(conversation, new tokens ending with EOS if any, finish reason) for every prompt."""
-    if st.method == "speculative":
-        from ..decode.chain import speculative_decode
-        from ..decode.sampling import Warp
+    """The built-in speculative decoder with the recipe's drafter, one prompt at a time."""
+    from ..decode.chain import speculative_decode
+    from ..decode.sampling import Warp
 
-        warp = Warp(temperature=st.temperature, top_p=st.top_p)
-        for j, prompt in asks:
-            result = speculative_decode(target, drafter, prompt, k=st.k, max_new_tokens=st.max_new_tokens, warp=warp,
-                                        seed=seed * 1_000_003 + j)
-            yield j, result.tokens, result.finish_reason
-        return
+    warp = Warp(temperature=st.temperature, top_p=st.top_p)
+    for j, prompt in asks:
+        result = speculative_decode(target, drafter, prompt, k=st.k, max_new_tokens=st.max_new_tokens, warp=warp,
+                                    seed=seed * 1_000_003 + j)
+        yield j, result.tokens, result.finish_reason
+
+
+def _answer_batched(
+    asks: list[tuple[int, list[int]]], target: Target, st: RegenerateConfig, seed: int, drafter: Any
+) -> Iterator[tuple[int, list[int], str]]:
+    """The target alone, ``batch_size`` prompts of similar lengths together (:func:`generate_batch`)."""
     asks = sorted(asks, key=lambda a: len(a[1]))  # similar lengths together: less padding
     for b in range(0, len(asks), st.batch_size):
         batch = asks[b: b + st.batch_size]
         for (j, _), tokens in zip(batch, generate_batch(target, [p for _, p in batch], st)):
             finish = "eos" if tokens and tokens[-1] in target.eos_token_ids else "length"
             yield j, tokens, finish
+
+
+@dataclass(frozen=True)
+class Method:
+    """What one ``data.regenerate.method`` is: how it answers, and what the prepare stage gives it."""
+
+    answer: Answer | None
+    """How it answers in this process; None: a server answers (:mod:`~draftsmith.data.regenerate_server`), which
+    needs the target's files (tokenizer, template, fingerprint) and not its weights."""
+    drafter: bool = False
+    """It drafts with the recipe's drafter (prepare builds it on the target and passes it as ``drafter``)."""
+    settings: tuple[str, ...] = ()
+    """Its own ``data.regenerate`` settings that change a record (recorded in the job's spec beside the shared ones;
+    the server's own part is written by :func:`_answer_settings`)."""
+
+    @property
+    def loads_target(self) -> bool:
+        return self.answer is not None
+
+
+METHODS: dict[RegenerateMethod, Method] = {
+    "generate": Method(_answer_batched),
+    "speculative": Method(_answer_speculative, drafter=True, settings=("k",)),
+    "server": Method(None),
+}
+"""Each ``data.regenerate.method`` (``data.config.RegenerateMethod``) and its implementation."""
 
 
 @torch.inference_mode()

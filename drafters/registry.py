@@ -175,11 +175,6 @@ def family_summary(cls: type) -> str:
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
-def spec_of(config: Any) -> FamilySpec:
-    """The spec of a drafter config object."""
-    return spec(config.type)
-
-
 def model_free_config(name: str) -> Any:
     """The default config of the model-free family ``name`` (an evaluation baseline)."""
     s = spec(name)

@@ -6,3 +6,9 @@ loopback port, always stopped by its own PID. This folder imports only ``devices
 ``files`` and ``decode.stats`` (to read llama.cpp's rounds as draftsmith's stats): data/, export/ and
 measure/ stand on it.
 """
+
+from typing import Literal
+
+Launch = Literal["none", "llamacpp"]
+"""What a stage may start for itself (``eval.engine``, ``data.regenerate.server.launch``): nothing, or a
+llama-server (``llamacpp.py``)."""

@@ -51,7 +51,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..decode.stats import DecodeStats
 from ..devices import cache_dir
@@ -66,6 +66,20 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
 )
 READY_TIMEOUT_S = 120.0
+
+GGUFType = Literal["f32", "bf16", "f16", "q8_0"]
+"""The tensor types llama.cpp's converter writes (:func:`convert`'s ``outtype``)."""
+TargetGGUFType = Literal["as-loaded", GGUFType]
+"""A target's GGUF to serve: ``as-loaded``, the GGUF file a GGUF target was loaded from (the builtin SmolLM2: Q4_1),
+or one the converter writes from the target's HF folder (``engines/targets.py``)."""
+DraftGGUFType = Literal["auto", GGUFType]
+"""A drafter's GGUF: ``auto``, its stored dtype (f32 or bf16), or a type the converter writes (``export/gguf.py``)."""
+NgramMethod = Literal["ngram-simple", "ngram-cache", "ngram-mod"]
+"""llama-server's model-free ``--spec-type`` methods (no draft model)."""
+GGUF_TYPES: tuple[str, ...] = get_args(GGUFType)
+TARGET_GGUF_TYPES: tuple[str, ...] = get_args(TargetGGUFType)
+DRAFT_GGUF_TYPES: tuple[str, ...] = get_args(DraftGGUFType)
+NGRAM_METHODS: tuple[str, ...] = get_args(NgramMethod)
 
 
 @dataclass(frozen=True)
@@ -255,7 +269,7 @@ def convert(model_dir: str, out_file: str, outtype: str = "f32", target_model_di
     """Run llama.cpp's own ``convert_hf_to_gguf.py`` on an HF folder (``target_model_dir`` for EAGLE-3 /
     DFlash drafters: the target's HF folder, whose tokenizer and config the converter reads).
 
-    outtype: f32, f16, bf16, q8_0 (what the converter writes). Returns ``out_file``.
+    outtype: one of :data:`GGUF_TYPES`. Returns ``out_file``.
     """
     llama = llama or binaries()
     cmd = [sys.executable, llama.converter, model_dir, "--outfile", out_file, "--outtype", outtype]

@@ -13,10 +13,7 @@ from ..errors import DraftsmithError
 from ..files import atomic_path
 from ..target import BUILTINS, TargetFiles, resolve_target_folder
 from . import llamacpp
-
-TARGET_TYPES = ("as-loaded", "f32", "bf16", "f16", "q8_0")
-"""``as-loaded``: the GGUF file a GGUF target was loaded from (the builtin SmolLM2: Q4_1); the others are
-what llama.cpp's converter writes from the target's HF folder."""
+from .llamacpp import TARGET_GGUF_TYPES
 
 
 def original_gguf(target_spec: str) -> str | None:
@@ -39,13 +36,13 @@ def cached_target(target: TargetFiles, kind: str = "f32") -> str:
 
 
 def target_gguf(target: TargetFiles, kind: str) -> str:
-    """The GGUF of ``target`` of type ``kind`` (:data:`TARGET_TYPES`) to serve in llama.cpp."""
-    if kind not in TARGET_TYPES:
-        raise DraftsmithError(f"GGUF type {kind!r} is not one of: {', '.join(TARGET_TYPES)}")
+    """The GGUF of ``target`` of type ``kind`` (``llamacpp.TARGET_GGUF_TYPES``) to serve in llama.cpp."""
+    if kind not in TARGET_GGUF_TYPES:
+        raise DraftsmithError(f"GGUF type {kind!r} is not one of: {', '.join(TARGET_GGUF_TYPES)}")
     if kind != "as-loaded":
         return cached_target(target, kind)
     original = original_gguf(target.name)
     if original is None:
         raise DraftsmithError(f"the target '{target.name}' was not loaded from a GGUF file, so it has no as-loaded "
-                              f"GGUF; choose a converted one: {', '.join(TARGET_TYPES[1:])}")
+                              f"GGUF; choose a converted one: {', '.join(TARGET_GGUF_TYPES[1:])}")
     return original

@@ -7,8 +7,8 @@ measurement layer that every stage decodes through).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
+from ..engines import Launch
+from ..engines.llamacpp import DraftGGUFType, NgramMethod, TargetGGUFType
 from ..errors import ConfigError
 
 
@@ -37,16 +37,16 @@ class EvalConfig:
     """Model-free drafters (default settings) also run on the same prompts, reported as baseline rows
     under "baselines" in eval_metrics.json (with their speedup against the same run's target-alone timing);
     [] turns them off."""
-    engine: Literal["none", "llamacpp"] = "none"
+    engine: Launch = "none"
     """llamacpp: also serve the drafter (drafter.type=saved) in llama.cpp, exported to GGUF by llama.cpp's own
     converter, and measure it there against llama.cpp's target alone on the same prompts, beside llama.cpp's
     n-gram methods (``measure/engine.py``; written under "engine" in eval_metrics.json)."""
     engine_threads: int = 0
     """llama.cpp's threads (0 = every core; set 1 on a loaded machine: its spinning threads slow 10-15× there)."""
-    engine_target_type: str = "as-loaded"
-    """The target's GGUF in llama.cpp: as-loaded (the GGUF it came from, e.g. the builtin's Q4_1), f32, bf16, f16, q8_0."""
-    engine_draft_type: str = "auto"
-    """The drafter's GGUF type: auto (its stored dtype), f32, bf16, f16, q8_0."""
+    engine_target_type: TargetGGUFType = "as-loaded"
+    """The target's GGUF in llama.cpp: as-loaded (the GGUF it came from, e.g. the builtin's Q4_1) or a converted one."""
+    engine_draft_type: DraftGGUFType = "auto"
+    """The drafter's GGUF type: auto (its stored dtype) or a converted one."""
     engine_k: list[int] = field(default_factory=list)
     """Draft lengths served (one llama-server each); [] = [decode.k]."""
     engine_p_min: list[float] = field(default_factory=lambda: [0.0, 0.5])
@@ -54,29 +54,19 @@ class EvalConfig:
     probability is below it; 0 = none), swept with engine_k: one llama-server per (k, p-min). The fastest setting
     is recorded under "best" (and in the export's draftsmith_export.json) with the llama-server command that
     serves it (docs/eval.md)."""
-    engine_ngram: list[str] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
-    """llama.cpp's model-free methods measured beside (ngram-simple, ngram-cache, ngram-mod)."""
+    engine_ngram: list[NgramMethod] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
+    """llama.cpp's model-free methods measured beside."""
 
     def validate(self) -> None:
         if self.num_prompts < 1:
             raise ConfigError(f"eval.num_prompts = {self.num_prompts} must be at least 1")
         if self.repeats < 1:
             raise ConfigError(f"eval.repeats = {self.repeats} must be at least 1")
-        if self.engine not in ("none", "llamacpp"):
-            raise ConfigError(f"eval.engine = {self.engine!r}: choose none or llamacpp")
         if self.engine_threads < 0:
             raise ConfigError(f"eval.engine_threads = {self.engine_threads} must be ≥ 0 (0 = every core)")
-        if self.engine_target_type not in ("as-loaded", "f32", "bf16", "f16", "q8_0"):
-            raise ConfigError(f"eval.engine_target_type = {self.engine_target_type!r}: choose as-loaded, f32, bf16, f16 "
-                              f"or q8_0")
-        if self.engine_draft_type not in ("auto", "f32", "bf16", "f16", "q8_0"):
-            raise ConfigError(f"eval.engine_draft_type = {self.engine_draft_type!r}: choose auto, f32, bf16, f16 or q8_0")
         if any(k < 1 for k in self.engine_k):
             raise ConfigError(f"eval.engine_k = {self.engine_k}: every draft length must be at least 1")
         if not self.engine_p_min or not all(0.0 <= p < 1.0 for p in self.engine_p_min):
             raise ConfigError(f"eval.engine_p_min = {self.engine_p_min}: give one or more gates, each in [0, 1)")
-        unknown = sorted(set(self.engine_ngram) - {"ngram-simple", "ngram-cache", "ngram-mod"})
-        if unknown:
-            raise ConfigError(f"eval.engine_ngram names {unknown}; choose among ngram-simple, ngram-cache, ngram-mod")
         if len(set(self.baselines)) != len(self.baselines):
             raise ConfigError(f"eval.baselines = {self.baselines} names a drafter twice")

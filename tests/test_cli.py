@@ -41,6 +41,50 @@ def test_help_lists_the_commands(capsys):
         assert cmd in out
 
 
+def help_of(capsys, monkeypatch, *command: str) -> str:
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per paragraph: argparse wraps nothing
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return capsys.readouterr().out
+
+
+def test_the_help_lists_every_format_family_and_gguf_type_of_their_homes(capsys, monkeypatch):
+    """The lists a user reads in the help are built from the one place that defines each (DESIGN.md, "One home per
+    fact"): a format, trainable family or GGUF type added there is in the help, exactly, in the same order."""
+    import re
+
+    from draftsmith.drafters.registry import specs
+    from draftsmith.engines.llamacpp import DRAFT_GGUF_TYPES, TARGET_GGUF_TYPES
+    from draftsmith.export import FORMATS, TARGET_FORMAT
+
+    export = help_of(capsys, monkeypatch, "export")
+    options: dict[str, str] = {}  # option → its help (a long option's help starts on the next line)
+    for line in export.split("options:\n")[1].splitlines():
+        if line.startswith("  -"):
+            option = line.split()[0]
+        options[option] = options.get(option, "") + " " + line.strip()
+    assert options["--to"].split(maxsplit=2)[2].split(" | ") == [*FORMATS, TARGET_FORMAT]
+    described = re.findall(r"(?:one of: |; )([\w-]+) \(([\w, ]+)\) for ", export)
+    assert described == [(name, ", ".join(f.families)) for name, f in FORMATS.items()]
+    assert f"for gguf {' | '.join(DRAFT_GGUF_TYPES)} (auto" in options["--gguf-type"]
+    assert f"for {TARGET_FORMAT} {' | '.join(TARGET_GGUF_TYPES)} (as-loaded" in options["--gguf-type"]
+    assert f"served on: {' | '.join(TARGET_GGUF_TYPES)} (default" in options["--target-type"]
+    train = help_of(capsys, monkeypatch, "train")
+    assert re.search(r"Train the recipe's drafter \(([\w, ]+);", train).group(1).split(", ") == [
+        name for name, s in specs().items() if s.trainable]
+
+
+def test_drafters_lists_every_family_of_the_registry(capsys):
+    from draftsmith.drafters.registry import specs
+
+    code, out, _ = run_cli(capsys, "drafters")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert [r[0] for r in rows] == list(specs())
+    kinds = {r[0]: r[1] if r[1] in ("trainable", "model-free") else "" for r in rows}
+    assert kinds == {n: "trainable" if s.trainable else "model-free" if s.model_free else "" for n, s in specs().items()}
+
+
 @pytest.mark.parametrize("override,fragments", [
     ("decode.k=0", ["decode.k = 0", "at least 1"]),
     ("decode.k=-3", ["decode.k = -3"]),

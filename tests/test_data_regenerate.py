@@ -72,6 +72,19 @@ def plain(tmp_path_factory, target):
     return _run(tmp_path_factory.mktemp("plain"), target)
 
 
+def test_every_regenerate_method_has_its_implementation():
+    """``data.regenerate.method``'s choices and the table of implementations are one list, in one order: a method
+    named in the config without an implementation (or the reverse) fails here, not in a run."""
+    from typing import get_args
+
+    from draftsmith.data.config import RegenerateMethod
+    from draftsmith.data.regenerate import METHODS
+
+    assert tuple(METHODS) == get_args(RegenerateMethod)
+    assert [name for name, m in METHODS.items() if not m.loads_target] == ["server"]
+    assert [name for name, m in METHODS.items() if m.drafter] == ["speculative"]
+
+
 def test_batched_greedy_regeneration_is_the_targets_own_greedy_answer(plain, target):
     report, records = plain
     assert [r["conv_id"] for r in records] == ["c0", "c1", "c2"]

@@ -99,12 +99,17 @@ def test_prepare_recipes_switch_to_the_server_method_with_one_override(name):
         assert "data.regenerate.server.url=" in header
 
 
-def test_the_gguf_types_of_the_config_are_those_the_engine_serves():
+def test_the_gguf_types_of_the_configs_are_those_the_engine_serves():
     from typing import get_args, get_type_hints
 
-    from draftsmith.engines.targets import TARGET_TYPES
+    from draftsmith.engines.llamacpp import DRAFT_GGUF_TYPES, NGRAM_METHODS, TARGET_GGUF_TYPES
+    from draftsmith.eval.config import EvalConfig
 
-    assert get_args(get_type_hints(ServerConfig)["gguf_type"]) == TARGET_TYPES
+    assert get_args(get_type_hints(ServerConfig)["gguf_type"]) == TARGET_GGUF_TYPES
+    hints = get_type_hints(EvalConfig)
+    assert get_args(hints["engine_target_type"]) == TARGET_GGUF_TYPES
+    assert get_args(hints["engine_draft_type"]) == DRAFT_GGUF_TYPES
+    assert get_args(get_args(hints["engine_ngram"])[0]) == NGRAM_METHODS
 
 
 class _Served:

@@ -63,3 +63,23 @@ def test_the_readme_is_short_and_the_serving_sections_are_written():
     for page, heading in (("docs/export.md", "## Serving in llama.cpp"), ("docs/prepare.md", "## Regeneration through a server")):
         text = read(page)
         assert heading in text and "(being written)" not in text
+
+
+def first_column(page: str, heading: str) -> list[str]:
+    """The names in the first column of the first table under ``heading`` (backticks dropped)."""
+    section = read(page).split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    table = section[section.index("\n|"):].split("\n\n", 1)[0].strip().splitlines()
+    return [re.match(r"\| `([^`]+)` \|", row).group(1) for row in table[2:]]  # after the header and its rule
+
+
+def test_the_reference_tables_hold_every_format_and_family_of_their_homes():
+    """docs/export.md's formats and docs/drafters.md's families describe each one at length, so they are written by
+    hand; their rows are held against the home (``export.FORMATS``, the drafter registry) so none goes missing."""
+    from draftsmith.drafters.registry import specs
+    from draftsmith.export import FORMATS
+
+    assert first_column("docs/export.md", "## Formats") == list(FORMATS)
+    families = first_column("docs/drafters.md", "## Families")
+    assert sorted(families) == sorted(specs())
+    trained = {m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|.*\| (?!—)[^|]+\|$", read("docs/drafters.md"), re.M)}
+    assert trained == {n for n, s in specs().items() if s.trainable}

@@ -9,17 +9,11 @@ import pytest
 import torch
 
 from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.stats import conditional_acceptance, tau_from_acceptance
 from draftsmith.drafters.layer_skip import layer_skip_drafter
 from draftsmith.drafters.registry import model_free_config
 from draftsmith.measure.config import DecodeConfig
-from draftsmith.measure.costs import (
-    TimedDrafter,
-    conditional_acceptance,
-    median_interval,
-    predicted_speedup,
-    tau_from_acceptance,
-    verify_costs,
-)
+from draftsmith.measure.costs import TimedDrafter, median_interval, predicted_speedup, verify_costs
 from draftsmith.measure.evaluate import evaluate
 from draftsmith.measure.paired import paired_runs
 from draftsmith.measure.prompts import Question
