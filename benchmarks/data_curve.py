@@ -71,7 +71,7 @@ def train(config: str, out: str, records: list[int], epochs: float, min_steps: i
         with open(os.path.join(run_dir, "data_curve.json"), "w") as f:
             json.dump({"max_records": n, "records": sizes[n][0], "answer_tokens": sizes[n][1], "steps": steps,
                        "epochs": epochs, "batch_size": batch}, f)
-        with open(os.path.join(out, f"r{n}.log"), "a") as log:
+        with open(f"{run_dir}.log", "a") as log:
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 

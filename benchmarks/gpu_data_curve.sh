@@ -26,4 +26,4 @@ grep -A8 "^stage " "$OUT/prepare.log"
     --min-steps "$MINSTEPS" target.dtype=bfloat16 "train.dataset=$OUT/prepare/data/tokenized" \
     "drafter.draft_vocab=$OUT/prepare/data/draft_vocab.safetensors" train.ttt_steps=2 train.optimizer.lr=0.002 \
     "train.batch_size=$TBS" train.max_length=512 "train.eval.heldout=$HO" train.eval.decoder_at_end=false
-"$PY" benchmarks/data_curve.py table "$OUT"/curve/r* | tee "$OUT/curve.md"
+"$PY" benchmarks/data_curve.py table "$OUT"/curve/r*/ | tee "$OUT/curve.md"
