@@ -24,33 +24,13 @@ from draftsmith.export.importer import detect
 from draftsmith.export.run import LOGIT_TOLERANCE, compare_proposals, default_prompts
 from draftsmith.target import load_target
 
+# the tiny target, its scattered draft vocabulary and perturb(): what the export tests build their exports from
+from .test_export import perturb, target, vocab  # noqa: F401
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAYERS = [0, 1, 3]
 """Three distinct layers of the 4-layer tiny target."""
-
-
-def perturb(module: torch.nn.Module, seed: int = 1) -> None:
-    """Every trainable tensor off its init, so that a swapped or dropped one changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target_dir):
-    return load_target(tiny_target_dir, "float32", "cpu")
-
-
-@pytest.fixture(scope="module")
-def vocab(target):
-    """A scattered 1,000-token draft vocabulary (d2t offsets, t2d mask)."""
-    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:1000].sort().values
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(1000), t2d
 
 
 SOURCES = {  # export format → the drafter it holds
