@@ -14,7 +14,7 @@ checkpoints and held-out evaluations every tenth of the run, ``drafter-best`` by
 overrides that name the data (``train.dataset``, ``drafter.draft_vocab``) and the budget's batch and learning rate.
 
 ``table`` adds to :mod:`levers`' row the records and answer tokens (loss-mask tokens) each point trained on.
-Figures: benchmarks/RESULTS.md, "data curve".
+No figure yet: benchmarks/RESULTS.md, "GPU check", says why the first run at scale was void.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def subset_sizes(dataset: str, heldout: int, seed: int, records: list[int]) -> d
 
 
 def train(config: str, out: str, records: list[int], epochs: float, min_steps: int, overrides: list[str]) -> None:
+    from draftsmith.files import write_json
+
     dataset = _value(overrides, "train.dataset", "")
     heldout = int(_value(overrides, "train.eval.heldout", "32"))
     batch = int(_value(overrides, "train.batch_size", "4"))
@@ -68,9 +70,9 @@ def train(config: str, out: str, records: list[int], epochs: float, min_steps: i
                f"train.eval.every={every}", f"train.schedule.warmup_steps={max(5, steps // 50)}"]
         print(" ".join(cmd), flush=True)
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "data_curve.json"), "w") as f:
-            json.dump({"max_records": n, "records": sizes[n][0], "answer_tokens": sizes[n][1], "steps": steps,
-                       "epochs": epochs, "batch_size": batch}, f)
+        write_json(os.path.join(run_dir, "data_curve.json"), {
+            "max_records": n, "records": sizes[n][0], "answer_tokens": sizes[n][1], "steps": steps, "epochs": epochs,
+            "batch_size": batch})
         with open(f"{run_dir}.log", "a") as log:
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
 
