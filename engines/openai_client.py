@@ -24,14 +24,16 @@ gets ``$OPENAI_API_KEY`` as a bearer token, as the ``openai`` package sends it; 
 
 **Failures.** A connection error, a timeout or an HTTP 429/5xx is retried ``retries`` times with exponential
 backoff. What still fails raises :class:`RequestFailed` (the caller skips and counts it), and so does
-an answer that cannot be read as one (not JSON, no ``choices``, ids that are not non-negative integers,
-a count that is not a number: ``bad_json`` / ``bad_answer``; a server can send anything) — unless the server
+an answer that cannot be read as one (not HTTP or cut off mid-body, not JSON, no ``choices``, ids that are not
+non-negative integers, a count that is not a number: ``bad_http`` / ``bad_json`` / ``bad_answer``, the first two
+retried; a server can send anything) — unless the server
 no longer answers at all (``/health`` unreachable), which raises :class:`ServerDown`: a long job must stop
 there with a clear message rather than skip every remaining record.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -98,6 +100,14 @@ def _ids(value: Any) -> list[int]:
     return value
 
 
+def _json(raw: bytes) -> Any:
+    """A server's reply body as JSON; JSONDecodeError for anything else (nesting too deep for the parser included)."""
+    try:
+        return json.loads(raw)
+    except RecursionError as e:
+        raise json.JSONDecodeError("nested too deeply to parse", raw[:80].decode(errors="replace"), 0) from e
+
+
 def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"a token count is not a non-negative integer: {value!r}")
@@ -121,7 +131,7 @@ class CompletionsClient:
         req = urllib.request.Request(self.root + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "Authorization": self._auth})
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            return _json(r.read())
 
     def healthy(self) -> bool:
         """Whether the server answers HTTP at all (any status: a 404 on ``/health`` still proves it is up)."""
@@ -130,7 +140,7 @@ class CompletionsClient:
                 return True
         except urllib.error.HTTPError:
             return True
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):  # (no HTTP at all: not up)
             return False
 
     def _with_retries(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
@@ -151,6 +161,8 @@ class CompletionsClient:
             except (urllib.error.URLError, ConnectionError, OSError) as e:
                 reason = getattr(e, "reason", e)
                 last = ("timeout" if isinstance(reason, (TimeoutError, socket.timeout)) else "connection", str(reason))
+            except http.client.HTTPException as e:  # not HTTP (a bad status line), or an answer cut off mid-body
+                last = ("bad_http", f"{type(e).__name__}: {str(e)[:200]}")
             except json.JSONDecodeError as e:
                 last = ("bad_json", str(e))
         if not self.healthy():
@@ -178,8 +190,8 @@ class CompletionsClient:
         try:
             req = urllib.request.Request(self.root + "/v1/models", headers={"Authorization": self._auth})
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                data = json.loads(r.read()).get("data")
-        except (urllib.error.URLError, OSError, json.JSONDecodeError, AttributeError):
+                data = _json(r.read()).get("data")
+        except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError, AttributeError):
             return None
         return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else None
 
@@ -194,7 +206,11 @@ class CompletionsClient:
             if e.reason in ("http_404", "http_405"):
                 return None
             raise DraftsmithError(f"the server at {self.root} could not tokenize the probe ({e})") from e
-        tokens = out.get("tokens")
+        tokens = out.get("tokens") if isinstance(out, dict) else None
         if not isinstance(tokens, list):
             return None
-        return [int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens]
+        try:  # a server can send anything: the probe then fails in one line, not with a traceback
+            return _ids([t["id"] if isinstance(t, dict) else t for t in tokens])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DraftsmithError(f"the server at {self.root} answered the tokenize probe with something that is not "
+                                  f"token ids ({e}): point data.regenerate.server at a server of the target") from e

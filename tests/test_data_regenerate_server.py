@@ -264,6 +264,63 @@ def test_a_malformed_answer_is_a_failed_request_not_a_crash(body):
         served.close()
 
 
+class _Raw:
+    """A local server that answers every POST with the raw ``payload`` bytes (HTTP or not) and every GET with a 404
+    (so /health proves it up): what a broken proxy or a server killed mid-answer sends."""
+
+    def __init__(self, payload: bytes):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                with conn:
+                    get = conn.recv(65536).startswith(b"GET")
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n" if get else payload)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self):
+        self.sock.close()
+
+
+BROKEN_HTTP = {
+    "not_http": (b"garbage\r\n\r\n", "bad_http"),
+    "cut_off_mid_body": (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{\"choices\": [", "bad_http"),
+    "nested_too_deep": (b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + b"[" * 100000 + b"]" * 100000,
+                        "bad_json"),
+}
+
+
+@pytest.mark.parametrize("payload, reason", BROKEN_HTTP.values(), ids=BROKEN_HTTP.keys())
+def test_an_answer_that_is_not_http_or_is_cut_off_is_a_failed_request_not_a_crash(monkeypatch, payload, reason):
+    """http.client's errors (a bad status line, an incomplete body) and the JSON parser's RecursionError are no
+    OSError nor JSONDecodeError: they escaped the client as tracebacks. Retried, then a counted failure."""
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    raw = _Raw(payload)
+    try:
+        with pytest.raises(RequestFailed, match=f"^{reason}: "):
+            CompletionsClient(raw.url, "m", retries=1).complete([1, 2], 4)
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("tokens", [["abc"], [-1], [{"piece": "a"}], [1.5]], ids=["text", "negative", "no_id", "float"])
+def test_a_tokenize_probe_answered_with_garbage_is_refused_in_one_line(tokens):
+    served = _Served(lambda n: (200, {"tokens": tokens}))
+    try:
+        with pytest.raises(DraftsmithError, match="answered the tokenize probe with something that is not token ids"):
+            CompletionsClient(served.url, "m", retries=0).tokenize("hello")
+    finally:
+        served.close()
+
+
 def _settings(served, **kw):
     return ServerConfig(url=served.url, model="served-name", check_tokenizer=False, retries=0, backoff_s=0.0, **kw)
 
