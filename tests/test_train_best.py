@@ -5,6 +5,7 @@ one's drafter is ``drafter-best/`` — also across a resume that did not see it 
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
@@ -48,7 +49,14 @@ def test_drafter_best_is_the_evaluation_with_the_best_sim_tau_and_loads(tmp_path
     recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle3", "train.steps=4", "train.eval.every=1",
                          "train.ttt_steps=2", "drafter.feature_layers=[0,1,2]", "train.loss.kind=soft_ce",
                          "train.optimizer.lr=0.003", "decode.k=3", "decode.temperature=1.0")
-    summary = run_training(recipe)
+    previous = os.umask(0o022)  # safetensors creates 0600 whatever the umask: a serving user could not read them
+    try:
+        summary = run_training(recipe)
+    finally:
+        os.umask(previous)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert "drafter-best/model.safetensors" in modes and "drafter/model.safetensors" in modes
+    assert {p: m for p, m in modes.items() if m != (0o755 if (tmp_path / p).is_dir() else 0o644)} == {}
     log = [r for r in read_log(tmp_path) if "sim_tau" in r]
     assert [r["step"] for r in log] == [0, 1, 2, 3, 4]  # the untrained head, every step, the end
     # sampled decoding: α_j = held-out E[Σ min(p, q)] at unrolled step j (greedy would take top-1 agreement,
