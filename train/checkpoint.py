@@ -27,7 +27,6 @@ resumes from it. A second signal kills at once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import DraftsmithError, writing
-from ..files import write_json, write_text
+from ..files import sha256_file, write_json, write_text
 from . import distributed
 from .distributed import World
 
@@ -199,7 +198,7 @@ def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 def write_checksums(folder: str) -> None:
     """Write ``folder/checksums.json``: the sha256 of every file below ``folder`` (atomically, last)."""
-    write_json(os.path.join(folder, CHECKSUMS), {"sha256": {name: _sha256(os.path.join(folder, name))
+    write_json(os.path.join(folder, CHECKSUMS), {"sha256": {name: sha256_file(os.path.join(folder, name))
                                                            for name in _files(folder)}})
 
 
@@ -225,7 +224,7 @@ def verify_checksums(path: str) -> None:
         if name not in listed:
             raise DraftsmithError(f"checkpoint '{path}' holds {name}, which its {CHECKSUMS} does not list: refused, "
                                   f"draftsmith did not write it; remove it to use this checkpoint")
-        if _sha256(os.path.join(path, name)) != listed[name]:
+        if sha256_file(os.path.join(path, name)) != listed[name]:
             raise DraftsmithError(f"checkpoint '{path}': {name} does not match its sha256 in {CHECKSUMS}, it changed "
                                   f"after draftsmith saved it: refused; resume from another checkpoint (point "
                                   f"{os.path.join(os.path.dirname(path), 'latest')} at it) or start a new run_dir")
@@ -239,11 +238,6 @@ def _files(folder: str) -> list[str]:
     """Every file below ``folder`` but the manifest, as sorted paths relative to it."""
     out = [os.path.relpath(os.path.join(d, name), folder) for d, _, names in os.walk(folder) for name in names]
     return sorted(name for name in out if name != CHECKSUMS)
-
-
-def _sha256(file: str) -> str:
-    with open(file, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_tensors(file: str) -> Any:
