@@ -35,7 +35,7 @@ even after a SIGKILL mid-shard. The journal is deleted once its shard is committ
 (a kill mid-write) is dropped.
 
 **Failures.** A request that still fails after its retries (the server refused it, e.g. a prompt
-longer than its context, answered HTML, no ``choices``, ids that are not the target's: anything
+longer than its context, answered HTML, no ``choices``, ids that are not the target's, no token at all: anything
 :mod:`~draftsmith.engines.openai_client` or :meth:`_Run.check_ids` cannot read as an answer) ends its
 conversation with the turns answered so far; it is counted (``finish: failed`` and ``failures`` by
 reason, ``skipped: request_failed`` when the conversation had no answer yet) and never journaled: the
@@ -314,7 +314,11 @@ class _Run:
         self.bar.update(1)
 
     def check_ids(self, tokens: list[int]) -> None:
-        """RequestFailed unless every id is one of the target tokenizer's (an id past it decodes to nothing)."""
+        """RequestFailed unless every id is one of the target tokenizer's (an id past it decodes to nothing) and there
+        is at least one (no token and no end of turn is no answer: a record would hold an empty one)."""
+        if not tokens:
+            raise RequestFailed("bad_answer", "no token and no end of turn (an empty answer; is the server's "
+                                              "context full?)")
         size = len(self.target.tokenizer)
         outside = [t for t in tokens if not 0 <= t < size]
         if outside:

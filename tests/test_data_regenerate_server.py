@@ -327,6 +327,7 @@ def _settings(served, **kw):
 
 FAILING = {**{k: (200, v) for k, v in MALFORMED.items()},
            "out_of_vocabulary": (200, {"choices": [{"text": "", "finish_reason": "stop", "token_ids": [10**9]}]}),
+           "empty_without_end_of_turn": (200, {"choices": [{"text": "", "finish_reason": "length", "token_ids": []}]}),
            "http_400": (400, {"error": "bad request"}), "http_500": (500, {"error": "internal"})}
 
 
