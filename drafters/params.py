@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import count_parameters, placeholder_parts
+from .common import count_parameters, placeholder_parts, text_config
 from .dflash import DFlashConfig, meta_dflash
 from .draft_lm import DraftLMConfig, draft_arch
 from .eagle1 import Eagle1Config, build_eagle1
-from .eagle3 import Eagle3Config, build_eagle3
+from .eagle3 import Eagle3Config
 from .medusa import MedusaConfig, build_medusa
 
 # Architecture configs written from the models' published config.json (no hub access needed;
@@ -93,8 +93,10 @@ def meta_module(config: Any, arch: Any) -> nn.Module:
     with torch.device("meta"):
         if isinstance(config, Eagle1Config):
             return build_eagle1(arch, placeholder_parts(arch))
-        if isinstance(config, Eagle3Config):
-            return build_eagle3(arch, placeholder_parts(arch).embed, config.draft_vocab_size, num_layers=config.num_layers)
+        if isinstance(config, Eagle3Config):  # P-EAGLE's too (its own head class)
+            tc = text_config(arch)
+            cfg = config.resolve_for(int(tc.num_hidden_layers), int(tc.vocab_size))
+            return cfg.new_head(arch, placeholder_parts(arch).embed, config.draft_vocab_size)
         if isinstance(config, MedusaConfig):
             return build_medusa(arch, placeholder_parts(arch).norm, config.num_heads, config.num_layers)
         if isinstance(config, DraftLMConfig):
