@@ -20,6 +20,7 @@ from .draft_lm import DraftLMConfig, draft_arch
 from .eagle1 import Eagle1Config, build_eagle1
 from .eagle3 import Eagle3Config
 from .medusa import MedusaConfig, build_medusa
+from .peagle import PEagleConfig
 
 # Architecture configs written from the models' published config.json (no hub access needed;
 # tests/archs/ holds the two 8B config.json files and a test checks these values against them).
@@ -55,6 +56,7 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
         ("dflash: 3 layers, block 8 (the recipe's)", DFlashConfig(num_layers=3)),
         ("dflash: 5 layers, block 16", DFlashConfig(num_layers=5, block_size=16)),
+        ("peagle: full vocabulary (49152), 8 depths (the recipe's)", PEagleConfig(feature_layers=[1, 14, 26])),
     ],
     "Llama-3.1-8B": [
         ("draft_lm: first 4 layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
