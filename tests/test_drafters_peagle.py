@@ -14,6 +14,7 @@ from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.peagle import PEagleConfig, PEagleHead, parallel_attention_mask, parallel_inputs
 from draftsmith.errors import ConfigError
 from draftsmith.export.adapters import adapter
+from draftsmith.export.eagle3 import speculators_parallel_logits
 from draftsmith.measure.reference import target_greedy
 
 # the five-token target, its exact sequence law and the sampler of decoded sequences: DFlash's chi-square fixtures
@@ -100,31 +101,6 @@ def speculators_model(head: PEagleHead, config: PEagleConfig, verifier_dir: str)
     return model
 
 
-def reference_logits(model, input_ids: torch.Tensor, features: torch.Tensor, loss_mask: torch.Tensor, num_depths: int,
-                     seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference's training forward on one sequence: (logits [T, Vd], anchor [T], depth [T]) of its own COD
-    draw. Its inputs are speculators' shifted batch: row t holds x_{t+1} and f_t (``shift_batch``)."""
-    import speculators.models.peagle.core as core
-    from speculators.losses import resolve_loss_config
-
-    drawn: list[tuple[torch.Tensor, torch.Tensor]] = []
-    sample = core.generate_cod_sample_indices
-    logits: list[torch.Tensor] = []
-    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
-    core.generate_cod_sample_indices = lambda *a, **kw: drawn.append(sample(*a, **kw)) or drawn[-1]
-    try:
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            model(hidden_states=features, input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
-                  loss_mask=loss_mask, verifier_last_hidden_states=torch.randn(1, input_ids.shape[1], model.hidden_size),
-                  num_depths=num_depths, loss_config=resolve_loss_config("kl_div", "eager"))
-    finally:
-        core.generate_cod_sample_indices = sample
-        hook.remove()
-    anchor, depth = drawn[0]
-    return logits[0][0], anchor, depth
-
-
 OPTIONS = {
     "plain": {},
     "norms": {"norm_before_residual": True, "fc_norm": True},
@@ -141,7 +117,8 @@ def test_logits_equal_speculators_peagle_model_on_the_same_weights(tiny_target, 
     x = torch.tensor([[1, 523, 77, 9, 4021, 88, 5, 17, 42, 300, 12, 1000, 3, 64, 9, 81]])
     features = tiny_target.forward(x, feature_layers=tuple(config.feature_layers)).features  # [1, S, 3H]
     loss_mask = torch.tensor([[0] * 3 + [1] * 13])
-    theirs, anchor, depth = reference_logits(model, torch.cat([x[:, 1:], x[:, :1] * 0], 1), features, loss_mask, 4, 0)
+    theirs, anchor, depth = speculators_parallel_logits(model, torch.cat([x[:, 1:], x[:, :1] * 0], 1), features,
+                                                        loss_mask, 4)  # its rows hold x_{t+1} (speculators' shift_batch)
     assert int(depth.max()) == 3 and len(anchor) > x.shape[1] + 6  # every depth drawn, several rollouts
     with torch.no_grad():
         _, ours = head.parallel(x, features, anchor[None], depth[None])
