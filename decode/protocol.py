@@ -188,6 +188,15 @@ def draft_chain(
     )
 
 
+def draft_block(logits: Tensor, warp: Warp, generator: torch.Generator | None, vocab: ReducedVocab | None = None,
+                stop_below: float = 0.0) -> Proposal:
+    """Draft m tokens whose logits [m, V] (or [m, V'] with ``vocab``) one forward fixed: a block drafter's (DFlash,
+    P-EAGLE). The drafted tokens are not fed back, so choosing each from its own q draws the chain from its law and
+    the accept rule stays lossless; otherwise as :func:`draft_chain`."""
+    rows = iter(logits[1:])
+    return draft_chain(lambda _token: next(rows), logits[0], len(logits), warp, generator, vocab, stop_below)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = 0

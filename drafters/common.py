@@ -9,6 +9,7 @@
   embedding, final norm and lm_head that heads are built around; a checkpoint does not
   store them (they are copied again from the target on load, whose fingerprint matches).
 * :func:`seeded` — deterministic random initialization that leaves the global RNG alone.
+* :class:`FeatureDrafter` — the protocol state (``update``, ``set_gate``) of the feature-reading runtimes.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import DraftsmithError
+from ..errors import ConfigError, DraftsmithError
 from ..cpu_kernels import cpu_linear
 from ..target import resolve_layer  # noqa: F401  (the layer-id convention lives in target.py; families import it here)
 
@@ -111,6 +112,24 @@ def step_inputs(
     return position_ids, causal_mask(seq, past, like.dtype, like.device, attention_mask)
 
 
+def default_mask_token(given: int, target: Any) -> int:
+    """The mask token id of a drafter that fills masked positions (DFlash, P-EAGLE): ``given`` when ≥ 0, else the
+    tokenizer's mask token if it has one, else the last id of the vocabulary (an unused row of Qwen3's, a reserved
+    token of Llama-3's; a rare token of SmolLM2's, which has no free row)."""
+    if given >= 0:
+        return given
+    mask = getattr(target.tokenizer, "mask_token_id", None)
+    return target.vocab_size - 1 if mask is None else int(mask)
+
+
+def check_mask_token(mask: int, vocab_size: int) -> int:
+    """``mask`` checked against the target's vocabulary (−1 = its last id); a ConfigError naming the field."""
+    mask = vocab_size - 1 if mask < 0 else mask
+    if not 0 <= mask < vocab_size:
+        raise ConfigError(f"drafter.mask_token_id = {mask} is outside the target's vocabulary (0 … {vocab_size - 1})")
+    return mask
+
+
 def single_layer_cache(layer_config: Any) -> Any:
     """A HF DynamicCache for a one-layer head (layer index 0)."""
     from transformers import DynamicCache
@@ -137,6 +156,48 @@ def take_committed(state: Any, kind: str, tokens: Tensor, features: Tensor | Non
         state._pending.append(features)
         state.num_features += features.shape[0]
     check_features(kind, len(state.tokens), state.num_features, state.feature_layers)
+
+
+class FeatureDrafter:
+    """The base of the runtimes that read target features (EAGLE, DFlash, P-EAGLE): their module (which has an
+    ``fc``), feature layers, config and target record, and what they keep of the protocol's ``update`` calls — the
+    committed tokens, the count of target features received and the feature blocks not yet consumed — and the
+    decoder's confidence gate (a chain stops where the gate would cut it; a block is still one forward, and drafts
+    past the cut are not kept). ``kind`` names the drafter in errors; ``reset`` (the subclass's) calls
+    :meth:`reset_committed`.
+
+    module: the drafter's nn.Module; feature_layers: the target layers the decoder must return (resolved,
+    0-based); config / target_info: what ``drafters.save`` writes next to the weights."""
+
+    kind: ClassVar[str] = "feature-reading"
+
+    def __init__(self, module: nn.Module, feature_layers: tuple[int, ...], config: Any, target_info: dict[str, Any]):
+        self.module = module
+        self.feature_layers = tuple(feature_layers)
+        self.config = config
+        self.target_info = target_info
+        self.reset()
+
+    def reset(self) -> None:
+        self.reset_committed()
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.fc.weight.device
+
+    def reset_committed(self) -> None:
+        self.stop_below = 0.0  # the decoder's confidence gate, set after reset (set_gate)
+        self.tokens: list[int] = []
+        self.num_features = 0
+        self._pending: list[Tensor] = []  # [m, F] feature blocks not yet consumed
+
+    def set_gate(self, min_confidence: float) -> None:
+        """The decoder's confidence gate (``decode/protocol.py``: ``Gated``)."""
+        self.stop_below = min_confidence
+
+    def update(self, tokens: Tensor, features: Tensor | None) -> None:
+        """Append committed tokens [m'] and the target features [m, F] of committed positions."""
+        take_committed(self, self.kind, tokens, features)
 
 
 def shift_left(x: Tensor, n: int, fill: float | int = 0) -> Tensor:

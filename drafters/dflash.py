@@ -59,11 +59,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..decode.protocol import Proposal, ReducedVocab, draft_chain
+from ..decode.protocol import Proposal, ReducedVocab, draft_block
 from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
 from ..target import Target, describe
 from .common import (
+    FeatureDrafter,
+    check_mask_token,
+    default_mask_token,
     draft_layer_config,
     frozen_target_parts,
     place,
@@ -71,7 +74,6 @@ from .common import (
     resolve_layer,
     scatter_to_target,
     seeded,
-    take_committed,
     target_parts,
     text_config,
 )
@@ -265,36 +267,20 @@ def block_attention_mask(anchors: Tensor, block_size: int, seq_len: int) -> Tens
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 
-class DFlashDrafter:
+class DFlashDrafter(FeatureDrafter):
     """Drafter protocol over a :class:`DFlashModule`: one forward per round drafts up to Bs − 1 tokens."""
 
-    def __init__(self, module: DFlashModule, config: DFlashConfig, target_info: dict[str, Any]):
-        self.module = module
-        self.feature_layers = tuple(config.feature_layers)
-        self.config = config
-        self.target_info = target_info
-        self.reset()
+    kind = "DFlash"
 
-    @property
-    def device(self) -> torch.device:
-        return self.module.fc.weight.device
+    def __init__(self, module: DFlashModule, config: DFlashConfig, target_info: dict[str, Any]):
+        super().__init__(module, tuple(config.feature_layers), config, target_info)
 
     def reset(self) -> None:
-        self.stop_below = 0.0
-        self.tokens: list[int] = []
-        self.num_features = 0
+        self.reset_committed()
         self.rows = 0  # context rows in self.kv
         self.kv: KV | None = None
-        self._pending: list[Tensor] = []
         ids = self.module.draft_ids  # a reduced vocabulary: logits over it, drafted there (EAGLE-3's way)
         self._vocab = None if ids is None else ReducedVocab.of(ids, int(self.module.t2d.shape[0]))
-
-    def set_gate(self, min_confidence: float) -> None:
-        """The decoder's confidence gate: the block is still one forward; drafts past the cut are not kept."""
-        self.stop_below = min_confidence
-
-    def update(self, tokens: Tensor, features: Tensor | None) -> None:
-        take_committed(self, "DFlash", tokens, features)
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
@@ -306,10 +292,7 @@ class DFlashDrafter:
         positions = torch.arange(anchor, anchor + bs, device=self.device)[None]
         hidden = self.module(ids, positions, self.kv)  # the whole block, as trained: [1, Bs, H]
         logits = self.module.lm_head(hidden[0, 1 : 1 + m])  # [m, V], or [m, Vd] over a draft vocabulary
-        rows = iter(logits[1:])
-        # each position's q is fixed by the one forward: the drafted tokens are not fed back
-        return draft_chain(lambda _token: next(rows), logits[0], m, warp, generator, self._vocab,
-                           stop_below=self.stop_below)
+        return draft_block(logits, warp, generator, self._vocab, self.stop_below)
 
     def _catch_up(self) -> None:
         """Append the context keys/values of the features that arrived since the last round."""
@@ -381,11 +364,7 @@ class DFlashConfig:
 
     def resolve(self, target: Target) -> DFlashConfig:
         """This config checked against ``target``, with feature_layers and mask_token_id made explicit."""
-        mask = self.mask_token_id
-        if mask < 0:
-            mask = getattr(target.tokenizer, "mask_token_id", None)
-            mask = target.vocab_size - 1 if mask is None else int(mask)
-        return self.resolve_for(target.num_layers, target.vocab_size, mask)
+        return self.resolve_for(target.num_layers, target.vocab_size, default_mask_token(self.mask_token_id, target))
 
     def resolve_for(self, num_layers: int, vocab_size: int, mask_token_id: int | None = None) -> DFlashConfig:
         """:meth:`resolve` from the target's architecture alone (mask −1 → the last id of the vocabulary)."""
@@ -394,10 +373,7 @@ class DFlashConfig:
         layers = [resolve_layer(x, num_layers, f"drafter.feature_layers[{i}]") for i, x in enumerate(given)]
         if len(set(layers)) != len(layers):
             raise ConfigError(f"drafter.feature_layers = {given} names a layer twice; give distinct layers")
-        mask = self.mask_token_id if mask_token_id is None else mask_token_id
-        mask = vocab_size - 1 if mask < 0 else mask
-        if not 0 <= mask < vocab_size:
-            raise ConfigError(f"drafter.mask_token_id = {mask} is outside the target's vocabulary (0 … {vocab_size - 1})")
+        mask = check_mask_token(self.mask_token_id if mask_token_id is None else mask_token_id, vocab_size)
         if self.draft_vocab_size > vocab_size:
             raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} is larger than the target's "
                               f"vocabulary ({vocab_size})")

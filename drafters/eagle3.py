@@ -386,14 +386,15 @@ def init_from_target_layer(head: Eagle3Head, layer: nn.Module) -> None:
 
 
 def build_eagle3(arch: Any, embed: nn.Embedding, draft_vocab_size: int = 0, seed: int = 0, num_layers: int = 1,
-                 **norms: bool) -> Eagle3Head:
+                 head: type[Eagle3Head] = Eagle3Head, **options: Any) -> Eagle3Head:
     """An EAGLE-3 head for a target with HF config ``arch`` around ``embed``; seeded-random, full-vocab mapping.
-    norms: the EAGLE-3.1 options of :class:`Eagle3Head` (their RMSNorms start at 1 and draw no random numbers,
-    so the other weights are the same with or without them); num_layers: decoder layers (the layers past the first
-    are drawn after every one-layer weight, so those are the same whatever the depth)."""
+    options: the norm options of :class:`Eagle3Head` (their RMSNorms start at 1 and draw no random numbers,
+    so the other weights are the same with or without them), and those of ``head``, a subclass built on it
+    (P-EAGLE's); num_layers: decoder layers (the layers past the first are drawn after every one-layer weight,
+    so those are the same whatever the depth)."""
     vocab = int(text_config(arch).vocab_size)
     with seeded(seed):
-        return Eagle3Head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab, num_layers=num_layers, **norms)
+        return head(embed, draft_layer_config(arch), draft_vocab_size or vocab, vocab, num_layers=num_layers, **options)
 
 
 @dataclass
@@ -435,6 +436,8 @@ class Eagle3Config:
 
     target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.",)
     """State-dict prefixes copied from the target (frozen), not stored in checkpoints."""
+    runtime_class: ClassVar[Any] = EagleDrafter
+    """The runtime drafter around the head (a family built on the EAGLE-3 head drafts its own way)."""
 
     def validate(self) -> None:
         if len(self.feature_layers) not in (0, 3):
@@ -486,8 +489,7 @@ class Eagle3Config:
 
         d2t, t2d = resolve_draft_vocab(vocab, cfg.draft_vocab, cfg.draft_vocab_size, target.vocab_size, target.tokenizer_hash)
         own = target_parts(target.model)
-        head = build_eagle3(target.config, frozen_copy(own.embed), d2t.shape[0], cfg.seed, cfg.num_layers, **cfg.norms)
-        head = place(head, target.device, target.dtype)
+        head = place(cfg.new_head(target.config, frozen_copy(own.embed), int(d2t.shape[0])), target.device, target.dtype)
         head.set_vocab(d2t.to(target.device), t2d.to(target.device))
         with torch.no_grad():
             head.norm.weight.copy_(own.norm.weight)
@@ -502,13 +504,17 @@ class Eagle3Config:
     def module_for_checkpoint(self, target: Target, meta: dict[str, Any]) -> Eagle3Head:
         """The head's structure for loading (d2t/t2d come from the checkpoint)."""
         cfg = self.resolve(target)
-        head = build_eagle3(target.config, frozen_copy(target_parts(target.model).embed), cfg.draft_vocab_size, cfg.seed,
-                            cfg.num_layers, **cfg.norms)
+        head = cfg.new_head(target.config, frozen_copy(target_parts(target.model).embed), cfg.draft_vocab_size)
         return place(head, target.device, target.dtype)
+
+    def new_head(self, arch: Any, embed: nn.Module, draft_vocab_size: int) -> Eagle3Head:
+        """The seeded-random head of this (resolved) config for a target with HF config ``arch`` around ``embed``,
+        on the CPU in float32 (a family built on the EAGLE-3 head returns its own)."""
+        return build_eagle3(arch, embed, draft_vocab_size, self.seed, self.num_layers, **self.norms)
 
     def runtime(self, module: Eagle3Head, target: Target) -> EagleDrafter:
         cfg = dataclasses.replace(self.resolve(target), draft_vocab_size=int(module.d2t.shape[0]), draft_vocab="")
-        return EagleDrafter(module, tuple(cfg.feature_layers), cfg, describe(target))
+        return self.runtime_class(module, tuple(cfg.feature_layers), cfg, describe(target))
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {"draft_vocab_size": int(module.d2t.shape[0])}

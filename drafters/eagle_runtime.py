@@ -24,18 +24,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..decode.protocol import Proposal, ReducedVocab, draft_chain
 from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import DraftsmithError
 from ..target import crop_cache
-from .common import take_committed
+from .common import FeatureDrafter
 
 
-class EagleDrafter:
-    """Drafter protocol over an EAGLE head (``Eagle1Head`` or ``Eagle3Head``).
+class EagleDrafter(FeatureDrafter):
+    """Drafter protocol over an EAGLE head (``Eagle1Head`` or ``Eagle3Head``); constructed as :class:`~.common.FeatureDrafter`.
 
     module: the head; it provides ``new_cache()``, ``forward(input_ids, hidden, position_ids=,
     cache=, logits_to_keep=) -> (hidden [1,S,H], logits [1,S',V'])`` and ``target_logits(logits [..,V']) -> [..,V]``.
@@ -43,39 +43,19 @@ class EagleDrafter:
     config / target_info: what ``drafters.save`` writes next to the weights.
     """
 
-    def __init__(self, module: nn.Module, feature_layers: tuple[int, ...], config: Any, target_info: dict[str, Any]):
-        self.module = module
-        self.feature_layers = tuple(feature_layers)
-        self.config = config
-        self.target_info = target_info
-        self.reset()
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.module.parameters()).device
+    kind = "EAGLE"
 
     @property
     def dtype(self) -> torch.dtype:
         return self.module.fc.weight.dtype
 
     def reset(self) -> None:
-        self.stop_below = 0.0  # the decoder's confidence gate, set after reset (set_gate)
+        self.reset_committed()
         self.cache: Any = self.module.new_cache()
-        self.tokens: list[int] = []
-        self.num_features = 0
         self.rows = 0  # rows in the cache computed from true features
-        self._pending: list[Tensor] = []  # [m, F] feature blocks not yet in the cache
         self._last: tuple[Tensor, Tensor] | None = None  # (hidden [1,1,H], logits [V']) of the last true row
         ids = getattr(self.module, "draft_ids", None)  # EAGLE-3's draft vocabulary (EAGLE-1: the full one)
         self._vocab = None if ids is None else ReducedVocab.of(ids, int(self.module.t2d.shape[0]))
-
-    def set_gate(self, min_confidence: float) -> None:
-        """Stop a chain where the decoder's confidence gate would cut it (``decode/protocol.py``)."""
-        self.stop_below = min_confidence
-
-    def update(self, tokens: Tensor, features: Tensor | None) -> None:
-        """Append committed tokens [m'] and the target features [m, F] of committed positions."""
-        take_committed(self, "EAGLE", tokens, features)
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import count_parameters, placeholder_parts
+from .common import count_parameters, placeholder_parts, text_config
 from .dflash import DFlashConfig, meta_dflash
 from .draft_lm import DraftLMConfig, draft_arch
 from .eagle1 import Eagle1Config, build_eagle1
-from .eagle3 import Eagle3Config, build_eagle3
+from .eagle3 import Eagle3Config
 from .medusa import MedusaConfig, build_medusa
+from .peagle import PEagleConfig
 
 # Architecture configs written from the models' published config.json (no hub access needed;
 # tests/archs/ holds the two 8B config.json files and a test checks these values against them).
@@ -55,6 +56,7 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
         ("dflash: 3 layers, block 8 (the recipe's)", DFlashConfig(num_layers=3)),
         ("dflash: 5 layers, block 16", DFlashConfig(num_layers=5, block_size=16)),
+        ("peagle: full vocabulary (49152), 8 depths (the recipe's)", PEagleConfig(feature_layers=[1, 14, 26])),
     ],
     "Llama-3.1-8B": [
         ("draft_lm: first 4 layers, frozen embedding/lm_head", DraftLMConfig(num_layers=4)),
@@ -93,8 +95,10 @@ def meta_module(config: Any, arch: Any) -> nn.Module:
     with torch.device("meta"):
         if isinstance(config, Eagle1Config):
             return build_eagle1(arch, placeholder_parts(arch))
-        if isinstance(config, Eagle3Config):
-            return build_eagle3(arch, placeholder_parts(arch).embed, config.draft_vocab_size, num_layers=config.num_layers)
+        if isinstance(config, Eagle3Config):  # P-EAGLE's too (its own head class)
+            tc = text_config(arch)
+            cfg = config.resolve_for(int(tc.num_hidden_layers), int(tc.vocab_size))
+            return cfg.new_head(arch, placeholder_parts(arch).embed, config.draft_vocab_size)
         if isinstance(config, MedusaConfig):
             return build_medusa(arch, placeholder_parts(arch).norm, config.num_heads, config.num_layers)
         if isinstance(config, DraftLMConfig):

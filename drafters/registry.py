@@ -39,6 +39,7 @@ from .hf_lm import HFDrafterConfig
 from .hybrid import HybridConfig
 from .layer_skip import LayerSkipConfig
 from .medusa import MedusaConfig
+from .peagle import PEagleConfig
 from .prompt_lookup import PromptLookupConfig
 from .suffix import SuffixConfig
 
@@ -130,6 +131,7 @@ SPECS: tuple[FamilySpec, ...] = (
     FamilySpec(Eagle3Config, recipe="draftsmith.train.eagle3"),
     FamilySpec(MedusaConfig, recipe="draftsmith.train.medusa"),
     FamilySpec(DFlashConfig, recipe="draftsmith.train.dflash"),
+    FamilySpec(PEagleConfig, recipe="draftsmith.train.peagle"),
     FamilySpec(PromptLookupConfig, model_free=True),
     FamilySpec(SuffixConfig, model_free=True),
     FamilySpec(HybridConfig),

@@ -94,6 +94,7 @@ SPECULATORS = [Rule("embed_tokens.{p}", "embed_tokens.{p}"), Rule("fc.{p}", "fc.
                Rule("input_norm.{p}", "input_norm.{p}"), Rule("fc_norm.{l}.{p}", "fc_norm.{l}.{p}"),
                Rule("midlayer.{p}", "layers.0.{p}"), Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"),
                Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+# speculators 0.9.0 PEagleDraftModel: Eagle3DraftModel's names plus mask_hidden [1, 1, 3H] (the masked rows' features).
 # Medusa reference (FasterDecoding/Medusa, TGI): medusa_lm_head.safetensors holds head h's residual
 # block l as {h}.{l}.linear.* and its projection as {h}.{L}.weight (L = blocks per head).
 MEDUSA = [Rule("heads.{h}.{l}.linear.{p}", "{h}.{l}.linear.{p}"), Rule("heads.{h}.{L}.weight", "{h}.{L}.weight")]
@@ -121,6 +122,7 @@ def adapter(family: str, fmt: str, num_layers: int = 1, reduced_vocab: bool = Fa
     table = {
         ("eagle3", "eagle3"): lambda: StateDictAdapter(family, fmt, EAGLE3, skip=("embed_tokens.",)),
         ("eagle3", "speculators"): lambda: StateDictAdapter(family, fmt, SPECULATORS),
+        ("peagle", "speculators"): lambda: StateDictAdapter(family, fmt, SPECULATORS + [Rule("mask_hidden", "mask_hidden")]),
         ("medusa", "medusa"): lambda: StateDictAdapter(family, fmt, MEDUSA, ("feature_norm.",), {"L": num_layers}),
         ("medusa", "medusa-vllm"): lambda: StateDictAdapter(family, fmt, MEDUSA_VLLM, ("feature_norm.",), {"L": num_layers}),
         ("draft_lm", "hf"): lambda: StateDictAdapter(family, fmt, HF),

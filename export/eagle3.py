@@ -120,12 +120,21 @@ def verifier_path(target: Target) -> str:
     return os.path.abspath(folder) if os.path.isdir(folder) else folder
 
 
+PEAGLE = {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle"}
+"""What names a P-EAGLE head in the speculators format (speculators 0.9.0's ``PEagleSpeculatorConfig``); its config
+also holds ``mask_token_id`` and ``speculative_tokens`` = the head's depths, and its file ``mask_hidden``."""
+
+
 def speculators_config(source: Any) -> dict[str, Any]:
+    """The speculators config of an EAGLE-3 head, or of a P-EAGLE head (``PEAGLE``)."""
     head = source.drafter.module
     vllm_ids, _ = _ids(source)
+    peagle = source.family == "peagle"
+    extra = {**PEAGLE, "mask_token_id": int(head.mask_token_id)} if peagle else {}
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
+        **extra,
         "transformer_layer_config": layer_fields(head.layer_config),
         "draft_vocab_size": int(head.d2t.shape[0]),
         "target_hidden_size": int(source.target.hidden_size),
@@ -133,8 +142,9 @@ def speculators_config(source: Any) -> dict[str, Any]:
         **norm_flags(head),
         "embed_requires_grad": False,
         "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
+            "algorithm": "peagle" if peagle else "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens":
+                                  int(source.drafter.config.num_depths) if peagle else SPECULATIVE_TOKENS}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_path(source.target),
                          "architectures": list(getattr(source.target.config, "architectures", None) or [])},
@@ -162,7 +172,7 @@ def write(source: Any, fmt: str, out: str, reader: str = "") -> None:
     state = {k: v for k, v in source.drafter.module.state_dict().items() if not k.startswith("rotary_emb.")}
     if fmt == "speculators" and not _reduced(source.drafter.module.d2t.shape[0], source.target.vocab_size):
         del state["d2t"], state["t2d"]  # speculators has no such buffers for a full vocabulary (they would be unexpected)
-    tensors = cast_floats(adapter("eagle3", fmt).to_engine(state), source.dtype)
+    tensors = cast_floats(adapter(source.family, fmt).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
     write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
 
@@ -197,6 +207,10 @@ def _has_vocab_map(cfg: dict[str, Any], fmt: str) -> bool:
     return fmt == "eagle3" or _reduced(int(cfg["draft_vocab_size"]), int(_layer_section(cfg, fmt)["vocab_size"]))
 
 
+def _is_peagle(cfg: dict[str, Any]) -> bool:
+    return cfg.get("speculators_model_type") == PEAGLE["speculators_model_type"]
+
+
 def _layer_section(cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
     return cfg["transformer_layer_config"] if fmt == "speculators" else cfg
 
@@ -228,6 +242,8 @@ def expected_tensors(cfg: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
         out["input_norm.weight"] = ((3 * h,), f)
     if cfg.get("fc_norm") is True:
         out.update({f"fc_norm.{i}.weight": ((h,), f) for i in range(3)})
+    if _is_peagle(cfg):
+        out["mask_hidden"] = ((1, 1, 3 * ht), f)
     if _has_vocab_map(cfg, fmt):
         out.update({"d2t": ((vd,), torch.int64), "t2d": ((v,), torch.bool)})
     return out
@@ -246,15 +262,21 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
             raise CheckFailed(f"{where}: {what}", done)
         done.append(what)
 
-    arch = ["Eagle3Speculator"] if fmt == "speculators" else ["LlamaForCausalLMEagle3"]
+    kind = "peagle" if _is_peagle(cfg) else "eagle3"
+    arch = (PEAGLE["architectures"] if kind == "peagle" else ["Eagle3Speculator"]) if fmt == "speculators" \
+        else ["LlamaForCausalLMEagle3"]
     need(cfg.get("architectures") == arch, f"architectures = {arch}")
     if fmt == "speculators":
-        need(cfg.get("speculators_model_type") == "eagle3", "speculators_model_type = eagle3")
+        need(cfg.get("speculators_model_type") == kind, f"speculators_model_type = {kind}")
         spec = cfg.get("speculators_config") or {}
         methods = spec.get("proposal_methods") or [{}]
-        need(spec.get("algorithm") == "eagle3" and int(methods[0].get("speculative_tokens", 0)) >= 1
+        need(spec.get("algorithm") == kind and int(methods[0].get("speculative_tokens", 0)) >= 1
              and bool((spec.get("verifier") or {}).get("name_or_path")),
-             "speculators_config: algorithm eagle3, a proposal method with speculative_tokens, a verifier name_or_path")
+             f"speculators_config: algorithm {kind}, a proposal method with speculative_tokens, a verifier name_or_path")
+        if kind == "peagle":
+            mask = cfg.get("mask_token_id")
+            need(isinstance(mask, int) and 0 <= mask < target.vocab_size,
+                 f"mask_token_id = {mask}, a token of the target's vocabulary")
     need(lc.get("model_type") == "llama" and int(lc.get("num_hidden_layers", 0)) == 1, "one Llama decoder layer")
     need(int(lc.get("vocab_size", -1)) == target.vocab_size, f"vocab_size = the target's {target.vocab_size}")
     need(int(cfg.get("target_hidden_size", -1)) == target.hidden_size, f"target_hidden_size = {target.hidden_size}")
@@ -297,9 +319,11 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     from ..drafters.common import draft_layer_config, frozen_copy, target_parts
     from ..drafters.eagle3 import Eagle3Head
     from ..drafters.eagle_runtime import EagleDrafter
+    from ..drafters.peagle import PEagleConfig, PEagleDrafter, PEagleHead
 
     lc = dict(_layer_section(cfg, fmt))
-    engine = adapter("eagle3", fmt)
+    peagle = _is_peagle(cfg)
+    engine = adapter("peagle" if peagle else "eagle3", fmt)
     native = engine.from_engine(read_safetensors(os.path.join(folder, WEIGHTS)))
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "attention_bias", "mlp_bias")
@@ -310,12 +334,20 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     embed = frozen_copy(target_parts(target.model).embed)  # the engine's: the target's embedding
     if "embed_tokens.weight" in native:  # speculators carries its own copy
         embed.weight.data = native.pop("embed_tokens.weight").to(embed.weight.dtype)
-    head = Eagle3Head(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]),
-                      **{flag: bool(cfg.get(flag)) for flag in NORM_FLAGS})
+    options: dict[str, Any] = {flag: bool(cfg.get(flag)) for flag in NORM_FLAGS}
+    if peagle:
+        options["mask_token_id"] = int(cfg["mask_token_id"])
+    head = (PEagleHead if peagle else Eagle3Head)(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]),
+                                                  **options)
     head.to(device=target.device, dtype=target.dtype)
     full = () if "d2t" in native else ("d2t", "t2d")  # without them: the identity mapping the head starts with
     _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)
     layers = native_layer_ids(cfg["eagle_aux_hidden_state_layer_ids"], target.num_layers, "vllm")
+    if peagle:
+        depths = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+        config = PEagleConfig(feature_layers=list(layers), num_depths=depths, mask_token_id=head.mask_token_id,
+                              draft_vocab_size=int(cfg["draft_vocab_size"]))
+        return PEagleDrafter(head.eval(), tuple(layers), config, describe(target))
     return EagleDrafter(head.eval(), tuple(layers), None, describe(target))
 
 
@@ -432,29 +464,38 @@ def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str,
 # ---------------------------------------------------------------- speculators' own classes
 
 
-def speculators_logits(folder: str, input_ids: Tensor, features: Tensor, steps: int) -> tuple[list[Tensor], list[str]]:
-    """Load ``folder`` with speculators' ``Eagle3DraftModel`` and run its forward (``steps`` unrolled
-    steps, eager attention, positions 0 …) on ``features`` [1, S, 3H] with ``input_ids`` [1, S] (row t
-    already holds x_{t+1}); returns the logits [1, S, Vd] of each step and the checks done.
-
-    Missing, unexpected or never-loaded tensors are errors: every tensor of the loaded model must
-    equal the file's, except speculators' training-only verifier_norm / verifier_lm_head.
-    """
+def reference_model(folder: str) -> tuple[Any, list[str]]:
+    """``folder`` loaded in speculators' own class (``Eagle3DraftModel`` or ``PEagleDraftModel``, by its
+    ``speculators_model_type``), fp32, eager attention, and the check done: missing, unexpected or never-loaded tensors
+    are errors — every tensor of the loaded model must equal the file's, except speculators' training-only
+    verifier_norm / verifier_lm_head."""
     try:
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+        from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     except ImportError as e:
         raise DraftsmithError(f"checking a speculators export needs the speculators package ({e}): pip install "
                               f"--no-deps speculators==0.9.0 hs-connectors && pip install openai loguru") from e
-    config = Eagle3SpeculatorConfig.from_pretrained(folder)
+    peagle = _is_peagle(read_json(os.path.join(folder, "config.json")))
+    config_class, model_class = (PEagleSpeculatorConfig, PEagleDraftModel) if peagle else \
+        (Eagle3SpeculatorConfig, Eagle3DraftModel)
+    config = config_class.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"  # its default flex attention wants S % 128 == 0
-    model = Eagle3DraftModel.from_pretrained(folder, config=config).float().eval()
+    model = model_class.from_pretrained(folder, config=config).float().eval()
     file = read_safetensors(os.path.join(folder, WEIGHTS))
-    loaded = model.state_dict()
     training_only = {"verifier_norm.weight", "verifier_lm_head.weight"}
-    missing, unexpected, stale = loaded_mismatch(loaded, file, training_only)
+    missing, unexpected, stale = loaded_mismatch(model.state_dict(), file, training_only)
     if missing or unexpected or stale:
-        raise DraftsmithError(f"{folder}: speculators' Eagle3DraftModel leaves tensors missing {missing}, finds "
+        raise DraftsmithError(f"{folder}: speculators' {model_class.__name__} leaves tensors missing {missing}, finds "
                               f"unexpected {unexpected}, or holds values other than the file's (uninitialized) {stale}")
+    return model, [f"speculators {model_class.__name__} loads all {len(file)} tensors of the file, each equal to it "
+                   f"(no missing, unexpected or uninitialized tensor)"]
+
+
+def speculators_logits(folder: str, input_ids: Tensor, features: Tensor, steps: int) -> tuple[list[Tensor], list[str]]:
+    """Load ``folder`` with speculators' ``Eagle3DraftModel`` and run its forward (``steps`` unrolled
+    steps, eager attention, positions 0 …) on ``features`` [1, S, 3H] with ``input_ids`` [1, S] (row t
+    already holds x_{t+1}); returns the logits [1, S, Vd] of each step and the checks done (:func:`reference_model`)."""
+    model, lines = reference_model(folder)
     captured: list[Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
     try:
@@ -463,5 +504,32 @@ def speculators_logits(folder: str, input_ids: Tensor, features: Tensor, steps: 
                   position_ids=torch.arange(input_ids.shape[1])[None], ttt_steps=steps)
     finally:
         hook.remove()
-    return captured, [f"speculators {type(model).__name__} loads all {len(file)} tensors of the file, each equal to it "
-                      f"(no missing, unexpected or uninitialized tensor)"]
+    return captured, lines
+
+
+def speculators_parallel_logits(model: Any, input_ids: Tensor, features: Tensor, loss_mask: Tensor, num_depths: int,
+                                seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """speculators' ``PEagleDraftModel`` ``model`` (:func:`reference_model`) run on one sequence: its training forward,
+    the only one it has, on ``features`` [1, S, 3H] with ``input_ids`` [1, S] (row t already holds x_{t+1}) and
+    ``loss_mask`` [1, S] (the rows whose rollouts it samples), its COD draw seeded by ``seed`` (the global RNG is
+    restored). Returns (logits [T, Vd], anchor [T], depth [T]) of its own draw, read where it makes them."""
+    import speculators.models.peagle.core as core
+    from speculators.losses import resolve_loss_config
+
+    drawn: list[tuple[Tensor, Tensor]] = []
+    sample = core.generate_cod_sample_indices
+    captured: list[Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    core.generate_cod_sample_indices = lambda *a, **kw: drawn.append(sample(*a, **kw)) or drawn[-1]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            model(hidden_states=features.float(), input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
+                  loss_mask=loss_mask, verifier_last_hidden_states=features.new_zeros(1, input_ids.shape[1],
+                                                                                     model.hidden_size).float(),
+                  num_depths=num_depths, loss_config=resolve_loss_config("kl_div", "eager"))
+    finally:
+        core.generate_cod_sample_indices = sample
+        hook.remove()
+    anchor, depth = drawn[0]
+    return captured[0][0], anchor, depth

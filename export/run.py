@@ -12,7 +12,7 @@ loaders read, d2t), then the export loaded into draftsmith's own decoder propose
 the source drafter proposes (fp32, the same inputs, greedy and sampled q) and a whole sampled
 speculative decode with it accepts the source's drafts round for round, and per format:
 ``hf`` — transformers' assisted generation with it equals the target's greedy output;
-``speculators`` — speculators' own ``Eagle3DraftModel`` loads every tensor and its logits on
+``speculators`` — speculators' own ``Eagle3DraftModel`` (``PEagleDraftModel`` for P-EAGLE) loads every tensor and its logits on
 the same hidden states equal draftsmith's head's (fp32 tolerance); ``dflash`` / ``speculators-dflash`` —
 the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its ``DFlashConverter``).
 """
@@ -64,7 +64,7 @@ class Format:
 FORMATS: dict[str, Format] = {
     "hf": Format(("draft_lm",), "transformers (generate(assistant_model=…)), vLLM/SGLang draft-model speculation", hf),
     "eagle3": Format(("eagle3",), "SGLang and vLLM (LlamaForCausalLMEagle3, the original EAGLE-3 layout)", eagle3),
-    "speculators": Format(("eagle3",), "vLLM (speculators format, Eagle3Speculator)", eagle3),
+    "speculators": Format(("eagle3", "peagle"), "vLLM (speculators format, Eagle3Speculator / PEagleSpeculator)", eagle3),
     "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
     "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
     "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),
@@ -351,21 +351,36 @@ def compare_decodes(target: Target, source: Any, exported: Any, prompt: list[int
 
 
 def compare_speculators(folder: str, target: Target, source: Any, ids: list[int], steps: int = 3) -> list[str]:
-    """speculators' forward (``steps`` unrolled steps) = draftsmith's head's unroll on the same hidden states."""
+    """speculators' forward (``steps`` unrolled steps) = draftsmith's head's unroll on the same hidden states; for a
+    P-EAGLE head, its training forward (COD layout of its own draw over every row, at most ``num_depths`` deep) =
+    draftsmith's head's forward of the same layout."""
     from ..drafters.common import shift_left
+    from ..drafters.peagle import PEagleHead
 
     x = torch.tensor([ids], device=target.device)
     _, features = _features(target, ids, tuple(source.feature_layers))
-    theirs, lines = eagle3.speculators_logits(folder, shift_left(x, 1), features, steps)
-    with torch.no_grad():
-        ours = [logits for _, logits in source.module.unroll(x, features, steps=steps)]
-    if len(theirs) != steps:
-        raise DraftsmithError(f"speculators ran {len(theirs)} steps, expected {steps}")
+    if isinstance(source.module, PEagleHead):
+        model, lines = eagle3.reference_model(folder)
+        depths = int(source.config.num_depths)
+        mask = torch.ones_like(x)
+        mask[:, 0] = 0  # row 0 seeds no rollout (its depth 1 would start before the sequence)
+        logits, anchor, depth = eagle3.speculators_parallel_logits(model, shift_left(x, 1), features, mask, depths)
+        theirs = [logits]
+        with torch.no_grad():
+            ours = [source.module.parallel(x, features, anchor[None], depth[None])[1][0]]
+        what = f"its training forward over {len(anchor)} entries of depth ≤ {int(depth.max())}"
+    else:
+        theirs, lines = eagle3.speculators_logits(folder, shift_left(x, 1), features, steps)
+        with torch.no_grad():
+            ours = [logits for _, logits in source.module.unroll(x, features, steps=steps)]
+        if len(theirs) != steps:
+            raise DraftsmithError(f"speculators ran {len(theirs)} steps, expected {steps}")
+        what = f"{steps} unrolled steps"
     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs))
     scale = max(1.0, max(float(a.float().abs().max()) for a in ours))  # [1, S, Vd] each
     if diff > LOGIT_TOLERANCE * scale:
         raise DraftsmithError(f"speculators' logits differ from draftsmith's head by {diff:.2e} (> {LOGIT_TOLERANCE:.0e} × "
                               f"the largest |logit| {scale:.3g})")
-    return lines + [f"speculators' forward on the same hidden states ({steps} unrolled steps, {len(ids)} positions) = "
+    return lines + [f"speculators' forward on the same hidden states ({what}, {len(ids)} positions) = "
                     f"draftsmith's logits (max |Δ| = {diff:.1e}, {diff / scale:.1e} of the largest |logit| {scale:.3g}, "
                     f"fp32)"]

@@ -35,6 +35,21 @@ def heldout(log: list[dict], name: str) -> list[float]:
     return [r[f"heldout/{name}"] for r in log if f"heldout/{name}" in r]
 
 
+def decodes_like_the_target(folder: str, target_dir: str, k: int, tokens: int = 16):
+    """The saved drafter ``folder``, loaded against the fp32 target, after checking that it decodes a chat prompt
+    token for token as the target's own greedy decoding (``tokens`` of them, k drafts a round)."""
+    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.drafters import load
+    from draftsmith.measure.reference import target_greedy
+
+    target = load_target(target_dir, "float32", "cpu")
+    drafter = load(folder, target)
+    prompt = target.render_chat([{"role": "user", "content": "Name three colors."}])
+    out = speculative_decode(target, drafter, prompt, k=k, max_new_tokens=tokens)
+    assert out.tokens == target_greedy(target, prompt, tokens)[: len(out.tokens)] and len(out.tokens) == tokens
+    return drafter
+
+
 def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, tiny_train_data):
     from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load

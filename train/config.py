@@ -2,7 +2,7 @@
 
 Learning rate, schedule and losses live here; engine settings (ZeRO stage, bf16/fp32,
 gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, named by
-``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash).
+``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash, peagle).
 """
 
 from __future__ import annotations
@@ -185,6 +185,25 @@ class DFlashTrainConfig:
 
 
 @dataclass
+class PEagleTrainConfig:
+    down_sample_ratio: float = 0.7
+    """COD sampling: depth d ≥ 1 trains a share max(r^d, r_min) of the rollouts (r, the reference's 0.7)."""
+    down_sample_ratio_min: float = 0.2
+    """r_min: the share of rollouts kept at every depth at least (the reference's 0.2)."""
+    max_anchors: int = 0
+    """Rollouts started per sequence at most, at random answer positions; 0 = every answer position (the reference's
+    default). Bounds the entries of a forward, whose attention grows with their square."""
+
+    def validate(self) -> None:
+        if not 0.0 < self.down_sample_ratio <= 1.0:
+            raise ConfigError(f"train.peagle.down_sample_ratio = {self.down_sample_ratio} must be in (0, 1]")
+        if not 0.0 <= self.down_sample_ratio_min <= 1.0:
+            raise ConfigError(f"train.peagle.down_sample_ratio_min = {self.down_sample_ratio_min} must be in [0, 1]")
+        if self.max_anchors < 0:
+            raise ConfigError(f"train.peagle.max_anchors = {self.max_anchors} must be ≥ 0 (0 = every answer position)")
+
+
+@dataclass
 class TrainConfig:
     dataset: str = ""
     """Tokenized dataset folder (``draftsmith prepare`` output: input_ids, loss_mask, …)."""
@@ -228,6 +247,8 @@ class TrainConfig:
     eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
     dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)
     """DFlash's anchors and position weights (``train/dflash.py``)."""
+    peagle: PEagleTrainConfig = field(default_factory=PEagleTrainConfig)
+    """P-EAGLE's COD sampling of the depths trained (``train/peagle.py``)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "max_length", "ttt_steps"):
