@@ -83,3 +83,35 @@ def test_the_reference_tables_hold_every_format_and_family_of_their_homes():
     assert sorted(families) == sorted(specs())
     trained = {m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|.*\| (?!—)[^|]+\|$", read("docs/drafters.md"), re.M)}
     assert trained == {n for n, s in specs().items() if s.trainable}
+
+
+
+def summary_misses(text: str) -> list[str]:
+    """What RESULTS' summary table (above its first ``## `` section) says that its sections do not: a row per
+    section, linking to it, and every bold figure of a row written in the section it links to (its ``###``
+    subsections included; white space folded)."""
+    head, _, body = text.partition("\n## ")
+    parts = re.split(r"^## (.+)$", "## " + body, flags=re.M)
+    sections = {slug(parts[i]): " ".join(parts[i + 1].split()) for i in range(1, len(parts), 2)}
+    rows = re.findall(r"^\| \[[^\]]+\]\(#([^)]+)\) \|(.*)$", head, re.M)
+    misses = [f"no summary row for #{a}" for a in sections if a not in {r for r, _ in rows}]
+    for anchor, rest in rows:
+        figures = [" ".join(b.split()) for b in re.findall(r"\*\*(.+?)\*\*", rest)]
+        if anchor not in sections:
+            misses.append(f"#{anchor}: no such section")
+        elif not figures:
+            misses.append(f"#{anchor}: no bold figure")
+        misses += [f"#{anchor}: {f!r} is not in the section" for f in figures if anchor in sections and f not in sections[anchor]]
+    return misses
+
+
+def test_the_results_summary_quotes_its_sections():
+    """RESULTS' summary is checked against its sections, so a figure is written once, in its section, and quoted."""
+    assert summary_misses(read("benchmarks/RESULTS.md")) == []
+
+
+def test_a_summary_figure_its_section_lacks_is_found():
+    page = ("# R\n\n| benchmark | figure |\n| --- | --- |\n| [demo](#demo) | **1.11×**, **16 min** |\n"
+            "| [old](#old) | **2×** |\n\n## demo\n\nran **1.109×**\nin 16\nmin\n\n### sub\n\n## ceiling\n\n**3.95×**\n")
+    assert summary_misses(page) == ["no summary row for #ceiling", "#demo: '1.11×' is not in the section",
+                                    "#old: no such section"]
