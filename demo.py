@@ -15,10 +15,10 @@ target and data, ending with a drafter that makes the target faster, measured.
    per prompt), and every output checked token for token against the target's own greedy
    decoding in **fp32** (where identity is exact).
 
-Two sizes (``--size``, :data:`SIZES`): ``default`` is sized for about 20 minutes on a 2-core CPU and
+Two sizes (``--size``, :data:`SIZES`): ``default`` is sized for a short run on a 2-core CPU and
 must end faster than the target alone; ``full`` regenerates the answers of about 4× the conversations, trains
-4× the steps and evaluates on more prompts, with higher bars (about an hour on a 2-core CPU; the measured
-times and figures of both: benchmarks/RESULTS.md, "demo"). Every stage reuses what a previous run finished
+4× the steps and evaluates on more prompts, with higher bars (the measured times and figures of both:
+benchmarks/RESULTS.md, "demo"). Every stage reuses what a previous run finished
 (prepare skips done stages, training resumes from its last checkpoint), so a killed demo continues where it
 stopped. Each stage is the code the CLI runs (``draftsmith prepare | train | eval``) with the
 recipe overrides printed, so every figure can be reproduced stage by stage.
@@ -130,8 +130,8 @@ REGENERATE_SERVER = {"gguf_type": "bf16", "slots": 32, "threads": 2}
 """The llama-server of ``regenerate_method="server"`` (``data.regenerate.server``): the target's BF16 GGUF (converted
 once by llama.cpp's converter; the demo's pipeline is bf16 where the CPU computes it natively), ``slots`` sequences
 decoded together (as many requests in flight) on ``threads`` CPU threads, flash attention on. Set from
-``benchmarks/regen_server.py`` on the demo's 2-core machine: the fastest server configuration, 1.13× in-process HF
-quiet (benchmarks/RESULTS.md, "prepare"), which is why ``generate`` stays the default."""
+``benchmarks/regen_server.py`` on the demo's 2-core machine: the fastest server configuration, level with in-process
+HF (benchmarks/RESULTS.md, "prepare"), which is why ``generate`` stays the default."""
 
 
 def pipeline_dtype(size: DemoSize) -> str:

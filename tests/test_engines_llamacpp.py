@@ -33,7 +33,7 @@ output of the last layer is no layer's input)."""
 
 @pytest.fixture(scope="module")
 def llama():
-    return llamacpp.binaries()  # builds llama.cpp into the cache the first time (~10 min on 2 cores)
+    return llamacpp.binaries()  # builds llama.cpp into the cache the first time (its time: RESULTS "llama.cpp", Build)
 
 
 @pytest.fixture(scope="module")
