@@ -49,7 +49,7 @@ from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.drafters.suffix import SuffixDrafter
 from draftsmith.measure.forwards import ForwardCounter
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import hf_generate, target_greedy
+from draftsmith.decode.reference import hf_generate, target_greedy
 from draftsmith.measure.costs import median_interval
 from draftsmith.measure.paired import paired_runs
 from draftsmith.files import write_json

@@ -88,7 +88,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.decode.tree import tree_decode
     from draftsmith.drafters import Eagle3Config, load
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
     from draftsmith.target import describe, load_target
 
     target = load_target(args.target, dtype=dtype)

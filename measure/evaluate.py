@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..decode.chain import DecodeResult, check_prompt, speculative_decode
 from ..decode.protocol import Drafter, common_prefix
+from ..decode.reference import target_greedy
 from ..decode.stats import DecodeStats
 from ..decode.tree import tree_decode
 from ..errors import ConfigError, DraftsmithError
@@ -29,7 +30,6 @@ from .config import DecodeConfig
 from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs
 from .paired import paired_runs
 from .prompts import Question
-from .reference import target_greedy
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ..errors import ConfigError, DraftsmithError
 from ..measure.baselines import baseline_configs
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import Question, load_questions
-from ..measure.reference import target_greedy
+from ..decode.reference import target_greedy
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
 from . import summary as S

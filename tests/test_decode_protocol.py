@@ -12,7 +12,7 @@ from draftsmith.decode.protocol import ABILITIES, BindsTargetCache, Drafter, Gat
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.measure.costs import TimedDrafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 from .test_decode_tree import SCRIPT_SHAPE, ScriptedTreeDrafter
 from .test_decoder import PROMPT_IDS, ScriptedDrafter, make_target, reference

@@ -38,7 +38,7 @@ from draftsmith.drafters.medusa import MedusaConfig
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.measure.config import DecodeConfig
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 
 from .conftest import tiny_llama

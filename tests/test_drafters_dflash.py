@@ -20,7 +20,7 @@ from draftsmith.drafters.dflash import (
     default_target_layers,
 )
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 from draftsmith.train.dflash import block_labels, position_weights, sample_anchors
 

@@ -14,7 +14,7 @@ from draftsmith.decode.chain import speculative_decode
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 pytestmark = pytest.mark.e2e
 

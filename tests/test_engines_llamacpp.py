@@ -19,7 +19,7 @@ from draftsmith.cli import main
 from draftsmith.drafters import DraftLMConfig, Eagle3Config
 from draftsmith.engines import llamacpp
 from draftsmith.errors import DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.export import check, export, export_target
 from draftsmith.export import gguf
 from draftsmith.target import load_target
