@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from ..errors import DraftsmithError
 from ..cpu_kernels import cpu_linear
-from ..target import resolve_layer  # noqa: F401  (the layer-id convention lives in target.py; families import it here)
 
 
 def text_config(arch: Any) -> Any:

@@ -62,13 +62,12 @@ from torch import Tensor, nn
 from ..decode.protocol import Proposal, ReducedVocab, draft_chain
 from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, describe
+from ..target import Target, resolve_layer
 from .common import (
     draft_layer_config,
     frozen_target_parts,
     place,
     placeholder_parts,
-    resolve_layer,
     scatter_to_target,
     seeded,
     take_committed,
@@ -268,11 +267,10 @@ def block_attention_mask(anchors: Tensor, block_size: int, seq_len: int) -> Tens
 class DFlashDrafter:
     """Drafter protocol over a :class:`DFlashModule`: one forward per round drafts up to Bs − 1 tokens."""
 
-    def __init__(self, module: DFlashModule, config: DFlashConfig, target_info: dict[str, Any]):
+    def __init__(self, module: DFlashModule, config: DFlashConfig):
         self.module = module
         self.feature_layers = tuple(config.feature_layers)
         self.config = config
-        self.target_info = target_info
         self.reset()
 
     @property
@@ -447,7 +445,7 @@ class DFlashConfig:
     def runtime(self, module: DFlashModule, target: Target) -> DFlashDrafter:
         size = 0 if module.d2t is None else int(module.d2t.shape[0])
         cfg = dataclasses.replace(self.resolve(target), draft_vocab="", draft_vocab_size=size)
-        return DFlashDrafter(module, cfg, describe(target))
+        return DFlashDrafter(module, cfg)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {} if module.d2t is None else {"draft_vocab_size": int(module.d2t.shape[0])}

@@ -40,14 +40,13 @@ class EagleDrafter:
     module: the head; it provides ``new_cache()``, ``forward(input_ids, hidden, position_ids=,
     cache=, logits_to_keep=) -> (hidden [1,S,H], logits [1,S',V'])`` and ``target_logits(logits [..,V']) -> [..,V]``.
     feature_layers: the target layers the decoder must return (resolved, 0-based).
-    config / target_info: what ``drafters.save`` writes next to the weights.
+    config: the family config the head was built from, resolved (``None`` for a head read from an export).
     """
 
-    def __init__(self, module: nn.Module, feature_layers: tuple[int, ...], config: Any, target_info: dict[str, Any]):
+    def __init__(self, module: nn.Module, feature_layers: tuple[int, ...], config: Any):
         self.module = module
         self.feature_layers = tuple(feature_layers)
         self.config = config
-        self.target_info = target_info
         self.reset()
 
     @property

@@ -38,7 +38,7 @@ from ..decode.protocol import Proposal, draft_chain
 from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .common import check_features, frozen_copy, place, seeded, target_parts, text_config
 
 IGNORE = -100
@@ -104,11 +104,10 @@ def medusa_labels(input_ids: Tensor, num_heads: int, ignore_index: int = IGNORE)
 class MedusaDrafter:
     """Drafter protocol over Medusa heads: K independent proposals from the last target feature."""
 
-    def __init__(self, module: MedusaHeads, feature_layer: int, config: Any, target_info: dict[str, Any]):
+    def __init__(self, module: MedusaHeads, feature_layer: int, config: Any):
         self.module = module
         self.feature_layers = (feature_layer,)
         self.config = config
-        self.target_info = target_info
         self.reset()
 
     def reset(self) -> None:
@@ -204,7 +203,7 @@ class MedusaConfig:
         return place(heads, target.device, target.dtype)
 
     def runtime(self, module: MedusaHeads, target: Target) -> MedusaDrafter:
-        return MedusaDrafter(module, target.num_layers - 1, self, describe(target))
+        return MedusaDrafter(module, target.num_layers - 1, self)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {}

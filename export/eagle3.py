@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .adapters import adapter
 from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
 from .tensors import DTYPES, loaded_mismatch, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
@@ -316,7 +316,7 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     full = () if "d2t" in native else ("d2t", "t2d")  # without them: the identity mapping the head starts with
     _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)
     layers = native_layer_ids(cfg["eagle_aux_hidden_state_layer_ids"], target.num_layers, "vllm")
-    return EagleDrafter(head.eval(), tuple(layers), None, describe(target))
+    return EagleDrafter(head.eval(), tuple(layers), None)
 
 
 def _load_exact(module: torch.nn.Module, state: dict[str, Tensor], skip: tuple[str, ...], where: str) -> None:
