@@ -133,7 +133,8 @@ class MedusaDrafter:
                            self.module.head_logits(0, normed), min(k, self.module.num_heads), warp, generator)
 
     @torch.inference_mode()
-    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None,
+                     min_confidence: float = 0.0) -> DraftTree:
         """A draft tree at most K deep: the children of every node at depth d come from head d (Medusa's
         heads read the last target feature only, so all nodes of a depth share one distribution)."""
         if self.last is None:
@@ -152,7 +153,8 @@ class MedusaDrafter:
                 depth[i] = 1 if p < 0 else depth[p] + 1
             return torch.stack([head(depth[n]) for n in new])  # [S, V]
 
-        return build_tree(shape, head(0), expand, warp, generator, max_depth=self.module.num_heads)
+        return build_tree(shape, head(0), expand, warp, generator, max_depth=self.module.num_heads,
+                          min_confidence=min_confidence)
 
 
 def build_medusa(arch: Any, feature_norm: nn.Module, num_heads: int, num_layers: int, seed: int = 0) -> MedusaHeads:

@@ -167,7 +167,7 @@ def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: D
         return speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
                                   warp=decode.warp, seed=decode.seed, min_confidence=decode.min_confidence)
     return tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=decode.max_new_tokens, warp=decode.warp,
-                       seed=decode.seed)
+                       seed=decode.seed, min_confidence=decode.min_confidence)
 
 
 def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, records: list[dict[str, Any]],
