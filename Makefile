@@ -22,7 +22,8 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: setup engine demo test test-unit bench clean
 
 # llama.cpp (the serving engine the demo and the engine tests run) is built once per machine into
-# ~/.cache/draftsmith/llama.cpp (or $$DRAFTSMITH_CACHE): ~10 min on 2 cores the first time, a no-op after.
+# ~/.cache/draftsmith/llama.cpp (or $$DRAFTSMITH_CACHE) the first time (its time: benchmarks/RESULTS.md,
+# "llama.cpp", Build), a no-op after.
 setup: $(STAMP) engine
 
 engine: $(STAMP)

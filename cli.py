@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "for token against the target's greedy decoding in fp32. Exits 1 when the named size "
                                    "does not end faster than the target alone. Resumes where a killed run stopped.")
     p.add_argument("--size", choices=sorted(SIZES), default="default",
-                   help="default: ~20 min on 2 CPU cores (sized down where fp32 is the faster dtype); full: ~1 hour there, "
-                        "more data and steps, higher bars; measured: benchmarks/RESULTS.md, demo (default: default)")
+                   help="default: a short run on 2 CPU cores (sized down where fp32 is the faster dtype); full: more data and "
+                        "steps, higher bars; times and figures measured: benchmarks/RESULTS.md, demo (default: default)")
     p.add_argument("--run-dir", default=None, help="where every stage writes (default: runs/demo, runs/demo-full)")
     for name, kind, what in (("conversations", int, "ShareGPT conversations whose first answer the target regenerates"),
                              ("steps", int, "EAGLE-3 training steps"), ("prompts", int, "MT-bench prompts decoded"),

@@ -15,10 +15,10 @@ target and data, ending with a drafter that makes the target faster, measured.
    per prompt), and every output checked token for token against the target's own greedy
    decoding in **fp32** (where identity is exact).
 
-Two sizes (``--size``, :data:`SIZES`): ``default`` is sized for about 20 minutes on a 2-core CPU and
+Two sizes (``--size``, :data:`SIZES`): ``default`` is sized for a short run on a 2-core CPU and
 must end faster than the target alone; ``full`` regenerates the answers of about 4× the conversations, trains
-4× the steps and evaluates on more prompts, with higher bars (about an hour on a 2-core CPU; the measured
-times and figures of both: benchmarks/RESULTS.md, "demo"). Every stage reuses what a previous run finished
+4× the steps and evaluates on more prompts, with higher bars (the measured times and figures of both:
+benchmarks/RESULTS.md, "demo"). Every stage reuses what a previous run finished
 (prepare skips done stages, training resumes from its last checkpoint), so a killed demo continues where it
 stopped. Each stage is the code the CLI runs (``draftsmith prepare | train | eval``) with the
 recipe overrides printed, so every figure can be reproduced stage by stage.
@@ -38,9 +38,11 @@ from .tables import WIDTH, text_table, wrapped
 
 @dataclass
 class DemoSize:
+    """One size of the demo; its defaults are the default size (``SIZES["default"]``, what ``make demo`` runs)."""
+
     conversations: int = 240
     """ShareGPT conversations read (first answers regenerated, or every turn's own answer)."""
-    regenerate: bool = False
+    regenerate: bool = True
     """True: train on the target's own greedy answers to the first turns (``data.regenerate``); False:
     on ShareGPT's own answers (every turn), with the target's soft labels from the feature cache. A
     regenerated token costs several cached ones on a CPU, yet both sizes train on-policy: a head trained on
@@ -57,23 +59,23 @@ class DemoSize:
     """Tokens per training sequence (prompt + answer); longer records are cut."""
     draft_vocab: int = 8192
     """Tokens in the head's draft vocabulary (``data.vocab.size``): the most frequent answer tokens."""
-    steps: int = 300
+    steps: int = 150
     """EAGLE-3 optimizer steps."""
-    batch_size: int = 4
+    batch_size: int = 8
     """Sequences per micro-batch."""
-    ttt_steps: int = 3
+    ttt_steps: int = 2
     """Training-time test: steps the head is unrolled on its own outputs."""
     lr: float = 2.0e-3
-    prompts: int = 10
+    prompts: int = 8
     """MT-bench first turns decoded (after one warm-up prompt)."""
-    max_new_tokens: int = 96
-    k: int = 3
+    max_new_tokens: int = 64
+    k: int = 1
     """Draft tokens per round in the evaluation."""
-    min_confidence: float = 0.0
+    min_confidence: float = 0.1
     """The decoder's confidence gate (``decode.min_confidence``): drafts verified only while the head's
     running top-1 confidence stays above it (chains), or only the tree slots whose path confidence is
     at least it (dynamic trees); lossless."""
-    tree: tuple[int, int, int] | None = None
+    tree: tuple[int, int, int] | None = (1, 3, 3)
     """(depth, top_k, budget) of an EAGLE-2 dynamic draft tree (``decode.tree=dynamic``), or None for
     chains of k."""
     engine_k: tuple[int, ...] = (1, 2)
@@ -96,11 +98,8 @@ class DemoSize:
 
 
 SIZES: dict[str, DemoSize] = {
-    "default": DemoSize(conversations=240, regenerate=True, answer_tokens=160, steps=150, batch_size=8, ttt_steps=2,
-                        prompts=8, max_new_tokens=64, k=1, min_confidence=0.1, tree=(1, 3, 3)),
-    "full": DemoSize(conversations=1000, regenerate=True, answer_tokens=160, steps=600, batch_size=8, ttt_steps=2,
-                     prompts=20, max_new_tokens=96, k=1, min_confidence=0.1, tree=(1, 3, 3), min_speedup=1.5,
-                     min_tau=2.0),
+    "default": DemoSize(),
+    "full": DemoSize(conversations=1000, steps=600, prompts=20, max_new_tokens=96, min_speedup=1.5, min_tau=2.0),
 }
 """``make demo`` runs ``default``; ``make demo DEMO=full`` runs ``full``. Both train on the target's own answers
 (on-policy data teaches more per token) and decode with a gated dynamic tree: the head's top-3 first tokens
@@ -130,8 +129,8 @@ REGENERATE_SERVER = {"gguf_type": "bf16", "slots": 32, "threads": 2}
 """The llama-server of ``regenerate_method="server"`` (``data.regenerate.server``): the target's BF16 GGUF (converted
 once by llama.cpp's converter; the demo's pipeline is bf16 where the CPU computes it natively), ``slots`` sequences
 decoded together (as many requests in flight) on ``threads`` CPU threads, flash attention on. Set from
-``benchmarks/regen_server.py`` on the demo's 2-core machine: the fastest server configuration, 1.13× in-process HF
-quiet (benchmarks/RESULTS.md, "prepare"), which is why ``generate`` stays the default."""
+``benchmarks/regen_server.py`` on the demo's 2-core machine: the fastest server configuration, level with in-process
+HF (benchmarks/RESULTS.md, "prepare"), which is why ``generate`` stays the default."""
 
 
 def pipeline_dtype(size: DemoSize) -> str:
@@ -219,7 +218,7 @@ def stage_recipes(size: DemoSize) -> dict[str, str]:
     return {"prepare": "smollm2-135m-prepare", "train": f"smollm2-135m-{size.drafter}", "eval": f"smollm2-135m-{size.drafter}"}
 
 
-STAGE_RECIPES = stage_recipes(DemoSize())
+STAGE_RECIPES = stage_recipes(SIZES["default"])
 """The default demo's (EAGLE-3)."""
 
 
@@ -231,7 +230,7 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
     from .eval.run import run_eval_recipe
     from .train.run import run_training
 
-    size = size or DemoSize()
+    size = size or SIZES["default"]
     stages, names = demo_stages(run_dir, size), stage_recipes(size)
     # every stage's recipe is validated before the first one runs: a bad --steps fails now, not after prepare
     recipes = {name: load_recipe(names[name], overrides) for name, overrides in stages.items()}

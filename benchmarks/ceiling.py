@@ -28,7 +28,7 @@ from draftsmith.decode.sampling import Warp
 from draftsmith.files import write_json
 from draftsmith.measure.costs import verify_costs
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target, describe, load_target
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.cpu_kernels import cpu_linear
 from draftsmith.target import crop_cache, load_target
 

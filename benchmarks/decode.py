@@ -42,7 +42,7 @@ from draftsmith.drafters.layer_skip import layer_skip_drafter, truncated_model
 from draftsmith.files import write_json
 from draftsmith.measure.forwards import ForwardCounter
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import hf_generate, target_greedy
+from draftsmith.decode.reference import hf_generate, target_greedy
 from draftsmith.target import Target, describe, load_target
 
 

@@ -49,7 +49,7 @@ from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.drafters.suffix import SuffixDrafter
 from draftsmith.measure.forwards import ForwardCounter
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import hf_generate, target_greedy
+from draftsmith.decode.reference import hf_generate, target_greedy
 from draftsmith.measure.costs import median_interval
 from draftsmith.measure.paired import paired_runs
 from draftsmith.files import write_json
@@ -129,7 +129,8 @@ def speed_vs_target(target: Target, sets: list[str], n: int, k: int, max_new: in
             def run(p: list[int]) -> list[int]:
                 if tree is not None:
                     shape = replace(tree, depth=depth_of(name))
-                    res = tree_decode(target, builds[name], p, tree=shape, max_new_tokens=max_new)
+                    res = tree_decode(target, builds[name], p, tree=shape, max_new_tokens=max_new,
+                                      min_confidence=min_confidence)
                 else:
                     res = speculative_decode(target, builds[name], p, k=k, max_new_tokens=max_new,
                                              min_confidence=min_confidence)
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     tree = None
     if args.tree:
         depth, top_k, budget = (int(x) for x in args.tree.split(","))
-        tree = DynamicTree(depth, top_k, budget, args.min_confidence)
+        tree = DynamicTree(depth, top_k, budget)
     if "speed" not in skip:
         bf16 = load_target(args.target, dtype="bfloat16", device="cpu")
         results["bf16_vs_target"] = speed_vs_target(bf16, sets, args.prompts, args.k, args.max_new_tokens,

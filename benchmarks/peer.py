@@ -80,7 +80,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from draftsmith.config import load_recipe
+from draftsmith.config import Recipe, load_recipe
 from draftsmith.demo import SIZES, demo_stages
 from draftsmith.drafters import load as load_drafter
 from draftsmith.drafters.common import shift_left
@@ -136,7 +136,7 @@ class Data:
     t2d: Tensor
 
 
-def draftsmith_data(recipe: Any, target: Target) -> Data:
+def draftsmith_data(recipe: Recipe, target: Target) -> Data:
     """The records, split and per-step batches exactly as ``train/setup.py`` ``start`` makes them (one process)."""
     from draftsmith.data.vocab import resolve_draft_vocab
 
@@ -153,7 +153,7 @@ def draftsmith_data(recipe: Any, target: Target) -> Data:
 # ---------------------------------------------------------------- 1. convert
 
 
-def convert(data: Data, recipe: Any, target: Target, out: str) -> None:
+def convert(data: Data, recipe: Recipe, target: Target, out: str) -> None:
     """Write speculators' offline format for every record (see the module docstring) into ``out``, atomically."""
     import datasets
     from safetensors.torch import save_file
@@ -213,7 +213,7 @@ class StepBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def train_speculators(data: Data, recipe: Any, target: Target, data_dir: str, out: str, defaults: bool) -> str:
+def train_speculators(data: Data, recipe: Recipe, target: Target, data_dir: str, out: str, defaults: bool) -> str:
     """Train speculators' EAGLE-3 head for the recipe's steps on draftsmith's batches; returns its checkpoint folder.
 
     defaults: speculators' own norm flags (norm_before_residual, norm_before_fc, norm_output true) instead of the
@@ -274,7 +274,7 @@ def train_speculators(data: Data, recipe: Any, target: Target, data_dir: str, ou
 
 
 @torch.no_grad()
-def heldout(recipe: Any, target: Target, data: Data, path: str) -> dict[str, float]:
+def heldout(recipe: Recipe, target: Target, data: Data, path: str) -> dict[str, float]:
     """The held-out figures of ``train/eagle3.py``'s ``evaluate`` for the drafter folder ``path``, over
     ``data.heldout`` in draftsmith's held-out batches, and sim τ at the recipe's decode depth."""
     cfg = recipe.train
@@ -304,7 +304,7 @@ def heldout(recipe: Any, target: Target, data: Data, path: str) -> dict[str, flo
     return out
 
 
-def heldout_check(recipe: Any, target: Target, data: Data, run_dir: str) -> dict[str, float] | None:
+def heldout_check(recipe: Recipe, target: Target, data: Data, run_dir: str) -> dict[str, float] | None:
     """:func:`heldout` of the run's final ``drafter`` beside the held-out sim τ its training logged at the end
     (``train_summary.json``): equal when this evaluation and the split are draftsmith's own."""
     summary, final = os.path.join(run_dir, "train_summary.json"), os.path.join(run_dir, "drafter")
@@ -318,7 +318,7 @@ def heldout_check(recipe: Any, target: Target, data: Data, run_dir: str) -> dict
 # ---------------------------------------------------------------- 5. the built-in decoder
 
 
-def decoder(recipe: Any, target: Target, path: str, prompts: int, k: int, max_new_tokens: int) -> dict[str, Any]:
+def decoder(recipe: Recipe, target: Target, path: str, prompts: int, k: int, max_new_tokens: int) -> dict[str, Any]:
     """The drafter folder ``path`` in the built-in decoder: what ``draftsmith eval ... eval.check_identity=false
     eval.engine=none`` measures (``measure.evaluate.evaluate``), a greedy chain of ``k`` on the first ``prompts``
     MT-bench first turns, on ``target`` (bf16), the target alone not timed. Reused from the run folder's

@@ -20,7 +20,7 @@ import time
 import torch
 
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import load_target
 
 

@@ -73,7 +73,7 @@ def methods(args: argparse.Namespace) -> dict[str, Any]:
         if not out.get(f"static '{args.static}'"):
             out[f"static '{args.static}'"] = (StaticTree.named_or_given(static), 0.0)
         for depth, budget in sorted(dynamic):
-            out[f"dynamic d={depth} k={args.top_k} n={budget}{tag}"] = (DynamicTree(depth, args.top_k, budget, gate), gate)
+            out[f"dynamic d={depth} k={args.top_k} n={budget}{tag}"] = (DynamicTree(depth, args.top_k, budget), gate)
     if args.no_static:
         out.pop(f"static '{args.static}'")
     return out
@@ -88,7 +88,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.decode.tree import tree_decode
     from draftsmith.drafters import Eagle3Config, load
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
     from draftsmith.target import describe, load_target
 
     target = load_target(args.target, dtype=dtype)
@@ -103,7 +103,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
         shape, gate = method
         if shape is None:
             return speculative_decode(target, drafter, p, k=args.k, max_new_tokens=args.max_new_tokens, min_confidence=gate)
-        return tree_decode(target, drafter, p, tree=shape, max_new_tokens=args.max_new_tokens)
+        return tree_decode(target, drafter, p, tree=shape, max_new_tokens=args.max_new_tokens, min_confidence=gate)
 
     print(f"\n== {target.name} {dtype} on {target.device}, {label}, {len(prompts) - 1} MT-bench prompts, "
           f"max_new_tokens={args.max_new_tokens}, {torch.get_num_threads()} threads")

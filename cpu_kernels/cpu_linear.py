@@ -7,9 +7,8 @@ Three routes, chosen per layer by its dtype when :func:`install` runs:
   weight packed once into the blocked layout its bf16 kernel reads (``_reorder_linear_weight``). torch's
   bf16 ``F.linear`` hands oneDNN the plain [N, K] weight, and the AVX512-BF16 kernel (which multiplies pairs
   of K) re-lays every block of it out on every call: a one-token step read the weight twice, and bf16 lost
-  to fp32 (Gemma-3-270M's 262k-row lm_head: 43 ms in bf16 against 43 ms in fp32, 24 ms packed, 1 thread).
-  Packed, a one-row linear costs 0.45–0.6× torch's, 2–8 rows 0.25–0.5×, 512 rows ~0.95×, and the result is
-  bit-identical to ``F.linear``'s at every row count (benchmarks/RESULTS.md, "gemma-3"). Only frozen
+  to fp32. Packed, a linear reads the weight once, and the result is bit-identical to ``F.linear``'s at every
+  row count (the costs by shape and row count: benchmarks/RESULTS.md, "gemma-3"). Only frozen
   weights (``requires_grad=False``: the target, a drafter's copies of the target's parts) take it: an
   optimizer may write a trainable weight through ``.data`` or a flat buffer it is a view of, which no
   version counter sees, and a stale packed copy would evaluate old weights. A frozen weight that is

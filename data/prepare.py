@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DraftsmithError
 from ..files import write_json
@@ -44,6 +44,10 @@ from .conversations import conversations_manifest, load_conversations, write_con
 from .normalize import SKIP_REASONS, ReadStats, iter_conversations
 from .shards import MANIFEST, SOLO, Workers, read_json
 from .sources import SourceReport, repairs_note, source_identity
+
+if TYPE_CHECKING:
+    from ..config import Recipe
+
 
 @dataclass(frozen=True)
 class PreparedPaths:
@@ -101,7 +105,7 @@ class PrepareSummary:
                 "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
 
 
-def run_prepare_recipe(recipe: Any, restart: bool = False,
+def run_prepare_recipe(recipe: Recipe, restart: bool = False,
                        workers: Callable[[], AbstractContextManager[Workers]] = lambda: nullcontext(SOLO)) -> dict[str, Any]:
     """``draftsmith prepare``: the whole command (the CLI and the demo call it). Opens ``workers`` for the run,
     writes the resolved recipe to ``<run_dir>/config.yaml`` (process 0), runs :func:`run_prepare` and returns
@@ -116,7 +120,7 @@ def run_prepare_recipe(recipe: Any, restart: bool = False,
         return run_prepare(recipe, workers=w, restart=restart).to_dict()
 
 
-def run_prepare(recipe: Any, progress: bool = True, workers: Workers = SOLO, restart: bool = False) -> PrepareSummary:
+def run_prepare(recipe: Recipe, progress: bool = True, workers: Workers = SOLO, restart: bool = False) -> PrepareSummary:
     """Run ``recipe.data.stages`` for ``recipe.target``; print and return the summary (process 0 prints
     and writes it when several ``workers`` share the job). ``restart``: let regenerate and features discard
     finished shards that changed settings or inputs invalidate (without it they stop and say what changed)."""
@@ -164,7 +168,7 @@ class _Env:
     features); what its files say (tokenizer, config, fingerprint) for the stages that need no model
     (tokenize, vocab, regenerate through a server)."""
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Recipe):
         self.recipe = recipe
         self._target = None
         self._files = None

@@ -119,8 +119,8 @@ def speculative_decode(
     may verify no draft at all: a plain target step). The rule reads only the drafter's state, before
     the target sees the drafts, so the output law is unchanged (lossless; greedy: token-identical).
     It pays where verification is not free: a draft is worth verifying when its chance of acceptance
-    exceeds the extra verification cost, v(1) − 1 (≈ 0.05–0.2 of a step in bf16 on a 2-core AVX2 CPU with
-    ``cpu_kernels/cpu_linear.py``, ≈ 0.35 without it), plus the drafting cost c.
+    exceeds the extra verification cost, v(1) − 1 (measured per kernel: benchmarks/RESULTS.md, "cpu_linear"),
+    plus the drafting cost c.
     """
     if k < 1:
         raise DraftsmithError(f"k = {k}: the number of draft tokens per round must be at least 1")

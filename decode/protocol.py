@@ -41,9 +41,9 @@ what the drafter it wraps has (:func:`ability_methods`).
     confidence product falls below it, since the gate drops every draft from there on
     (``draft_chain(stop_below=)``). The output is unchanged; the draft steps that would have been
     dropped are not computed.
-:class:`TreeDrafter` — ``propose_tree(shape, warp, generator) -> DraftTree``
-    a drafter that drafts trees (``decode/tree.py``); tree decoding verifies any other drafter's
-    ``propose`` chain as the one-branch tree.
+:class:`TreeDrafter` — ``propose_tree(shape, warp, generator, min_confidence) -> DraftTree``
+    a drafter that drafts trees (``decode/tree.py``: ``build_tree``), behind the decoder's confidence gate;
+    tree decoding verifies any other drafter's ``propose`` chain as the one-branch tree.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ class TreeDrafter(Protocol):
     ``TreeShape`` and ``DraftTree`` are defined in ``decode/tree.py``, which imports this module, so
     they are named here without an import (annotations are never evaluated)."""
 
-    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree: ...  # noqa: F821
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None,  # noqa: F821
+                     min_confidence: float = 0.0) -> DraftTree: ...  # noqa: F821
 
 
 ABILITIES: tuple[type, ...] = (BindsTargetCache, Gated, TreeDrafter)

@@ -119,24 +119,17 @@ class StaticTree:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` slots expanded per level, ``budget`` nodes in all.
-
-    ``min_confidence`` is the tree's confidence gate: a slot whose confidence (known before it is
-    drawn, see the module docstring) is below it is not drafted, so a round where the drafter is unsure
-    verifies fewer nodes, or none (a plain target step). It is a stopping rule on values fixed before
-    the draws, so verification stays exact; 0 = off (EAGLE-2)."""
+    """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` slots expanded per level, ``budget`` nodes in all
+    (the confidence gate is the decoder's ``min_confidence``, as for chains: :func:`build_tree`)."""
 
     depth: int = 5
     top_k: int = 8
     budget: int = 63
-    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.budget < 1:
             raise DraftsmithError(f"a dynamic tree needs depth, top_k and budget ≥ 1, got {self.depth}, "
                                   f"{self.top_k}, {self.budget}")
-        if not 0.0 <= self.min_confidence < 1.0:
-            raise DraftsmithError(f"a dynamic tree's min_confidence must be in [0, 1), got {self.min_confidence}")
 
     @property
     def size(self) -> int:
@@ -421,13 +414,20 @@ def build_tree(
     generator: torch.Generator | None,
     max_depth: int | None = None,
     replacement: bool = False,
+    min_confidence: float = 0.0,
 ) -> DraftTree:
     """Draft a tree of ``shape`` below the root. root_logits: [V] the drafter's logits for the root's
     children; expand: the drafter's forward over new nodes (see :data:`Expand`), called once per level.
     max_depth caps the depth (e.g. Medusa's number of heads); replacement (static trees only) draws
-    siblings i.i.d. instead of distinct."""
+    siblings i.i.d. instead of distinct. min_confidence: the confidence gate of a dynamic tree: a slot whose
+    confidence (known before it is drawn, see the module docstring) is below it is not drafted, so a round
+    where the drafter is unsure verifies fewer nodes, or none (a plain target step). It is a stopping rule on
+    values fixed before the draws, so verification stays exact; 0 = off (EAGLE-2). A static tree is fixed:
+    no gate."""
     if replacement and not isinstance(shape, StaticTree):
         raise DraftsmithError("children drawn with replacement are supported for static trees only")
+    if not 0.0 <= min_confidence < 1.0:
+        raise DraftsmithError(f"the confidence gate min_confidence must be in [0, 1), got {min_confidence}")
     b = _Build(warp, generator, replacement)
     b.set_dist(0, root_logits)
     depth = min(shape.depth, max_depth) if max_depth is not None else shape.depth
@@ -459,7 +459,7 @@ def build_tree(
             if room <= 0 or not frontier:
                 break
             slots = [(key, row, j) for row in frontier for j, key in enumerate(b.slot_keys(row, shape.top_k))
-                     if key >= shape.min_confidence]
+                     if key >= min_confidence]
             slots.sort(key=lambda s: (-s[0], s[1], s[2]))  # per parent, keys fall with j: the gate and the cut keep a prefix
             take, rest = slots[: min(shape.top_k, room)], slots[min(shape.top_k, room):]
             leftover += rest
@@ -484,14 +484,15 @@ def build_tree(
 @torch.inference_mode()
 def tree_decode(
     target: Target, drafter: Drafter, prompt_ids: list[int], *, tree: TreeShape, max_new_tokens: int,
-    warp: Warp = Warp(), seed: int = 0,
+    warp: Warp = Warp(), seed: int = 0, min_confidence: float = 0.0,
 ) -> DecodeResult:
     """Decode one prompt with draft trees of ``tree``'s shape. Greedy mode reproduces the target's greedy output.
 
-    A :class:`~.protocol.TreeDrafter` drafts trees; any other drafter's ``propose(depth, …)`` chain is verified
-    as the one-branch tree, behind the shape's confidence gate (``min_confidence``) as in the chain decoder:
-    the chain is cut where the running product of its confidences falls under the gate, and a
-    :class:`~.protocol.Gated` drafter stops drafting there. A :class:`~.protocol.BindsTargetCache` drafter is
+    min_confidence: the confidence gate, as in the chain decoder (0 = off; lossless either way). A
+    :class:`~.protocol.TreeDrafter` drafts trees and takes the gate with them (:func:`build_tree`: dynamic
+    trees only); any other drafter's ``propose(depth, …)`` chain is verified as the one-branch tree, cut
+    where the running product of its confidences falls under the gate, and a :class:`~.protocol.Gated`
+    drafter stops drafting there. A :class:`~.protocol.BindsTargetCache` drafter is
     refused: its drafted rows would sit in the cache a tree verification writes.
     """
     if isinstance(drafter, BindsTargetCache):
@@ -502,19 +503,18 @@ def tree_decode(
     gen = torch.Generator(device=device).manual_seed(seed)
     cache = target.new_cache()
     drafts_trees = isinstance(drafter, TreeDrafter)
-    threshold = getattr(tree, "min_confidence", 0.0)  # a dynamic tree's gate; static trees have none
 
     def tree_round(token: int, committed: int, room: int) -> Verified:
         if room == 0:
             draft = DraftTree(torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device),
                               None if warp.greedy else torch.zeros(1, target.vocab_size, device=device))
         elif drafts_trees:
-            draft = drafter.propose_tree(tree, warp, gen).truncated(room)
+            draft = drafter.propose_tree(tree, warp, gen, min_confidence).truncated(room)
         else:
             proposal = drafter.propose(room, warp, gen)
             draft = chain_tree(proposal)
-            if threshold > 0 and proposal.confidence is not None:  # reads the drafter only: lossless
-                draft = draft.truncated(gate(proposal.confidence[: draft.size], threshold))
+            if min_confidence > 0 and proposal.confidence is not None:  # reads the drafter only: lossless
+                draft = draft.truncated(gate(proposal.confidence[: draft.size], min_confidence))
         ids = torch.cat([torch.tensor([token], device=device), draft.tokens])[None]  # [1, N+1]
         out = target.forward(ids, cache, drafter.feature_layers,
                              position_ids=tree_position_ids(draft, committed, device),
@@ -531,4 +531,4 @@ def tree_decode(
 
     return decode_rounds(target, drafter, prompt_ids, tree_round, cache=cache, generator=gen, warp=warp,
                          depth=tree.depth, max_new_tokens=max_new_tokens,
-                         min_confidence=0.0 if drafts_trees else threshold)
+                         min_confidence=0.0 if drafts_trees else min_confidence)

@@ -45,7 +45,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save(path: str, config: Any, module: torch.nn.Module | None = None, target: Target | None = None,
+def save(path: str, config: Any, module: torch.nn.Module, target: Target,
          state_dict: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> None:
     """Write what was trained to the folder ``path``: ``module``, built by the trainable family config
     ``config`` for ``target`` (no runtime is rebuilt, no file is read again).
@@ -56,34 +56,13 @@ def save(path: str, config: Any, module: torch.nn.Module | None = None, target: 
     :func:`load`. What ``config.json`` records of the family is what its runtime around ``module``
     runs with (``config.runtime(module, target)``, which only wraps it): EAGLE-3's resolved layers and
     the size of the vocabulary the head holds, and the target layers the drafter reads.
-
-    The older form ``save(drafter, path)`` — a runtime drafter of a trainable family, whose ``config``,
-    ``module``, ``target_info`` and ``feature_layers`` are written — still works.
     """
-    if not isinstance(path, (str, os.PathLike)):  # the older form: save(drafter, path, state_dict=…, extra=…)
-        drafter, path = path, config
-        config = getattr(drafter, "config", None)
-        _check_trainable(config, type(drafter).__name__)
-        _write(path, config, drafter.module, drafter.target_info, drafter.feature_layers, state_dict, extra)
-        return
-    _check_trainable(config, type(config).__name__)
-    if module is None or target is None:
-        raise TypeError("save(path, config, module, target) needs the trained module and its target")
-    drafter = config.runtime(module, target)
-    _write(path, drafter.config, module, describe(target), drafter.feature_layers, state_dict, extra)
-
-
-def _check_trainable(config: Any, kind: str) -> None:
     trainable = choices("trainable_drafter")
-    if config is None or not isinstance(config, tuple(trainable.values())):
-        raise DraftsmithError(
-            f"drafter '{getattr(config, 'type', kind)}' has no trained weights of its own to save; save works for "
-            f"{', '.join(trainable)}"
-        )
-
-
-def _write(path: str, config: Any, module: torch.nn.Module, target_info: dict[str, Any], feature_layers: Any,
-           state_dict: dict[str, torch.Tensor] | None, extra: dict[str, Any] | None) -> None:
+    if not isinstance(config, tuple(trainable.values())):
+        raise DraftsmithError(f"drafter '{getattr(config, 'type', type(config).__name__)}' has no trained weights of its "
+                              f"own to save; save works for {', '.join(trainable)}")
+    drafter = config.runtime(module, target)
+    config, feature_layers = drafter.config, drafter.feature_layers
     state = module.state_dict() if state_dict is None else state_dict
     tensors, tied = _unique_tensors(state, config.target_parts)
     dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values() if t.is_floating_point()})
@@ -91,7 +70,7 @@ def _write(path: str, config: Any, module: torch.nn.Module, target_info: dict[st
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "drafter": to_dict(config),
-        "target": target_info,
+        "target": describe(target),
         "feature_layers": list(feature_layers),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "target_parts": list(config.target_parts),

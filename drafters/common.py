@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
 from ..cpu_kernels import cpu_linear
-from ..target import resolve_layer  # noqa: F401  (the layer-id convention lives in target.py; families import it here)
 
 
 def text_config(arch: Any) -> Any:
@@ -160,22 +159,21 @@ def take_committed(state: Any, kind: str, tokens: Tensor, features: Tensor | Non
 
 class FeatureDrafter:
     """The base of the runtimes that read target features (EAGLE, DFlash, P-EAGLE): their module (which has an
-    ``fc``), feature layers, config and target record, and what they keep of the protocol's ``update`` calls — the
+    ``fc``), feature layers and config, and what they keep of the protocol's ``update`` calls — the
     committed tokens, the count of target features received and the feature blocks not yet consumed — and the
     decoder's confidence gate (a chain stops where the gate would cut it; a block is still one forward, and drafts
     past the cut are not kept). ``kind`` names the drafter in errors; ``reset`` (the subclass's) calls
     :meth:`reset_committed`.
 
     module: the drafter's nn.Module; feature_layers: the target layers the decoder must return (resolved,
-    0-based); config / target_info: what ``drafters.save`` writes next to the weights."""
+    0-based); config: what ``drafters.save`` writes next to the weights."""
 
     kind: ClassVar[str] = "feature-reading"
 
-    def __init__(self, module: nn.Module, feature_layers: tuple[int, ...], config: Any, target_info: dict[str, Any]):
+    def __init__(self, module: nn.Module, feature_layers: tuple[int, ...], config: Any):
         self.module = module
         self.feature_layers = tuple(feature_layers)
         self.config = config
-        self.target_info = target_info
         self.reset()
 
     def reset(self) -> None:

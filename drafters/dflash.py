@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from ..decode.protocol import Proposal, ReducedVocab, draft_block
 from ..decode.sampling import Warp
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, describe
+from ..target import Target, resolve_layer
 from .common import (
     FeatureDrafter,
     check_mask_token,
@@ -71,7 +71,6 @@ from .common import (
     frozen_target_parts,
     place,
     placeholder_parts,
-    resolve_layer,
     scatter_to_target,
     seeded,
     target_parts,
@@ -272,8 +271,8 @@ class DFlashDrafter(FeatureDrafter):
 
     kind = "DFlash"
 
-    def __init__(self, module: DFlashModule, config: DFlashConfig, target_info: dict[str, Any]):
-        super().__init__(module, tuple(config.feature_layers), config, target_info)
+    def __init__(self, module: DFlashModule, config: DFlashConfig):
+        super().__init__(module, tuple(config.feature_layers), config)
 
     def reset(self) -> None:
         self.reset_committed()
@@ -423,7 +422,7 @@ class DFlashConfig:
     def runtime(self, module: DFlashModule, target: Target) -> DFlashDrafter:
         size = 0 if module.d2t is None else int(module.d2t.shape[0])
         cfg = dataclasses.replace(self.resolve(target), draft_vocab="", draft_vocab_size=size)
-        return DFlashDrafter(module, cfg, describe(target))
+        return DFlashDrafter(module, cfg)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {} if module.d2t is None else {"draft_vocab_size": int(module.d2t.shape[0])}

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .common import place, seeded, text_config
 from .hf_lm import HFDrafter, load_same_vocab_lm
 
@@ -47,13 +47,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class DraftLMDrafter(HFDrafter):
-    """``HFDrafter`` over a trainable draft LM, carrying what ``drafters.save`` needs."""
+    """``HFDrafter`` over a trainable draft LM, carrying its module and config (what export reads)."""
 
-    def __init__(self, module: nn.Module, config: Any, target_info: dict[str, Any]):
+    def __init__(self, module: nn.Module, config: Any):
         super().__init__(module)
         self.module = module
         self.config = config
-        self.target_info = target_info
 
 
 def layer_sources(num_layers: int, target_layers: int) -> list[int]:
@@ -260,7 +259,7 @@ class DraftLMConfig:
         return self._finish(model, target)
 
     def runtime(self, module: nn.Module, target: Target) -> DraftLMDrafter:
-        return DraftLMDrafter(module, self, describe(target))
+        return DraftLMDrafter(module, self)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         base = module.get_base_model() if hasattr(module, "get_base_model") else module

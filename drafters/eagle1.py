@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .common import (
     TargetParts,
     draft_layer_config,
@@ -140,7 +140,7 @@ class Eagle1Config:
         return self.build_module(target)
 
     def runtime(self, module: Eagle1Head, target: Target) -> EagleDrafter:
-        return EagleDrafter(module, (target.num_layers - 1,), self, describe(target))
+        return EagleDrafter(module, (target.num_layers - 1,), self)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {}

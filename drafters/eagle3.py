@@ -68,13 +68,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, check_architecture, default_eagle3_layers, describe
+from ..target import Target, check_architecture, default_eagle3_layers, resolve_layer
 from .common import (
     default_positions,
     draft_layer_config,
     frozen_copy,
     place,
-    resolve_layer,
     scatter_to_target,
     seeded,
     shift_left,
@@ -514,7 +513,7 @@ class Eagle3Config:
 
     def runtime(self, module: Eagle3Head, target: Target) -> EagleDrafter:
         cfg = dataclasses.replace(self.resolve(target), draft_vocab_size=int(module.d2t.shape[0]), draft_vocab="")
-        return self.runtime_class(module, tuple(cfg.feature_layers), cfg, describe(target))
+        return self.runtime_class(module, tuple(cfg.feature_layers), cfg)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {"draft_vocab_size": int(module.d2t.shape[0])}

@@ -40,7 +40,7 @@ class EagleDrafter(FeatureDrafter):
     module: the head; it provides ``new_cache()``, ``forward(input_ids, hidden, position_ids=,
     cache=, logits_to_keep=) -> (hidden [1,S,H], logits [1,S',V'])`` and ``target_logits(logits [..,V']) -> [..,V]``.
     feature_layers: the target layers the decoder must return (resolved, 0-based).
-    config / target_info: what ``drafters.save`` writes next to the weights.
+    config: the family config the head was built from, resolved (``None`` for a head read from an export).
     """
 
     kind = "EAGLE"
@@ -76,7 +76,8 @@ class EagleDrafter(FeatureDrafter):
         return draft_chain(step, logits, k, warp, generator, vocab, stop_below=self.stop_below)
 
     @torch.inference_mode()
-    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None,
+                     min_confidence: float = 0.0) -> DraftTree:
         """A draft tree (static, or EAGLE-2's dynamic one), one head forward per level of new nodes.
 
         A node at depth d reads its parent's predicted feature (the root's: the last true row's) at
@@ -111,7 +112,8 @@ class EagleDrafter(FeatureDrafter):
                 predicted[node] = out[:, j : j + 1]
             return self.module.target_logits(logits[0])  # [S, V]
 
-        return build_tree(shape, self.module.target_logits(logits0), expand, warp, generator)
+        return build_tree(shape, self.module.target_logits(logits0), expand, warp, generator,
+                          min_confidence=min_confidence)
 
     def _catch_up(self) -> tuple[Tensor, Tensor]:
         """Drop last round's drafted rows, run the rows of features that arrived since; return the

@@ -83,25 +83,27 @@ class HybridDrafter:
         self.counts.add("model", int(proposal.tokens.numel()))
         return proposal
 
-    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None,
+                     min_confidence: float = 0.0) -> DraftTree:
         """The rule of :meth:`propose`, per tree round: the lookup's chain, or the model's tree; with
         ``combine == "both"`` in greedy mode, the model's tree with the lookup's chain grafted on."""
         both = self.combine == "both" and warp.greedy
         proposal = self._lookup_round(shape.depth, warp, generator)
         if proposal is not None and not both:
             return chain_tree(proposal)
-        tree = self._model_tree(shape, warp, generator)
+        tree = self._model_tree(shape, warp, generator, min_confidence)
         self.counts.add("model", tree.size)
         return tree if proposal is None else with_chain(tree, proposal.tokens)
 
-    def _model_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+    def _model_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None,
+                    min_confidence: float) -> DraftTree:
         """The model's tree of the decoder's shape, at most ``model_depth`` deep (0: the shape's depth)."""
         depth = min(shape.depth, self.model_depth or shape.depth)
         if isinstance(shape, DynamicTree) and depth < shape.depth:
             shape = replace(shape, depth=depth)  # fewer levels: fewer model forwards
         if not isinstance(self.model, TreeDrafter):
             return chain_tree(self.model.propose(depth, warp, generator))
-        return self.model.propose_tree(shape, warp, generator).truncated(depth)
+        return self.model.propose_tree(shape, warp, generator, min_confidence).truncated(depth)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from ..decode.protocol import Proposal, draft_chain
 from ..decode.sampling import Warp
 from ..decode.tree import DraftTree, TreeShape, build_tree
 from ..errors import ConfigError, DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .common import check_features, frozen_copy, place, seeded, target_parts, text_config
 
 IGNORE = -100
@@ -104,11 +104,10 @@ def medusa_labels(input_ids: Tensor, num_heads: int, ignore_index: int = IGNORE)
 class MedusaDrafter:
     """Drafter protocol over Medusa heads: K independent proposals from the last target feature."""
 
-    def __init__(self, module: MedusaHeads, feature_layer: int, config: Any, target_info: dict[str, Any]):
+    def __init__(self, module: MedusaHeads, feature_layer: int, config: Any):
         self.module = module
         self.feature_layers = (feature_layer,)
         self.config = config
-        self.target_info = target_info
         self.reset()
 
     def reset(self) -> None:
@@ -134,7 +133,8 @@ class MedusaDrafter:
                            self.module.head_logits(0, normed), min(k, self.module.num_heads), warp, generator)
 
     @torch.inference_mode()
-    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None) -> DraftTree:
+    def propose_tree(self, shape: TreeShape, warp: Warp, generator: torch.Generator | None,
+                     min_confidence: float = 0.0) -> DraftTree:
         """A draft tree at most K deep: the children of every node at depth d come from head d (Medusa's
         heads read the last target feature only, so all nodes of a depth share one distribution)."""
         if self.last is None:
@@ -153,7 +153,8 @@ class MedusaDrafter:
                 depth[i] = 1 if p < 0 else depth[p] + 1
             return torch.stack([head(depth[n]) for n in new])  # [S, V]
 
-        return build_tree(shape, head(0), expand, warp, generator, max_depth=self.module.num_heads)
+        return build_tree(shape, head(0), expand, warp, generator, max_depth=self.module.num_heads,
+                          min_confidence=min_confidence)
 
 
 def build_medusa(arch: Any, feature_norm: nn.Module, num_heads: int, num_layers: int, seed: int = 0) -> MedusaHeads:
@@ -204,7 +205,7 @@ class MedusaConfig:
         return place(heads, target.device, target.dtype)
 
     def runtime(self, module: MedusaHeads, target: Target) -> MedusaDrafter:
-        return MedusaDrafter(module, target.num_layers - 1, self, describe(target))
+        return MedusaDrafter(module, target.num_layers - 1, self)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {}

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from ..measure.prompts import fields_note, load_questions
 from ..schema import save_recipe, to_dict
 from ..tables import WIDTH, wrapped
 from ..target import describe, load_target
+
+if TYPE_CHECKING:
+    from ..config import Recipe
 
 
 def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, extra: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +50,7 @@ def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, ex
     return metrics
 
 
-def run_eval_recipe(recipe: Any) -> dict[str, Any]:
+def run_eval_recipe(recipe: Recipe) -> dict[str, Any]:
     """``draftsmith eval``: decode the recipe's prompts with its drafter and with the target alone in the
     recipe's dtype (speed), check greedy identity in fp32 (``eval.check_identity``), write and print the metrics,
     and with ``eval.engine=llamacpp`` measure the same drafter where it is served (``export/serve.py``, written

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .adapters import adapter
 from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
 from .tensors import DTYPES, loaded_mismatch, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
@@ -347,8 +347,8 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
         depths = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
         config = PEagleConfig(feature_layers=list(layers), num_depths=depths, mask_token_id=head.mask_token_id,
                               draft_vocab_size=int(cfg["draft_vocab_size"]))
-        return PEagleDrafter(head.eval(), tuple(layers), config, describe(target))
-    return EagleDrafter(head.eval(), tuple(layers), None, describe(target))
+        return PEagleDrafter(head.eval(), tuple(layers), config)
+    return EagleDrafter(head.eval(), tuple(layers), None)
 
 
 def _load_exact(module: torch.nn.Module, state: dict[str, Tensor], skip: tuple[str, ...], where: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 
 from ..errors import DraftsmithError
-from ..target import Target, describe
+from ..target import Target
 from .adapters import adapter
 from .tensors import DTYPES, TensorSpec, cast_floats, check_tensors, dtype_name, read_json, read_safetensors, \
     write_json_file, write_safetensors
@@ -120,7 +120,7 @@ def load(folder: str, fmt: str, target: Target) -> Any:
     if missing or unexpected:
         raise DraftsmithError(f"{folder} does not load back into draftsmith: missing {missing[:5]}, unexpected "
                               f"{list(unexpected)[:5]}")
-    return MedusaDrafter(heads.eval(), target.num_layers - 1, None, describe(target))
+    return MedusaDrafter(heads.eval(), target.num_layers - 1, None)
 
 
 def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:

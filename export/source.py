@@ -28,7 +28,7 @@ class Source:
     family: str
     """The drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash)."""
     drafter: Any
-    """The runtime drafter: ``.module``, ``.config``, ``.feature_layers``, ``.target_info``."""
+    """The runtime drafter: ``.module``, ``.config``, ``.feature_layers``."""
     target: Target
     dtype: torch.dtype
     """The dtype its weights were stored in (what the export writes)."""

@@ -30,11 +30,12 @@ class DecodeConfig:
     seed: int = 0
     """Seeds the sampler: same seed, same output."""
     min_confidence: float = 0.0
-    """The confidence gate — chains: verify only the leading drafts whose running product of the
-    drafter's own probabilities is ≥ this; dynamic trees: draft only the slots whose path confidence is
-    ≥ this (0 = off; lossless either way, see ``decode/chain.py`` and ``decode/tree.py``).
-    On a CPU where verifying one more token costs v(1) − 1 ≈ 0.35 of a step (bf16, 2 cores), a draft
-    less likely than that to be accepted costs more than it gives."""
+    """The confidence gate, one parameter of both decoders — chains (and a chain verified as a tree): verify
+    only the leading drafts whose running product of the drafter's own probabilities is ≥ this; dynamic
+    trees: draft only the slots whose path confidence is ≥ this; a static tree is fixed (0 = off; lossless
+    either way, see ``decode/chain.py`` and ``decode/tree.py``).
+    A draft less likely to be accepted than verifying one more token costs, v(1) − 1 of a target step
+    (benchmarks/RESULTS.md, "cpu_linear"), costs more than it gives."""
     tree: Literal["none", "static", "dynamic"] = "none"
     """none: chains of k drafts; static: the fixed tree tree_paths (Medusa-style); dynamic: EAGLE-2's
     tree (tree_depth levels, tree_top_k expanded per level, tree_budget nodes). Drafters without a tree
@@ -77,7 +78,7 @@ class DecodeConfig:
             if self.tree == "static":
                 return StaticTree.named_or_given(self.tree_paths)
             if self.tree == "dynamic":
-                return DynamicTree(self.tree_depth, self.tree_top_k, self.tree_budget, self.min_confidence)
+                return DynamicTree(self.tree_depth, self.tree_top_k, self.tree_budget)
         except DraftsmithError as e:
             raise ConfigError(f"decode.tree_paths: {e}") from e
         return None

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..decode.chain import DecodeResult, check_prompt, speculative_decode
 from ..decode.protocol import Drafter, common_prefix
+from ..decode.reference import target_greedy
 from ..decode.stats import DecodeStats
 from ..decode.tree import tree_decode
 from ..errors import ConfigError, DraftsmithError
@@ -29,7 +30,6 @@ from .config import DecodeConfig
 from .costs import TimedDrafter, median_interval, predicted_speedup, target_step_seconds, verify_costs
 from .paired import paired_runs
 from .prompts import Question
-from .reference import target_greedy
 
 
 @dataclass
@@ -167,7 +167,7 @@ def decode_prompt(target: Target, drafter: Drafter, prompt: list[int], decode: D
         return speculative_decode(target, drafter, prompt, k=decode.k, max_new_tokens=decode.max_new_tokens,
                                   warp=decode.warp, seed=decode.seed, min_confidence=decode.min_confidence)
     return tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=decode.max_new_tokens, warp=decode.warp,
-                       seed=decode.seed)
+                       seed=decode.seed, min_confidence=decode.min_confidence)
 
 
 def speed_summary(target: Target, timed: TimedDrafter, stats: DecodeStats, records: list[dict[str, Any]],

@@ -21,7 +21,7 @@ import gc
 import os
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,11 +32,14 @@ from ..errors import ConfigError, DraftsmithError
 from ..measure.baselines import baseline_configs
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import Question, load_questions
-from ..measure.reference import target_greedy
+from ..decode.reference import target_greedy
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
 from . import summary as S
 from .alignment import AnswerAlignment, align_answer
+
+if TYPE_CHECKING:
+    from ..config import Recipe
 
 
 def drafter_entries(drafter: Any, compare: list[str], baselines: list[str] = ()) -> list[tuple[str, Any]]:
@@ -129,7 +132,7 @@ def reference_answers(target: Target, questions: list[Question], max_new_tokens:
 
 
 def alignment_pass(target: Target, cfg: Any, asked: list[Question], turn_of: list[int], answers: list[list[int]],
-                   recipe: Any) -> dict[str, Any]:
+                   recipe: Recipe) -> dict[str, Any]:
     """The offline alignment of one drafter (two instances: teacher-forced and rollout)."""
     teacher, rollout = cfg.build(target), cfg.build(target)
     if isinstance(teacher, BindsTargetCache):
@@ -183,7 +186,7 @@ def decoding_summary(ev: Evaluation, turn_of: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def run_report(recipe: Any, compare: list[str] | None = None) -> dict[str, Any]:
+def run_report(recipe: Recipe, compare: list[str] | None = None) -> dict[str, Any]:
     """The whole command; returns report.json's content (also written with report.md and the plots)."""
     cfg = recipe.report
     if recipe.decode.tree != "none":
@@ -326,7 +329,7 @@ def sampled_summary(evs: list[Evaluation], cfg: Any, turn_of: dict[str, int]) ->
     return out
 
 
-def predicted_vs_measured(res: dict[str, Any], recipe: Any) -> dict[str, Any]:
+def predicted_vs_measured(res: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     """τ predicted offline next to the decoder's, and the speedup the cost model predicts from it."""
     al = res["alignment"]
     if "skipped" in al:

@@ -120,7 +120,7 @@ def mtbench_prompts(smollm2, mtbench_first_turns) -> list[list[int]]:
 def mtbench_greedy(smollm2, mtbench_prompts) -> list[list[int]]:
     """The target's own greedy decoding of each, MTBENCH_GREEDY_TOKENS new tokens (greedy is
     deterministic: its first n tokens are the greedy decoding of n tokens)."""
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
 
     return [target_greedy(smollm2, p, MTBENCH_GREEDY_TOKENS) for p in mtbench_prompts]
 

@@ -16,7 +16,7 @@ from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.layer_skip import LayerSkipConfig
 from draftsmith.errors import DraftsmithError
 from draftsmith.decode.chain import speculative_decode
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target, check_architecture
 
 pytestmark = pytest.mark.usefixtures("one_thread")

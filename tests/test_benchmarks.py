@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from draftsmith.decode.chain import speculative_decode
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 from .conftest import benchmark_script
 

@@ -14,7 +14,7 @@ from draftsmith.config import load_recipe
 from draftsmith.data import DraftVocab, FeatureCache, PreparedPaths, load_tokenized
 from draftsmith.data.conversations import load_conversations
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

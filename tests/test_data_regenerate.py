@@ -20,7 +20,7 @@ from draftsmith.data.conversations import conversation_features
 from draftsmith.data.regenerate import regenerate_conversations, regenerated_records
 from draftsmith.drafters.layer_skip import layer_skip_drafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import load_target
 
 USERS = [["Tell me a story.", "Shorter."], ["Hi"], ["Name a color. Any color you like.", "Another."]]

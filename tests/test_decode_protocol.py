@@ -12,7 +12,7 @@ from draftsmith.decode.protocol import ABILITIES, BindsTargetCache, Drafter, Gat
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.measure.costs import TimedDrafter
 from draftsmith.errors import DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 from .test_decode_tree import SCRIPT_SHAPE, ScriptedTreeDrafter
 from .test_decoder import PROMPT_IDS, ScriptedDrafter, make_target, reference
@@ -108,12 +108,12 @@ def test_the_chain_decoder_uses_an_ability_only_where_the_drafter_has_it(tiny):
 def test_the_tree_decoder_uses_an_ability_only_where_the_drafter_has_it(tiny):
     target, ref = tiny
     expected = ref[:20]
-    shape = DynamicTree(depth=3, top_k=1, budget=3, min_confidence=0.3)
+    shape = DynamicTree(depth=3, top_k=1, budget=3)
     chain = ScriptedDrafter(ref, [2, 0, 3], target.vocab_size)  # no propose_tree: its chains, the one-branch tree
-    assert tree_decode(target, chain, PROMPT_IDS, tree=shape, max_new_tokens=20).tokens == expected
+    assert tree_decode(target, chain, PROMPT_IDS, tree=shape, max_new_tokens=20, min_confidence=0.3).tokens == expected
     gated = GatedScripted(ref, [2, 0, 3], target.vocab_size)
-    assert tree_decode(target, gated, PROMPT_IDS, tree=shape, max_new_tokens=20).tokens == expected
-    assert gated.log[:3] == ["reset", ("set_gate", 0.3), "update"]  # the shape's gate cuts its chains
+    assert tree_decode(target, gated, PROMPT_IDS, tree=shape, max_new_tokens=20, min_confidence=0.3).tokens == expected
+    assert gated.log[:3] == ["reset", ("set_gate", 0.3), "update"]  # the decoder's gate cuts its chains
 
     tree = GatedTree(ref, [[1, 2], [0], [2, 0, 1]], target.vocab_size)  # its propose raises: propose_tree is used
     res = tree_decode(target, tree, PROMPT_IDS, tree=SCRIPT_SHAPE, max_new_tokens=20)

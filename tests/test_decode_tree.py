@@ -38,7 +38,7 @@ from draftsmith.drafters.medusa import MedusaConfig
 from draftsmith.drafters.prompt_lookup import PromptLookupDrafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.measure.config import DecodeConfig
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 
 from .conftest import tiny_llama
@@ -135,8 +135,8 @@ def test_a_chain_drafter_in_tree_decoding_is_gated_as_in_the_chain_decoder(smoll
     drafter = HFDrafter(tiny_llama(layers=2, seed=1))
     open_tree = tree_decode(target, drafter, PROMPT_IDS, tree=DynamicTree(depth=4, top_k=1, budget=4),
                             max_new_tokens=30)
-    gated = tree_decode(target, drafter, PROMPT_IDS, tree=DynamicTree(depth=4, top_k=1, budget=4, min_confidence=0.5),
-                        max_new_tokens=30)
+    gated = tree_decode(target, drafter, PROMPT_IDS, tree=DynamicTree(depth=4, top_k=1, budget=4), max_new_tokens=30,
+                        min_confidence=0.5)
     assert drafter.stop_below == 0.5  # set_gate reached the chain drafter
     chain = speculative_decode(target, drafter, PROMPT_IDS, k=4, max_new_tokens=30, min_confidence=0.5)
     assert open_tree.tokens == gated.tokens == chain.tokens == ref[:30]
@@ -156,18 +156,17 @@ def test_a_gated_dynamic_tree_drafts_only_the_slots_at_or_above_the_gate():
     root = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     full = build_tree(DynamicTree(depth=3, top_k=2, budget=7), root, expand, Warp(), None)
     gate = 0.15
-    t = build_tree(DynamicTree(depth=3, top_k=2, budget=7, min_confidence=gate), root, expand, Warp(), None)
+    t = build_tree(DynamicTree(depth=3, top_k=2, budget=7), root, expand, Warp(), None, min_confidence=gate)
     score: dict[int, float] = {}
     for i, (tok, par) in enumerate(zip(t.tokens.tolist(), t.parents.tolist())):
         logits = root if par < 0 else table[t.tokens[par]]
         score[i] = (1.0 if par < 0 else score[par]) * float(logits.softmax(-1)[tok])
     assert 0 < t.size < full.size and min(score.values()) >= gate
     assert sorted(t.tokens[t.parents < 0].tolist()) == [0, 1]  # the root's two slots above the gate (p 0.61, 0.22; the third is 0.14)
-    empty = build_tree(DynamicTree(depth=3, top_k=2, budget=7, min_confidence=0.7), root, expand, Warp(), None)
+    empty = build_tree(DynamicTree(depth=3, top_k=2, budget=7), root, expand, Warp(), None, min_confidence=0.7)
     assert empty.size == 0
-    assert DecodeConfig(tree="dynamic", min_confidence=0.3).tree_shape().min_confidence == 0.3
     with pytest.raises(DraftsmithError, match="min_confidence"):
-        DynamicTree(min_confidence=1.0)
+        build_tree(DynamicTree(), root, expand, Warp(), None, min_confidence=1.0)
 
 
 def test_dynamic_tree_is_eagle2_in_greedy_mode():
@@ -226,11 +225,12 @@ class MarkovTreeDrafter:
     def propose(self, k, warp, generator):
         raise AssertionError("the tree runtime is used")
 
-    def propose_tree(self, shape, warp, generator):
+    def propose_tree(self, shape, warp, generator, min_confidence=0.0):
         def expand(new, tokens, parents):
             return self.logits[[tokens[n] for n in new]]
 
-        t = build_tree(shape, self.logits[self.tokens[-1]], expand, warp, generator, replacement=self.replacement)
+        t = build_tree(shape, self.logits[self.tokens[-1]], expand, warp, generator, replacement=self.replacement,
+                       min_confidence=min_confidence)
         self.trees += 1
         for kids in t.children():
             toks = t.tokens[kids].tolist()
@@ -247,11 +247,12 @@ DRAWS = 2000
 WIDE = StaticTree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0)))  # 3 children at the root, 2 under the first
 
 
-def sample_counts(target, drafter, shape, warp, draws=DRAWS, length=4):
+def sample_counts(target, drafter, shape, warp, draws=DRAWS, length=4, min_confidence=0.0):
     counts: dict[tuple[int, ...], int] = {}
     accepted = deep = 0
     for seed in range(draws):
-        res = tree_decode(target, drafter, PROMPT, tree=shape, max_new_tokens=length, warp=warp, seed=seed)
+        res = tree_decode(target, drafter, PROMPT, tree=shape, max_new_tokens=length, warp=warp, seed=seed,
+                          min_confidence=min_confidence)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
         accepted += res.stats.accepted
         deep += sum(res.stats.accept_hist[2:])
@@ -262,12 +263,13 @@ def sample_counts(target, drafter, shape, warp, draws=DRAWS, length=4):
     (WIDE, True, Warp(temperature=1.0)),  # i.i.d. children: duplicated candidates, SpecInfer's rule
     (WIDE, False, Warp(temperature=1.0)),  # distinct children: recursive rejection without replacement
     (DynamicTree(depth=2, top_k=2, budget=5), False, Warp(temperature=1.0)),
-    (DynamicTree(depth=2, top_k=2, budget=5, min_confidence=0.15), False, Warp(temperature=1.0)),  # gated
+    ((DynamicTree(depth=2, top_k=2, budget=5), 0.15), False, Warp(temperature=1.0)),  # gated
     (WIDE, False, Warp(temperature=0.7, top_k=3)),
 ])
 def test_tree_sampling_matches_the_exact_sequence_law(markov_target, shape, replacement, warp):
     drafter = MarkovTreeDrafter(random_table(2, second_order=False), replacement=replacement)
-    counts, accepted, deep = sample_counts(markov_target, drafter, shape, warp)
+    shape, gate = shape if isinstance(shape, tuple) else (shape, 0.0)
+    counts, accepted, deep = sample_counts(markov_target, drafter, shape, warp, min_confidence=gate)
     assert accepted > DRAWS // 5 and deep > 0  # accepted paths, some of depth 2
     if replacement:
         assert drafter.duplicates > drafter.trees // 4  # duplicated siblings were drafted
@@ -305,18 +307,18 @@ def tiny(smollm2_tokenizer):
     return target, reference(target, 40)
 
 
-SHAPES = [StaticTree.named_or_given("default"), DynamicTree(depth=3, top_k=3, budget=8), StaticTree.named_or_given("chain4"),
-          DynamicTree(depth=3, top_k=3, budget=8, min_confidence=0.05)]
+SHAPES = [(StaticTree.named_or_given("default"), 0.0), (DynamicTree(depth=3, top_k=3, budget=8), 0.0),
+          (StaticTree.named_or_given("chain4"), 0.0), (DynamicTree(depth=3, top_k=3, budget=8), 0.05)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["static", "dynamic", "chain4", "dynamic-gated"])
-def test_greedy_tree_decoding_is_the_targets_greedy_output(tiny, shape):
+@pytest.mark.parametrize("shape,gate", SHAPES, ids=["static", "dynamic", "chain4", "dynamic-gated"])
+def test_greedy_tree_decoding_is_the_targets_greedy_output(tiny, shape, gate):
     target, _ = tiny
     expected = target_greedy(target, PROMPT_IDS, 24)
     drafters = [Eagle1Config().build(target), Eagle3Config(feature_layers=[0, 1, 2]).build(target), MedusaConfig(num_heads=3).build(target),
                 HFDrafter(tiny_llama(layers=2, seed=1)), layer_skip_drafter(target.model, 3, share_cache=False)]
     for drafter in drafters:
-        res = tree_decode(target, drafter, PROMPT_IDS, tree=shape, max_new_tokens=24)
+        res = tree_decode(target, drafter, PROMPT_IDS, tree=shape, max_new_tokens=24, min_confidence=gate)
         assert res.tokens == expected, type(drafter).__name__
 
 
@@ -354,7 +356,7 @@ class ScriptedTreeDrafter(ScriptedDrafter):
     def propose(self, k, warp, generator):
         raise AssertionError("the tree runtime is used")
 
-    def propose_tree(self, shape, warp, generator):
+    def propose_tree(self, shape, warp, generator, min_confidence=0.0):
         pos = len(self.committed) - len(PROMPT_IDS)
         ranks = self.pattern[self.round % len(self.pattern)]
         self.round += 1

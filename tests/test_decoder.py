@@ -29,7 +29,7 @@ from draftsmith.drafters.hf_lm import HFDrafter
 from draftsmith.drafters.layer_skip import SelfSpeculativeDrafter, layer_skip_drafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.measure.config import DecodeConfig
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 
 from .conftest import tiny_llama

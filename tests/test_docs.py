@@ -59,10 +59,27 @@ def test_relative_links_resolve(page):
 
 
 def test_the_readme_is_short_and_the_serving_sections_are_written():
-    assert len(read("README.md").splitlines()) <= 250
+    assert len(read("README.md").splitlines()) <= 200
     for page, heading in (("docs/export.md", "## Serving in llama.cpp"), ("docs/prepare.md", "## Regeneration through a server")):
         text = read(page)
         assert heading in text and "(being written)" not in text
+
+
+
+def dated_figures(text: str, hashes: bool = True) -> list[str]:
+    """What in a page is a measurement's trace rather than a pointer to RESULTS: a date, a ratio and (``hashes``) a
+    commit hash. docs/ may name upstream sources at a commit, so it is checked without ``hashes``."""
+    commit = r"|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b" if hashes else ""
+    return re.findall(r"\b20\d\d-\d\d(?:-\d\d)?\b|\d(?:\.\d+)?×" + commit, text)
+
+
+def test_the_readme_and_docs_leave_figures_to_results():
+    """Figures live in benchmarks/RESULTS.md, each with its date and commit; the README and docs/ link to its sections."""
+    example = "1.09× at e18a67f on 2026-12-03; decoded, 2-core, 8,192 rows, 10–15× slower"
+    assert dated_figures(example) == ["1.09×", "e18a67f", "2026-12-03", "5×"]
+    assert dated_figures(example, hashes=False) == ["1.09×", "2026-12-03", "5×"]
+    assert dated_figures(read("README.md")) == []
+    assert [(p, f) for p in PAGES if p.startswith("docs/") for f in dated_figures(read(p), hashes=False)] == []
 
 
 def first_column(page: str, heading: str) -> list[str]:
@@ -83,3 +100,35 @@ def test_the_reference_tables_hold_every_format_and_family_of_their_homes():
     assert sorted(families) == sorted(specs())
     trained = {m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|.*\| (?!—)[^|]+\|$", read("docs/drafters.md"), re.M)}
     assert trained == {n for n, s in specs().items() if s.trainable}
+
+
+
+def summary_misses(text: str) -> list[str]:
+    """What RESULTS' summary table (above its first ``## `` section) says that its sections do not: a row per
+    section, linking to it, and every bold figure of a row written in the section it links to (its ``###``
+    subsections included; white space folded)."""
+    head, _, body = text.partition("\n## ")
+    parts = re.split(r"^## (.+)$", "## " + body, flags=re.M)
+    sections = {slug(parts[i]): " ".join(parts[i + 1].split()) for i in range(1, len(parts), 2)}
+    rows = re.findall(r"^\| \[[^\]]+\]\(#([^)]+)\) \|(.*)$", head, re.M)
+    misses = [f"no summary row for #{a}" for a in sections if a not in {r for r, _ in rows}]
+    for anchor, rest in rows:
+        figures = [" ".join(b.split()) for b in re.findall(r"\*\*(.+?)\*\*", rest)]
+        if anchor not in sections:
+            misses.append(f"#{anchor}: no such section")
+        elif not figures:
+            misses.append(f"#{anchor}: no bold figure")
+        misses += [f"#{anchor}: {f!r} is not in the section" for f in figures if anchor in sections and f not in sections[anchor]]
+    return misses
+
+
+def test_the_results_summary_quotes_its_sections():
+    """RESULTS' summary is checked against its sections, so a figure is written once, in its section, and quoted."""
+    assert summary_misses(read("benchmarks/RESULTS.md")) == []
+
+
+def test_a_summary_figure_its_section_lacks_is_found():
+    page = ("# R\n\n| benchmark | figure |\n| --- | --- |\n| [demo](#demo) | **1.11×**, **16 min** |\n"
+            "| [old](#old) | **2×** |\n\n## demo\n\nran **1.109×**\nin 16\nmin\n\n### sub\n\n## ceiling\n\n**3.95×**\n")
+    assert summary_misses(page) == ["no summary row for #ceiling", "#demo: '1.11×' is not in the section",
+                                    "#old: no such section"]

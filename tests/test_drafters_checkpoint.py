@@ -65,7 +65,7 @@ def test_save_load_bit_exact(tiny_target, tmp_path, family):
     perturb(drafter.module)
     before = replay(tiny_target, drafter)
     path = str(tmp_path / family)
-    drafters.save(drafter, path)
+    drafters.save(path, drafter.config, drafter.module, tiny_target)
     loaded = drafters.load(path, tiny_target)
     after = replay(tiny_target, loaded)
     for (t0, q0), (t1, q1) in zip(before, after):
@@ -94,17 +94,18 @@ def folder(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_save_what_was_trained_writes_what_the_runtime_form_writes(tiny_target, tmp_path, family):
-    """drafters.save(path, config, module, target) — the recipe's config and the trained module, no runtime —
-    writes the folder save(drafter, path) writes: the same config.json (tied weights stored once) and tensors."""
+def test_save_from_the_recipes_config_or_the_runtimes_resolved_one_writes_one_folder(tiny_target, tmp_path, family):
+    """drafters.save(path, config, module, target) writes the same folder whether ``config`` is the recipe's or the
+    one the runtime resolved from it (``drafter.config``): the same config.json (tied weights stored once) and
+    tensors."""
     config = FAMILIES[family]
     module = config.build_module(tiny_target)
     perturb(module)
-    drafters.save(str(tmp_path / "new"), config, module, tiny_target)
-    drafters.save(config.runtime(module, tiny_target), str(tmp_path / "old"))
-    (meta, tensors), (meta_old, tensors_old) = folder(str(tmp_path / "new")), folder(str(tmp_path / "old"))
-    assert meta == meta_old
-    assert tensors.keys() == tensors_old.keys() and all(torch.equal(t, tensors_old[k]) for k, t in tensors.items())
+    drafters.save(str(tmp_path / "recipe"), config, module, tiny_target)
+    drafters.save(str(tmp_path / "resolved"), config.runtime(module, tiny_target).config, module, tiny_target)
+    (meta, tensors), (meta_r, tensors_r) = folder(str(tmp_path / "recipe")), folder(str(tmp_path / "resolved"))
+    assert meta == meta_r
+    assert tensors.keys() == tensors_r.keys() and all(torch.equal(t, tensors_r[k]) for k, t in tensors.items())
     if family == "draft_lm":  # the tiny target ties its embedding and lm_head, and so does its draft LM
         assert meta["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -148,8 +149,7 @@ def test_eagle3_reduced_vocab_round_trips(tiny_target, tmp_path):
     t2d[ids] = True
     d2t = ids - torch.arange(ids.numel())
     cfg = Eagle3Config(feature_layers=[0, 1, 2])
-    drafter = cfg.runtime(cfg.build_module(tiny_target, (d2t, t2d)), tiny_target)
-    drafters.save(drafter, str(tmp_path / "e3"))
+    drafters.save(str(tmp_path / "e3"), cfg, cfg.build_module(tiny_target, (d2t, t2d)), tiny_target)
     from safetensors.torch import load_file
 
     stored = load_file(str(tmp_path / "e3" / "model.safetensors"))
@@ -160,8 +160,7 @@ def test_eagle3_reduced_vocab_round_trips(tiny_target, tmp_path):
 
 
 def test_load_refuses_another_target(tiny_target, tmp_path):
-    drafter = Eagle1Config().build(tiny_target)
-    drafters.save(drafter, str(tmp_path / "d"))
+    drafters.save(str(tmp_path / "d"), Eagle1Config(), Eagle1Config().build_module(tiny_target), tiny_target)
     other = Target(tiny_target.model, tiny_target.tokenizer, name="other-target", fingerprint="0123456789abcdef")
     with pytest.raises(DraftsmithError, match="fingerprint 0123456789abcdef"):
         drafters.load(str(tmp_path / "d"), other)
@@ -171,19 +170,13 @@ def test_load_refuses_damaged_folders(tiny_target, tmp_path):
     with pytest.raises(DraftsmithError, match="not a drafter folder"):
         drafters.load(str(tmp_path / "missing"), tiny_target)
     path = str(tmp_path / "d")
-    drafters.save(Eagle1Config().build(tiny_target), path)
+    drafters.save(path, Eagle1Config(), Eagle1Config().build_module(tiny_target), tiny_target)
     weights = os.path.join(path, "model.safetensors")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(DraftsmithError, match="cannot be read"):
         drafters.load(path, tiny_target)
 
-
-def test_layer_skip_has_nothing_to_save(tiny_target, tmp_path):
-    from draftsmith.drafters.layer_skip import LayerSkipConfig
-
-    with pytest.raises(DraftsmithError, match="nothing|no trained weights"):
-        drafters.save(LayerSkipConfig(num_layers=2).build(tiny_target), str(tmp_path / "x"))
 
 
 # ---------------------------------------------------------------- registry, recipes, parameter counts
@@ -205,7 +198,7 @@ def test_shipped_recipes_load(name):
 def test_saved_drafter_recipe_section(tiny_target, tmp_path):
     from draftsmith.config import load_recipe
 
-    drafters.save(Eagle1Config().build(tiny_target), str(tmp_path / "d"))
+    drafters.save(str(tmp_path / "d"), Eagle1Config(), Eagle1Config().build_module(tiny_target), tiny_target)
     recipe = load_recipe(None, ["drafter.type=saved", f"drafter.path={tmp_path / 'd'}"])
     built = recipe.drafter.build(tiny_target)
     assert built.feature_layers == (3,)
@@ -260,7 +253,7 @@ def test_a_drafter_used_with_another_chat_template_warns(tmp_path, tiny_target, 
     plain = with_template("plain")
     config = FAMILIES["eagle3"]
     path = str(tmp_path / "head")
-    drafters.save(config.runtime(config.build_module(plain), plain), path)
+    drafters.save(path, config, config.build_module(plain), plain)
     saved = json.load(open(os.path.join(path, "config.json")))["target"]["chat_template"]
     assert saved["option"] == "plain" and len(saved["sha256"]) == 16
     capsys.readouterr()

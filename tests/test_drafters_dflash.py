@@ -20,7 +20,7 @@ from draftsmith.drafters.dflash import (
     default_target_layers,
 )
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 from draftsmith.train.dflash import block_labels, position_weights, sample_anchors
 
@@ -251,7 +251,7 @@ def test_a_saved_reduced_drafter_stores_d2t_not_the_head_and_loads_back_exactly(
     from draftsmith import drafters
 
     small, out = reduced
-    drafters.save(small.runtime(out, tiny_target), str(tmp_path / "d"))
+    drafters.save(str(tmp_path / "d"), small, out, tiny_target)
     stored = load_file(str(tmp_path / "d" / "model.safetensors"))
     assert stored["d2t"].tolist() == [i - j for j, i in enumerate(DRAFT_IDS)] and stored["t2d"].sum() == len(DRAFT_IDS)
     assert not any(k.startswith(("lm_head.", "embed_tokens.")) for k in stored)

@@ -10,7 +10,7 @@ import torch
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters.draft_lm import DraftLMConfig, layer_sources, merged_model, principal_projection
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest

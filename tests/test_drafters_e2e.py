@@ -10,7 +10,7 @@ from draftsmith.config import load_recipe
 from draftsmith.decode.chain import speculative_decode
 from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.medusa import MedusaConfig
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 pytestmark = pytest.mark.e2e
 

@@ -448,7 +448,7 @@ def test_the_options_come_from_the_recipe_and_survive_save_and_load(tiny_target,
     assert head.input_norm is not None and head.fc_norm is None and head.norm_output
     with torch.no_grad():
         head.input_norm.weight.mul_(torch.linspace(0.5, 1.5, 192))
-    drafters.save(recipe.drafter.runtime(head, tiny_target), str(tmp_path / "head"))
+    drafters.save(str(tmp_path / "head"), recipe.drafter, head, tiny_target)
     back = drafters.load(str(tmp_path / "head"), tiny_target).module
     assert back.norm_output and torch.equal(back.input_norm.weight, head.input_norm.weight)
     with pytest.raises(ConfigError, match="drafter.fc_norm and drafter.norm_before_fc exclude each other"):
@@ -478,7 +478,7 @@ def test_a_two_layer_head_keeps_the_one_layer_weights_and_survives_save_and_load
     assert all(torch.equal(one[k], two[k]) for k in one)  # the extra layer is drawn after every other weight
     assert "next_layers.0.self_attn.q_proj.weight" in two and two["next_layers.0.self_attn.q_proj.weight"].shape == (64, 64)
     assert eagle3_deep.module.new_cache() is not None
-    drafters.save(eagle3_deep, str(tmp_path / "deep"))
+    drafters.save(str(tmp_path / "deep"), eagle3_deep.config, eagle3_deep.module, tiny_target)
     back = drafters.load(str(tmp_path / "deep"), tiny_target)
     assert back.module.num_layers == 2 and all(torch.equal(back.module.state_dict()[k], v) for k, v in two.items())
 

@@ -256,12 +256,12 @@ def test_hybrid_in_tree_decoding_keeps_the_exact_sequence_law(markov_target):
     """Per tree round the lookup's chain or the model's gated tree: both kinds of round, sampled, exact."""
     lookup = SuffixDrafter(V, max_depth=8, max_spec_factor=2.0, min_prob=0.05)
     hybrid = HybridDrafter(MarkovTreeDrafter(random_table(2, second_order=False)), lookup, min_confidence=0.55)
-    shape = DynamicTree(depth=2, top_k=2, budget=4, min_confidence=0.1)
+    shape = DynamicTree(depth=2, top_k=2, budget=4)
     counts: dict[tuple[int, ...], int] = {}
     accepted = 0
     for seed in range(DRAWS):
         res = tree_decode(markov_target, hybrid, MARKOV_PROMPT, tree=shape, max_new_tokens=LENGTH,
-                          warp=Warp(temperature=1.0), seed=seed)
+                          warp=Warp(temperature=1.0), seed=seed, min_confidence=0.1)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
         accepted += res.stats.accepted
     assert accepted > DRAWS // 10

@@ -14,7 +14,7 @@ from draftsmith.decode.chain import speculative_decode
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.measure.prompts import load_questions
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -62,8 +62,8 @@ def test_the_hybrid_grafting_its_parts_into_one_tree_is_identical_to_target(smol
     assert (recipe.drafter.combine, recipe.drafter.model_depth) == ("both", 1)
     drafter = recipe.drafter.build(smollm2)
     for p, ref in zip(prompts, refs):
-        res = tree_decode(smollm2, drafter, p, tree=DynamicTree(depth=3, top_k=3, budget=3, min_confidence=0.1),
-                          max_new_tokens=MAX_NEW)
+        res = tree_decode(smollm2, drafter, p, tree=DynamicTree(depth=3, top_k=3, budget=3), max_new_tokens=MAX_NEW,
+                          min_confidence=0.1)
         assert res.tokens == ref
     if name == "copyheavy":
         assert drafter.counts.rounds["lookup"] > 0  # chains were grafted onto the head's trees

@@ -19,7 +19,7 @@ from draftsmith.cli import main
 from draftsmith.drafters import DraftLMConfig, Eagle3Config
 from draftsmith.engines import llamacpp
 from draftsmith.errors import DraftsmithError
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.export import check, export, export_target
 from draftsmith.export import gguf
 from draftsmith.target import load_target
@@ -33,7 +33,7 @@ output of the last layer is no layer's input)."""
 
 @pytest.fixture(scope="module")
 def llama():
-    return llamacpp.binaries()  # builds llama.cpp into the cache the first time (~10 min on 2 cores)
+    return llamacpp.binaries()  # builds llama.cpp into the cache the first time (its time: RESULTS "llama.cpp", Build)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def draft_lm(tmp_path_factory, target) -> str:
     config = DraftLMConfig(num_layers=4, lora_rank=4)
     module = config.build_module(target)
     path = str(tmp_path_factory.mktemp("draft_lm") / "draft_lm")
-    drafters.save(config.runtime(module, target), path)
+    drafters.save(path, config, module, target)
     return path
 
 
@@ -111,7 +111,7 @@ def random_head(tmp_path_factory, target) -> str:
     module = config.build_module(target)
     perturb(module)
     path = str(tmp_path_factory.mktemp("eagle3") / "eagle3")
-    drafters.save(config.runtime(module, target), path)
+    drafters.save(path, config, module, target)
     return path
 
 
@@ -148,7 +148,7 @@ def test_the_engine_check_fails_a_gguf_that_drafts_otherwise(llama, draft_lm, tm
     module = other.build_module(target)
     perturb(module, seed=7, scale=1.0)
     other_path = str(tmp_path / "other")
-    drafters.save(other.runtime(module, target), other_path)
+    drafters.save(other_path, other, module, target)
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     export(draft_lm, "gguf", str(ours))
     export(other_path, "gguf", str(theirs))
@@ -208,7 +208,7 @@ def test_a_shifted_layer_id_fails_the_check(llama, random_head, tmp_path, monkey
 def test_a_head_on_the_last_layer_is_refused_for_llamacpp(llama, tmp_path, target):
     config = Eagle3Config(feature_layers=[0, 1, 3])
     path = str(tmp_path / "eagle3")
-    drafters.save(config.runtime(config.build_module(target), target), path)
+    drafters.save(path, config, config.build_module(target), target)
     with pytest.raises(DraftsmithError, match="cannot be served by llama.cpp"):
         export(path, "gguf", str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

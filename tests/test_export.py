@@ -61,7 +61,7 @@ def sources(tmp_path_factory, target, vocab):
         module = config.build_module(target, vocab) if family == "eagle3" else config.build_module(target)
         perturb(module)
         out[family] = str(root / family)
-        drafters.save(config.runtime(module, target), out[family])
+        drafters.save(out[family], config, module, target)
     return out
 
 
@@ -224,7 +224,7 @@ def test_a_bf16_trained_head_passes_its_check(tmp_path, tiny_target_dir, target,
     module = config.build_module(bf16_target)
     perturb(module)
     source, out = str(tmp_path / "bf16-head"), str(tmp_path / fmt)
-    drafters.save(config.runtime(module, bf16_target), source)
+    drafters.save(source, config, module, bf16_target)
     export(source, fmt, out)
     stored = load_file(os.path.join(out, "model.safetensors"))
     assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
@@ -297,7 +297,7 @@ def test_eagle31_options_are_exported_true_and_proven_by_speculators(tmp_path, t
     module = config.build_module(target, vocab)
     perturb(module)  # the norm scales too: a dropped norm changes the proposals
     source, out = str(tmp_path / "head"), str(tmp_path / "spec")
-    drafters.save(config.runtime(module, target), source)
+    drafters.save(source, config, module, target)
     export(source, "speculators", out)
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert {flag: cfg[flag] for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")} == {
@@ -443,7 +443,7 @@ def test_export_from_a_checkpoint_equals_export_from_the_saved_drafter(tmp_path,
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])  # gguf writes through the eagle3 layout
 def test_a_multi_layer_eagle3_head_is_refused_in_one_line(tmp_path, target, vocab, fmt):
     config = Eagle3Config(feature_layers=EAGLE3_LAYERS, num_layers=2)
-    drafters.save(config.runtime(config.build_module(target, vocab), target), str(tmp_path / "deep"))
+    drafters.save(str(tmp_path / "deep"), config, config.build_module(target, vocab), target)
     with pytest.raises(DraftsmithError, match=f"2 decoder layers; the {fmt} export writes one-layer"):
         export(str(tmp_path / "deep"), fmt, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")

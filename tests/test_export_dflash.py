@@ -40,7 +40,7 @@ def source(tmp_path_factory, target):
     module = config.build_module(target)
     perturb(module)
     path = str(tmp_path_factory.mktemp("drafters") / "dflash")
-    drafters.save(config.runtime(module, target), path)
+    drafters.save(path, config, module, target)
     return path
 
 
@@ -109,7 +109,7 @@ def test_check_catches_a_shifted_layer_a_renamed_tensor_and_another_mask_token(t
 def test_the_speculators_format_refuses_the_targets_last_layer(tmp_path, target):
     config = DFlashConfig(num_layers=1, block_size=4, feature_layers=[1, 3])
     path = str(tmp_path / "last")
-    drafters.save(config.build(target), path)
+    drafters.save(path, config, config.build_module(target), target)
     with pytest.raises(DraftsmithError, match="last layer"):
         export(path, "speculators-dflash", str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
@@ -124,7 +124,7 @@ def reduced_source(tmp_path_factory, target):
     module = config.build_module(target, vocab=vocab_pair(DRAFT_IDS, target.vocab_size))
     perturb(module)  # (the lm_head is frozen: perturb leaves it the target's rows)
     path = str(tmp_path_factory.mktemp("drafters") / "dflash-vocab")
-    drafters.save(config.runtime(module, target), path)
+    drafters.save(path, config, module, target)
     return path
 
 
@@ -196,7 +196,7 @@ def test_a_reduced_vocabulary_reaches_llama_cpp_through_the_d2t_added_to_the_ggu
     module = config.build_module(target, vocab=vocab_pair([198], target.vocab_size))
     perturb(module)
     source = str(tmp_path / "drafter")
-    drafters.save(config.runtime(module, target), source)
+    drafters.save(source, config, module, target)
     out = str(tmp_path / "gguf")
     assert main(["export", source, "--to", "gguf", "--out", out]) == 0
     tensors = {t.name: t for t in GGUFReader(os.path.join(out, DRAFT_FILE)).tensors}

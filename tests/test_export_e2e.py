@@ -25,7 +25,7 @@ def test_hf_export_drives_assisted_generation_to_the_targets_greedy_output(tmp_p
         for name, p in module.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    drafters.save(config.runtime(module, smollm2), str(tmp_path / "drafter"))
+    drafters.save(str(tmp_path / "drafter"), config, module, smollm2)
     out = str(tmp_path / "hf")
     export(str(tmp_path / "drafter"), "hf", out)
     assert {"config.json", "model.safetensors", "tokenizer.json", "draftsmith_export.json"} <= set(os.listdir(out))
@@ -52,7 +52,7 @@ def test_eagle3_head_of_smollm2_exports_with_the_engines_layer_ids(tmp_path, smo
     from draftsmith.drafters import Eagle3Config
 
     config = Eagle3Config()
-    drafters.save(config.build(smollm2), str(tmp_path / "drafter"))
+    drafters.save(str(tmp_path / "drafter"), config, config.build_module(smollm2), smollm2)
     for fmt in ("eagle3", "speculators"):
         export(str(tmp_path / "drafter"), fmt, str(tmp_path / fmt))
         cfg = json.load(open(tmp_path / fmt / "config.json"))

@@ -55,7 +55,7 @@ def exported(tmp_path_factory, target, vocab):
         module = config.build_module(target, vocab) if reduced else config.build_module(target)
         perturb(module)
         source, folder = str(root / f"{fmt}-source"), str(root / fmt)
-        drafters.save(config.runtime(module, target), source)
+        drafters.save(source, config, module, target)
         export(source, fmt, folder)
         out[fmt] = (source, folder)
     return out

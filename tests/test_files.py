@@ -50,8 +50,9 @@ def test_every_weight_file_draftsmith_writes_has_the_umasks_mode(tmp_path, tiny_
     target = load_target(tiny_target_dir, "float32", "cpu")
     previous = os.umask(umask)
     try:
-        drafters.save(Eagle3Config(feature_layers=[0, 1, 3], seed=2).build(target), str(tmp_path / "drafter"))
-        drafters.save(DraftLMConfig(num_layers=2, seed=4).build(target), str(tmp_path / "draft-lm"))
+        for name, config in (("drafter", Eagle3Config(feature_layers=[0, 1, 3], seed=2)),
+                             ("draft-lm", DraftLMConfig(num_layers=2, seed=4))):
+            drafters.save(str(tmp_path / name), config, config.build_module(target), target)
         for fmt in ("eagle3", "speculators"):
             export(str(tmp_path / "drafter"), fmt, str(tmp_path / f"export-{fmt}"))
         export(str(tmp_path / "draft-lm"), "hf", str(tmp_path / "export-hf"))  # save_pretrained

@@ -17,7 +17,7 @@ from draftsmith.drafters.common import causal_mask
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.layer_skip import LayerSkipConfig
 from draftsmith.decode.chain import speculative_decode
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 
 from .conftest import tiny_llama

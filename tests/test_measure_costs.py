@@ -17,7 +17,7 @@ from draftsmith.measure.costs import TimedDrafter, median_interval, predicted_sp
 from draftsmith.measure.evaluate import evaluate
 from draftsmith.measure.paired import paired_runs
 from draftsmith.measure.prompts import Question
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

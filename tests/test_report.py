@@ -38,11 +38,13 @@ def setup(tmp_path_factory, tiny_target_dir):
 
     root = tmp_path_factory.mktemp("report")
     target = load_target(tiny_target_dir, dtype="float32")
-    save(DraftLMConfig(num_layers=3).build(target), str(root / "draftlm"))
+    draft_lm = DraftLMConfig(num_layers=3)
+    save(str(root / "draftlm"), draft_lm, draft_lm.build_module(target), target)
     (root / "train_summary.json").write_text(json.dumps({  # as draftsmith train writes it beside drafter/
         "steps": 20, "sim_tau_curve": [{"step": 0, "sim_tau": 1.2}, {"step": 10, "sim_tau": 2.5}, {"step": 20, "sim_tau": 2.4}],
         "best": {"step": 10, "sim_tau": 2.5, "k": K, "greedy": True}}))
-    save(Eagle3Config(feature_layers=[0, 1, 2]).build(target), str(root / "eagle3"))
+    eagle3 = Eagle3Config(feature_layers=[0, 1, 2])
+    save(str(root / "eagle3"), eagle3, eagle3.build_module(target), target)
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return root, prompts

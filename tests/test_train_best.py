@@ -43,7 +43,7 @@ def test_sim_tau_chains_the_conditional_per_step_figures():
 
 def test_drafter_best_is_the_evaluation_with_the_best_sim_tau_and_loads(tmp_path, tiny_target_dir, tiny_train_data):
     from draftsmith.decode.chain import speculative_decode
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
     from draftsmith.target import load_target
 
     recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle3", "train.steps=4", "train.eval.every=1",

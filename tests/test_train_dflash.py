@@ -24,7 +24,7 @@ ARGS = ["drafter.num_layers=1", "drafter.block_size=4", "drafter.feature_layers=
 def test_dflash_learns_and_saves_a_drafter_that_decodes_like_the_target(tmp_path, tiny_target_dir, tiny_train_data):
     from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
 
     summary = run_training(tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "dflash", "train.steps=10",
                                        "train.eval.every=5", "train.optimizer.lr=0.003", *ARGS))
@@ -123,7 +123,7 @@ def test_dflash_with_a_draft_vocabulary_and_dpace_learns_and_decodes_like_the_ta
     from draftsmith.data.vocab import vocab_from_counts
     from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
 
     target = load_target(tiny_target_dir, "float32", "cpu")
     # the random target's argmax tokens, not the data's (which it never predicts): most rows keep their loss

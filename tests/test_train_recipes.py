@@ -53,7 +53,7 @@ def decodes_like_the_target(folder: str, target_dir: str, k: int, tokens: int = 
 def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, tiny_train_data):
     from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
 
     recipe = tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle1", "train.steps=12", "train.eval.every=12",
                          "train.optimizer.lr=0.003", "train.loss.kind=soft_ce", "train.loss.feature_weight=1.0",

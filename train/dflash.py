@@ -36,7 +36,7 @@ over blocks — the greedy acceptance length of a block drafted from a true cont
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -45,6 +45,9 @@ from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
+
+if TYPE_CHECKING:
+    from ..config import Recipe
 
 
 def sample_anchors(loss_mask: Tensor, num: int, generator: torch.Generator) -> Tensor:
@@ -96,7 +99,7 @@ def dpace_weights(confidence: Tensor, valid: Tensor, alpha: float) -> Tensor:
         return suffix * valid
 
 
-def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
     config = setup.trainable(recipe).resolve(run.target)

@@ -19,7 +19,7 @@ Held-out: expected acceptance Σ min(p, q) and top-1 agreement on the dataset's 
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -29,8 +29,11 @@ from . import heldout, losses, save, setup, step, target_side
 from .data import Batch, collate
 from .distributed import World
 
+if TYPE_CHECKING:
+    from ..config import Recipe
 
-def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+
+def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     config = setup.trainable(recipe)
     run = setup.start(recipe, world)

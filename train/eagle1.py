@@ -13,7 +13,7 @@ summed over the rows and divided by the rows of the whole optimizer step (``step
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -23,8 +23,11 @@ from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
 
+if TYPE_CHECKING:
+    from ..config import Recipe
 
-def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+
+def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     config = setup.trainable(recipe)
     run = setup.start(recipe, world)

@@ -25,7 +25,7 @@ Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -34,6 +34,9 @@ from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
 from .data import Batch
 from .distributed import World
+
+if TYPE_CHECKING:
+    from ..config import Recipe
 
 
 @dataclass
@@ -66,7 +69,7 @@ def still_aligned(alive: Tensor, rows: Tensor, logits: Tensor, draft_ids: Tensor
     return out
 
 
-def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
     config = setup.trainable(recipe).resolve(run.target)

@@ -11,11 +11,14 @@ import fcntl
 import importlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..drafters.registry import specs
 from ..errors import ConfigError, DraftsmithError
 from . import checkpoint, distributed
+
+if TYPE_CHECKING:
+    from ..config import Recipe
 
 
 def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
@@ -23,7 +26,7 @@ def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
     return {name: importlib.import_module(s.recipe).train for name, s in specs().items() if s.recipe}
 
 
-def run_training(recipe: Any, resume: str | None = None) -> dict[str, Any]:
+def run_training(recipe: Recipe, resume: str | None = None) -> dict[str, Any]:
     """Train the recipe's drafter (one process, torchrun or the deepspeed launcher); return the summary."""
     method = recipe.drafter.type
     table = recipes()

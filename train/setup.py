@@ -28,18 +28,23 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..devices import resolve_dtype
+from ..drafters.registry import TrainableConfig, trainable_families
 from ..errors import ConfigError
 from ..schema import save_recipe, to_dict
 from ..target import Target, load_target
 from . import checkpoint, distributed
+from .config import TrainConfig
 from .data import Batch, BatchOrder, Split, collate, load_rows, record_lengths, split_heldout
 from .distributed import World
 from .monitor import Monitor
+
+if TYPE_CHECKING:
+    from ..config import Recipe
 
 
 @dataclass
@@ -65,7 +70,7 @@ class TrainState:
 
 @dataclass
 class Run:
-    recipe: Any
+    recipe: Recipe
     world: World
     target: Target
     rows: Sequence[dict[str, Any]]
@@ -90,7 +95,7 @@ class Run:
     """The most drafts the trained drafter proposes per round (Medusa: its heads); None = any number."""
 
     @property
-    def cfg(self) -> Any:
+    def cfg(self) -> TrainConfig:
         return self.recipe.train
 
     @property
@@ -102,17 +107,15 @@ class Run:
         return bool(self.cfg.features)
 
 
-def trainable(recipe: Any) -> Any:
+def trainable(recipe: Recipe) -> TrainableConfig:
     """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
-    from ..drafters.registry import trainable_families
-
     if recipe.drafter.type not in trainable_families():
         raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
                           f"{', '.join(trainable_families())}")
     return recipe.drafter
 
 
-def start(recipe: Any, world: World) -> Run:
+def start(recipe: Recipe, world: World) -> Run:
     """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
     cfg = recipe.train
     os.makedirs(recipe.run_dir, exist_ok=True)
