@@ -15,7 +15,7 @@ from draftsmith.drafters.peagle import PEagleConfig, PEagleHead, parallel_attent
 from draftsmith.errors import ConfigError
 from draftsmith.export.adapters import adapter
 from draftsmith.export.eagle3 import speculators_parallel_logits
-from draftsmith.measure.reference import target_greedy
+from draftsmith.decode.reference import target_greedy
 
 # the five-token target, its exact sequence law and the sampler of decoded sequences: DFlash's chi-square fixtures
 from .test_drafters_dflash import PROMPT5, V5, WrongQ, exact_law, five_token_target, sampled_counts, vocab_pair  # noqa: F401
@@ -151,7 +151,7 @@ def test_a_peagle_head_holds_the_eagle3_head_of_its_seed_and_stores_mask_hidden(
     assert fresh.mask_hidden.shape == (1, 1, 3 * 64) and fresh.mask_hidden.requires_grad
     assert not fresh.embed_tokens.weight.requires_grad  # frozen, as EAGLE-3's (the reference trains it)
     config, head = peagle
-    drafters.save(config.runtime(head, tiny_target), str(tmp_path / "d"))
+    drafters.save(str(tmp_path / "d"), config, head, tiny_target)
     back = drafters.load(str(tmp_path / "d"), tiny_target)
     assert type(back.module) is PEagleHead and back.config.mask_token_id == config.mask_token_id == 49151
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in back.module.state_dict().items())

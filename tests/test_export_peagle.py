@@ -26,7 +26,7 @@ def source(tmp_path_factory, target, vocab):
     head = config.build_module(target, vocab)
     perturb(head)
     folder = str(tmp_path_factory.mktemp("peagle") / "drafter")
-    drafters.save(config.runtime(head, target), folder)
+    drafters.save(folder, config, head, target)
     return folder
 
 

@@ -40,7 +40,7 @@ def decodes_like_the_target(folder: str, target_dir: str, k: int, tokens: int = 
     token for token as the target's own greedy decoding (``tokens`` of them, k drafts a round)."""
     from draftsmith.decode.chain import speculative_decode
     from draftsmith.drafters import load
-    from draftsmith.measure.reference import target_greedy
+    from draftsmith.decode.reference import target_greedy
 
     target = load_target(target_dir, "float32", "cpu")
     drafter = load(folder, target)
