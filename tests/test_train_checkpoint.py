@@ -145,3 +145,48 @@ def test_an_intact_checkpoint_resumes_under_weights_only_loading(run_copy, tiny_
     assert f"resumed from {os.path.join(run_copy, CKPT)} at step 1" in out.out + out.err
     with open(os.path.join(run_copy, "train_summary.json")) as f:
         assert json.load(f)["steps"] == 2
+
+
+KILLED_SAVE = """
+import os, signal, sys
+import torch
+from draftsmith.cli import main
+
+save = torch.save
+
+
+def killed_mid_write(obj, file, *args, **kwargs):  # the first file of step 3's checkpoint, half written
+    if ".tmp-step_00000003" in str(file):
+        with open(file, "wb") as f:
+            f.write(b"half")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save(obj, file, *args, **kwargs)
+
+
+torch.save = killed_mid_write
+main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_while_writing_a_checkpoint_resumes_by_itself_and_leaves_nothing(tmp_path, tiny_target_dir,
+                                                                                   tiny_train_data, capsys):
+    """SIGKILL in the middle of step 3's checkpoint: the same command (here with checkpoints every 2 steps, so no
+    save of step 3 ever sweeps its own folder away) resumes from step 2 and finishes; the killed save's temporary
+    folder is gone."""
+    import subprocess
+    import sys
+
+    from .test_cli_errors import _tiny_train_args
+
+    run_dir = tmp_path / "run"
+    args = _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=4")
+    killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, *args, "train.checkpoint.every=1"],
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    root = run_dir / "checkpoints"
+    assert open(root / "latest").read().strip() == "step_00000002"
+    assert (root / ".tmp-step_00000003").is_dir()  # what the kill left
+    assert main([*args, "train.checkpoint.every=2"]) == 0
+    assert f"resumed from {root / 'step_00000002'} at step 2" in capsys.readouterr().out
+    assert open(root / "latest").read().strip() == "step_00000004"
+    assert sorted(n for n in os.listdir(root) if not n.endswith(".py")) == ["latest", "step_00000002", "step_00000004"]

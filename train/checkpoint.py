@@ -6,7 +6,7 @@ optimizer and scheduler state of every rank), each rank's RNG state
 Every rank first writes into a hidden temporary folder; only when all ranks are done
 does rank 0 rename it into place and then point ``latest`` at it (both atomic
 renames), so a kill at any moment leaves the previous checkpoint intact and
-``latest`` never names a half-written one. The folder must be on storage every rank
+``latest`` never names a half-written one; the next save removes what a killed one left. The folder must be on storage every rank
 sees (a shared filesystem on multi-node runs).
 
 Loading never executes code. Before the rename, rank 0 lists every file of the folder with
@@ -109,8 +109,10 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
     root = checkpoint_root(run_dir)
     tag = f"step_{int(state['step']):08d}"
     tmp_tag = f".tmp-{tag}"
-    if world.is_main:
-        shutil.rmtree(os.path.join(root, tmp_tag), ignore_errors=True)  # left by a killed save
+    if world.is_main and os.path.isdir(root):  # every temporary folder is a killed save's: this process holds run_dir
+        for name in os.listdir(root):
+            if name.startswith(".tmp-step_") or (name.startswith(".latest.") and name.endswith(".tmp")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     distributed.barrier()
     with writing(root, cleanup=os.path.join(root, tmp_tag)):  # a full disk: said so, no half checkpoint left
         distributed.save_engine(engine, root, tmp_tag)
