@@ -8,7 +8,7 @@
 #
 # Batch sizes: regeneration batch RB (512: an H200 holds it with room), training batch TBS (32) at the demo's
 # learning rate 2e-3 and TTT depth 2; 64 held-out records. Needs transformers >= 5.24 (target.MIN_TRANSFORMERS).
-# Figures: benchmarks/RESULTS.md, "GPU check" (the first run was void: transformers < 5.24).
+# Figures: benchmarks/RESULTS.md, "data curve" (the CPU run) and "GPU check" (the first GPU run was void: transformers < 5.24).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_data_curve.sh OUT}
