@@ -1,7 +1,8 @@
 """Which training levers buy acceptance? One recipe trained with one lever changed at a time, and the table.
 
     python benchmarks/levers.py train CONFIG OUT [--only a,b] [override ...]   # OUT/<variant>, missing ones
-    python benchmarks/levers.py decode RUN_DIR [RUN_DIR ...] [--prompts 20] [--ks 3,4] [--max-new-tokens 96]
+    python benchmarks/levers.py decode RUN_DIR [RUN_DIR ...] [--prompts 20] [--ks 3,4] [--max-new-tokens 96] \
+        [--questions mtbench|copyheavy|FILE.jsonl]
     python benchmarks/levers.py table RUN_DIR [RUN_DIR ...]                     # a markdown row per run
 
 ``train`` runs ``draftsmith train -c CONFIG run_dir=OUT/<variant>`` for each variant of :data:`VARIANTS` (or those
@@ -86,7 +87,9 @@ def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
-def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int) -> None:
+def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int, source: str = "mtbench") -> None:
+    """``levers_decode.json`` on MT-bench; on another prompt set (``--questions``: the training data's own held-out
+    prompts, say) ``levers_decode-<set>.json`` beside it, which the table does not read."""
     from dataclasses import replace
 
     from draftsmith.config import load_recipe
@@ -96,7 +99,9 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
     from draftsmith.target import load_target
     from draftsmith.train.save import BEST
 
-    target, questions = None, load_questions("mtbench", prompts)
+    target, questions = None, load_questions(source, prompts)
+    name = "levers_decode.json" if source == "mtbench" else \
+        f"levers_decode-{os.path.splitext(os.path.basename(source))[0]}.json"
     for run_dir in run_dirs:
         recipe = load_recipe(os.path.join(run_dir, "config.yaml"), [
             "drafter.type=saved", f"drafter.path={os.path.join(run_dir, BEST)}", "target.dtype=bfloat16",
@@ -104,14 +109,14 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
             "decode.temperature=0.0"])
         target = target or load_target(recipe.target)
         drafter = recipe.drafter.build(target)
-        out: dict[str, Any] = {"prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": "bfloat16", "by_k": {}}
+        out: dict[str, Any] = {"questions": source, "prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": "bfloat16", "by_k": {}}
         for k in ks:
             stats = evaluate(target, drafter, questions, replace(recipe.decode, k=k), progress=False).stats.summary()
             out["by_k"][str(k)] = {"tau_with_bonus": stats["tau_with_bonus"],
                                    "acceptance_at_position": stats["acceptance_at_position"]}
             print(f"{run_dir}: k={k} tau {stats['tau_with_bonus']:.3f} acceptance "
                   + " ".join(f"{a:.3f}" for a in stats["acceptance_at_position"]), flush=True)
-        write_json(os.path.join(run_dir, "levers_decode.json"), out)
+        write_json(os.path.join(run_dir, name), out)
 
 
 def row(run_dir: str) -> str:
@@ -157,6 +162,7 @@ def main() -> None:
     d.add_argument("--prompts", type=int, default=20)
     d.add_argument("--ks", default="3,4")
     d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--questions", default="mtbench", help="mtbench, copyheavy or a JSONL of prompts (measure/prompts.py)")
     s = sub.add_parser("table", help="a markdown row per run")
     s.add_argument("run_dirs", nargs="+")
     args, extra = parser.parse_known_args()  # overrides may follow --only
@@ -165,7 +171,7 @@ def main() -> None:
     if args.command == "train":
         train(args.config, args.out, [x for x in args.only.split(",") if x] or None, args.overrides + extra)
     elif args.command == "decode":
-        decode(args.run_dirs, args.prompts, [int(k) for k in args.ks.split(",")], args.max_new_tokens)
+        decode(args.run_dirs, args.prompts, [int(k) for k in args.ks.split(",")], args.max_new_tokens, args.questions)
     else:
         table(args.run_dirs)
 
