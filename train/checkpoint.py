@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import DraftsmithError, writing
-from ..files import sha256_file, write_json, write_text
+from ..files import sha256_file, swap_dir, write_json, write_text
 from . import distributed
 from .distributed import World
 
@@ -121,10 +121,9 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
         if world.is_main:
             write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
             write_checksums(os.path.join(root, tmp_tag))
-            final = os.path.join(root, tag)
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(os.path.join(root, tmp_tag), final)
+            # a rerun of a finished run saves its last step again: the folder ``latest`` names is exchanged, never
+            # deleted first
+            swap_dir(os.path.join(root, tmp_tag), os.path.join(root, tag))
             write_text(os.path.join(root, "latest"), tag + "\n")
             _prune(root, keep)
     distributed.barrier()
