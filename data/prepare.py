@@ -284,7 +284,10 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     if report.render_back.get("differs"):
         finish += f"; {report.render_back['differs']} answer(s) do not render back to their ids"
-    rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
+    rate = f"{report.run_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""  # this run's tokens only
+    if rate and report.new_tokens > report.run_tokens:
+        rate += (f" ({report.run_tokens:,} tokens generated now; {report.new_tokens - report.run_tokens:,} reused from "
+                 f"an earlier run)")
     summary.rows.append(StageRow("regenerate", report.conversations_in, report.kept, sum(report.skipped.values()),
                                  tokens=report.new_tokens, seconds=report.seconds + time.perf_counter() - start,
                                  note="; ".join(x for x in (report.note, f"{report.turns} turns ({finish})", rate) if x)))
