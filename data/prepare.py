@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DraftsmithError
+from ..errors import DraftsmithError, writing
 from ..files import write_json
 from ..schema import save_recipe
 from ..tables import WIDTH, text_table, wrapped
@@ -279,7 +279,9 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
     with _main_first(workers):
         manifest = conversations_manifest(paths.regenerated)
         if manifest is None or manifest.get("spec") != job_digest:
-            manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
+            with writing(paths.regenerated, kept=lambda: f"every shard in {paths.regenerate} (all finished); "
+                                                         f"{paths.regenerated} is written whole or not at all"):
+                manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     if report.render_back.get("differs"):
@@ -314,14 +316,16 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
     note = "up to date (reused)"
     if manifest is None or manifest.get("spec") != spec:
         conversations = load_conversations(conv_folder)
-        manifest = tokenize_conversations(
-            conversations, paths.tokenized, tokenizer,
-            max_length=cfg.render.max_length, last_turn_only=cfg.render.last_turn_only, stop_ids=stops,
-            num_proc=cfg.render.num_proc, map_batch_size=cfg.render.map_batch_size, cache_dir=paths.cache,
-            fingerprint=_digest(spec),
-            manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.recipe.target.name,
-                      "vocab_size": env.vocab_size(), "num_conversations": len(conversations)},
-        )
+        kept = f"the conversations in {conv_folder}; {paths.tokenized} is written whole or not at all"
+        with writing(paths.tokenized, kept=lambda: kept):
+            manifest = tokenize_conversations(
+                conversations, paths.tokenized, tokenizer,
+                max_length=cfg.render.max_length, last_turn_only=cfg.render.last_turn_only, stop_ids=stops,
+                num_proc=cfg.render.num_proc, map_batch_size=cfg.render.map_batch_size, cache_dir=paths.cache,
+                fingerprint=_digest(spec),
+                manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.recipe.target.name,
+                          "vocab_size": env.vocab_size(), "num_conversations": len(conversations)},
+            )
         note = ""
     if manifest["num_samples"] == 0:
         raise DraftsmithError(f"every conversation was skipped while rendering ({manifest['skipped']}); "

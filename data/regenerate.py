@@ -141,15 +141,16 @@ def regenerate_conversations(
     if retried:
         report.note += f"; asking again the {sum(retried.values())} failed request(s) of {len(retried)} shard(s)"
     answer = METHODS[settings.method].answer
-    if answer is None:
-        from .regenerate_server import regenerate_through_server
+    with job.writing():  # a full disk: one line, saying which shards the rerun keeps
+        if answer is None:
+            from .regenerate_server import regenerate_through_server
 
-        regenerate_through_server(todo, rows, commit, job.folder, target, settings, max_length, bar,
-                                  tags={i: by_index[i].inputs for i in todo})
-    else:
-        for s in todo:
-            commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, answer, drafter,
-                                         bar))
+            regenerate_through_server(todo, rows, commit, job.folder, target, settings, max_length, bar,
+                                      tags={i: by_index[i].inputs for i in todo})
+        else:
+            for s in todo:
+                commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, answer, drafter,
+                                             bar))
     bar.close()
     shards = job.collect(workers)
     report.seconds = time.perf_counter() - start

@@ -208,6 +208,36 @@ def test_a_resumed_prepare_reports_the_rate_of_the_tokens_it_generated(tmp_path,
                          f"{shards[0] + shards[1]:,} reused from an earlier run)")
 
 
+@pytest.mark.parametrize("fails, kept, left", [
+    (4, 1, ["job.json", "shard-00000.json", "shard-00000.jsonl"]),  # job.json, shard 0, its record, then shard 1
+    (3, 0, ["job.json", "shard-00000.jsonl"]),  # shard 0's record: its file is there, unrecorded, so not trusted
+], ids=["second-shard", "first-record"])
+def test_a_full_disk_mid_regeneration_is_one_line_naming_what_the_rerun_keeps(tmp_path, target, plain, monkeypatch,
+                                                                              fails, kept, left):
+    """The disk fills while a shard or its record is written: one line naming the folder and the finished shards the
+    rerun keeps, no temporary file left, and the rerun resumes to the records of an uninterrupted run."""
+    import errno
+
+    folder = tmp_path / "regen"
+    fsync, calls = os.fsync, []
+
+    def full(fd):
+        calls.append(fd)
+        if len(calls) == fails:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DraftsmithError) as e:
+        _run(folder, target)
+    assert str(e.value) == (f"no space left on {folder}: free some space (or write elsewhere: run_dir, --out) and "
+                            f"rerun; kept for the rerun: {kept} finished shard(s) of 2 in {folder}, nothing half-written")
+    assert sorted(os.listdir(folder)) == left
+    monkeypatch.setattr(os, "fsync", fsync)
+    report, got = _run(folder, target)
+    assert report.note == ("resuming: 1 finished shard(s) kept" if kept else "starting") and got == plain[1]
+
+
 @pytest.mark.slow
 def test_killed_mid_way_and_rerun_gives_exactly_the_uninterrupted_records(tmp_path, tiny_target_dir):
     """A real SIGKILL to a real `draftsmith prepare` subprocess; the re-run resumes and matches a clean run."""
