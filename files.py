@@ -111,6 +111,33 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def folder_files(folder: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every file below ``folder`` but those named in ``skip``, as sorted paths relative to it."""
+    out = [os.path.relpath(os.path.join(d, name), folder) for d, _, names in os.walk(folder) for name in names]
+    return sorted(name for name in out if name not in skip)
+
+
+def file_digests(folder: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """{path relative to ``folder``: sha256} of every file below it but ``skip`` (:func:`folder_files`)."""
+    return {name: sha256_file(os.path.join(folder, name)) for name in folder_files(folder, skip)}
+
+
+def changed_files(folder: str, digests: Any) -> list[str]:
+    """What differs in ``folder`` from ``digests`` (:func:`file_digests` when it was written), one 'NAME is missing' /
+    'NAME changed (sha256)' each; files added since (a ``datasets`` cache beside the data) are not looked at.
+    ``digests`` that are not such a map (a manifest of an older draftsmith) give one entry saying so."""
+    if not isinstance(digests, dict) or not digests:
+        return ["its manifest records no sha256 of its files (an older draftsmith wrote it)"]
+    out = []
+    for name, digest in digests.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            out.append(f"{name} is missing")
+        elif sha256_file(path) != digest:
+            out.append(f"{name} changed after it was written (sha256)")
+    return out
+
+
 def umask_modes() -> tuple[int, int]:
     """(file mode, folder mode) that ``open`` / ``os.makedirs`` give under this process's umask: 0666 / 0777 less it."""
     mask = _umask()

@@ -150,3 +150,29 @@ def test_a_full_disk_while_tokenizing_is_one_line_naming_what_the_rerun_keeps(tm
     summary = json.loads((out / "summary.json").read_text())
     assert [(s["stage"], s["note"]) for s in summary["stages"]] == [("read", "up to date (reused)"), ("tokenize", "")]
     assert len(load_tokenized(str(out / "tokenized"))) == 3
+
+
+def test_a_truncated_or_altered_output_is_made_again_not_reused(tmp_path, tiny_target_dir, capsys):
+    """The tokenized dataset and the read conversations are checked against the sha256 their manifests record before
+    they are called up to date: a truncated Arrow file is tokenized (read) again, saying so, to the same data."""
+    out = tmp_path / "out"
+    assert _tokenize(tmp_path, tiny_target_dir, capsys)[0] == 0
+    before = load_tokenized(str(out / "tokenized"))[:]
+
+    def notes() -> list[str]:
+        assert _tokenize(tmp_path, tiny_target_dir, capsys)[0] == 0
+        return [s["note"] for s in json.loads((out / "summary.json").read_text())["stages"]]
+
+    assert notes() == ["up to date (reused)", "up to date (reused)"]
+    arrow = out / "tokenized" / "data-00000-of-00001.arrow"
+    arrow.write_bytes(arrow.read_bytes()[:-100])
+    assert notes() == ["up to date (reused)", f"{out / 'tokenized'}: data-00000-of-00001.arrow changed after it was "
+                                              f"written (sha256): tokenized again"]
+    assert load_tokenized(str(out / "tokenized"))[:] == before
+    data = out / "conversations" / "data.arrow"
+    data.write_bytes(data.read_bytes()[:-100])
+    assert notes() == [f"{out / 'conversations'}: data.arrow changed after it was written (sha256): read again",
+                       "up to date (reused)"]  # read again, the conversations hash the same: the dataset stands
+    (out / "tokenized" / "state.json").unlink()
+    assert notes()[1] == f"{out / 'tokenized'}: state.json is missing: tokenized again"
+    assert load_tokenized(str(out / "tokenized"))[:] == before
