@@ -12,7 +12,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class DraftsmithError(Exception):
@@ -49,11 +49,12 @@ def write_refusal(e: BaseException, folder: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def writing(folder: str, cleanup: str | None = None) -> Iterator[None]:
+def writing(folder: str, cleanup: str | None = None, kept: Callable[[], str] | None = None) -> Iterator[None]:
     """Run work that writes under ``folder``; a write the system refuses becomes a :class:`DraftsmithError`
     that names the folder (:func:`write_refusal`) instead of a library's traceback. On any failure the
     folder ``cleanup`` (a half-written temporary one) is removed — after the failure is classified, since
-    removing it frees the space that tells a full disk."""
+    removing it frees the space that tells a full disk. ``kept``: what the rerun keeps of the work done, said at the
+    end of the line (called when a write was refused)."""
     try:
         yield
     except BaseException as e:
@@ -62,6 +63,8 @@ def writing(folder: str, cleanup: str | None = None) -> Iterator[None]:
             shutil.rmtree(cleanup, ignore_errors=True)
         if message is None:
             raise
+        if kept is not None:
+            message += f"; kept for the rerun: {kept()}"
         raise DraftsmithError(message) from e
 
 

@@ -11,6 +11,7 @@ lives here, once: :func:`atomic_path` and :func:`atomic_dir` give what they comm
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -59,15 +60,46 @@ def atomic_dir(path: str) -> Iterator[str]:
     try:
         yield tmp
         _give_umask_modes(tmp)
-        if os.path.isdir(path):
-            old = tmp + ".old"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        swap_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def swap_dir(new: str, path: str) -> None:
+    """Put the folder ``new`` at ``path`` (same file system). An existing ``path`` is exchanged with ``new`` in one
+    rename (Linux's ``renameat2(RENAME_EXCHANGE)``), so a kill at any moment leaves the old folder or the new one at
+    ``path``, never neither; the old one, now at ``new``, is then removed. Where the exchange is not offered (another
+    system, a file system without it), two renames, with the old folder at ``new + ".old"`` between them."""
+    if not os.path.isdir(path):
+        os.replace(new, path)
+        return
+    if not _exchange(new, path):
+        old = new + ".old"
+        os.replace(path, old)
+        os.replace(new, path)
+        os.replace(old, new)
+    shutil.rmtree(new, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Exchange the paths ``a`` and ``b`` atomically; False where the system cannot (nothing was changed)."""
+    try:
+        import ctypes
+
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a libc without it (glibc < 2.28)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system or kernel without the flag
+        return False
+    raise OSError(code, os.strerror(code), b)
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -77,6 +109,33 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def folder_files(folder: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every file below ``folder`` but those named in ``skip``, as sorted paths relative to it."""
+    out = [os.path.relpath(os.path.join(d, name), folder) for d, _, names in os.walk(folder) for name in names]
+    return sorted(name for name in out if name not in skip)
+
+
+def file_digests(folder: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """{path relative to ``folder``: sha256} of every file below it but ``skip`` (:func:`folder_files`)."""
+    return {name: sha256_file(os.path.join(folder, name)) for name in folder_files(folder, skip)}
+
+
+def changed_files(folder: str, digests: Any) -> list[str]:
+    """What differs in ``folder`` from ``digests`` (:func:`file_digests` when it was written), one 'NAME is missing' /
+    'NAME changed (sha256)' each; files added since (a ``datasets`` cache beside the data) are not looked at.
+    ``digests`` that are not such a map (a manifest of an older draftsmith) give one entry saying so."""
+    if not isinstance(digests, dict) or not digests:
+        return ["its manifest records no sha256 of its files (an older draftsmith wrote it)"]
+    out = []
+    for name, digest in digests.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            out.append(f"{name} is missing")
+        elif sha256_file(path) != digest:
+            out.append(f"{name} changed after it was written (sha256)")
+    return out
 
 
 def umask_modes() -> tuple[int, int]:

@@ -5,8 +5,8 @@ Columns: ``conv_id`` (str), ``source`` (str), ``messages`` (list of {role, conte
 by regeneration (their end-of-turn token is not trained on: the model did not stop there).
 Written in a stream (constant memory for any dataset size) into a temporary folder that
 replaces the old one only when complete. The manifest holds the spec it was made from
-(so an unchanged re-run reuses it), the counts, and a content hash that downstream
-stages record as their input.
+(so an unchanged re-run reuses it, once its ``files`` — the sha256 of ``data.arrow`` — still match), the counts,
+and a content hash that downstream stages record as their input.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..files import atomic_dir, write_json
+from ..files import atomic_dir, file_digests, write_json
 from .shards import read_json
 
 DATA_FILE = "data.arrow"
@@ -58,7 +58,7 @@ def write_conversations(folder: str, records: Iterable[dict[str, Any]], **manife
         finally:
             writer.close()
         resolved = {k: (v() if callable(v) else v) for k, v in manifest.items()}
-        out = {**resolved, "num_conversations": n, "hash": h.hexdigest()[:16]}
+        out = {**resolved, "num_conversations": n, "hash": h.hexdigest()[:16], "files": file_digests(tmp)}
         write_json(os.path.join(tmp, MANIFEST), out)
     return out
 

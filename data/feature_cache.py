@@ -105,8 +105,9 @@ def write_feature_cache(
             # one metadata key: safetensors writes a map's keys in arbitrary order, and the same shard
             # must be the same bytes (and sha256) whichever run or process computes it
             payload = save_safetensors(tensors, metadata={"draftsmith": json.dumps({"format": FORMAT, "first_index": lo})})
-            job.commit(shard, payload, {"num_samples": hi - lo, "num_tokens": int(tensors["input_ids"].numel()),
-                                        "process": workers.rank})
+            with job.writing():  # a full disk: one line, saying which shards the rerun keeps
+                job.commit(shard, payload, {"num_samples": hi - lo, "num_tokens": int(tensors["input_ids"].numel()),
+                                            "process": workers.rank})
         bar.update(hi - lo)
         if compute_s:
             bar.set_postfix_str(f"{computed_tokens / compute_s:.0f} target tok/s")

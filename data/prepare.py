@@ -34,8 +34,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DraftsmithError
-from ..files import write_json
+from ..errors import DraftsmithError, writing
+from ..files import changed_files, write_json
 from ..schema import save_recipe
 from ..tables import WIDTH, text_table, wrapped
 from .config import STAGE_ORDER, DataConfig
@@ -219,6 +219,16 @@ class _Env:
         return int(AutoConfig.from_pretrained(self.folder).vocab_size)
 
 
+def _damage(folder: str, manifest: dict[str, Any] | None, spec: Any) -> str:
+    """Why an output made with ``spec`` cannot be reused although nothing it depends on changed: its files are not
+    those its manifest records (a truncated or altered file, or an older draftsmith's manifest that records none);
+    '' when it can, or when it is not this spec's output anyway."""
+    if not isinstance(manifest, dict) or manifest.get("spec") != spec:
+        return ""
+    problems = changed_files(folder, manifest.get("files"))
+    return f"{folder}: {'; '.join(problems)}" if problems else ""
+
+
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -232,14 +242,15 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
             "max_conversations": cfg.max_conversations}
     manifest = conversations_manifest(paths.conversations)
     note = "up to date (reused)"
-    if manifest is None or manifest.get("spec") != spec:
+    damage = _damage(paths.conversations, manifest, spec)
+    if manifest is None or manifest.get("spec") != spec or damage:
         stats = ReadStats()
         manifest = write_conversations(
             paths.conversations, iter_conversations(cfg.sources, cfg.max_conversations, stats), spec=spec,
             records_in=lambda: stats.records_in, skipped=lambda: dict(stats.skipped),
             examples=lambda: stats.examples, sources=lambda: [asdict(r) for r in stats.sources],
         )
-        note = ""
+        note = f"{damage}: read again" if damage else ""
     if manifest["num_conversations"] == 0:
         raise DraftsmithError(f"no usable conversation in data.sources (skipped: {manifest['skipped']}); "
                               f"check the paths, formats and role names")
@@ -278,13 +289,20 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
     job_digest = _digest(read_json(os.path.join(paths.regenerate, MANIFEST)))
     with _main_first(workers):
         manifest = conversations_manifest(paths.regenerated)
-        if manifest is None or manifest.get("spec") != job_digest:
-            manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
+        damage = _damage(paths.regenerated, manifest, job_digest)
+        if manifest is None or manifest.get("spec") != job_digest or damage:
+            report.note += f"; {damage}: written again from the shards" if damage else ""
+            with writing(paths.regenerated, kept=lambda: f"every shard in {paths.regenerate} (all finished); "
+                                                         f"{paths.regenerated} is written whole or not at all"):
+                manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     if report.render_back.get("differs"):
         finish += f"; {report.render_back['differs']} answer(s) do not render back to their ids"
-    rate = f"{report.new_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""
+    rate = f"{report.run_tokens / report.seconds:.1f} new tok/s" if report.seconds else ""  # this run's tokens only
+    if rate and report.new_tokens > report.run_tokens:
+        rate += (f" ({report.run_tokens:,} tokens generated now; {report.new_tokens - report.run_tokens:,} reused from "
+                 f"an earlier run)")
     summary.rows.append(StageRow("regenerate", report.conversations_in, report.kept, sum(report.skipped.values()),
                                  tokens=report.new_tokens, seconds=report.seconds + time.perf_counter() - start,
                                  note="; ".join(x for x in (report.note, f"{report.turns} turns ({finish})", rate) if x)))
@@ -309,17 +327,20 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
     except DraftsmithError:
         manifest = None
     note = "up to date (reused)"
-    if manifest is None or manifest.get("spec") != spec:
+    damage = _damage(paths.tokenized, manifest, spec)
+    if manifest is None or manifest.get("spec") != spec or damage:
         conversations = load_conversations(conv_folder)
-        manifest = tokenize_conversations(
-            conversations, paths.tokenized, tokenizer,
-            max_length=cfg.render.max_length, last_turn_only=cfg.render.last_turn_only, stop_ids=stops,
-            num_proc=cfg.render.num_proc, map_batch_size=cfg.render.map_batch_size, cache_dir=paths.cache,
-            fingerprint=_digest(spec),
-            manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.recipe.target.name,
-                      "vocab_size": env.vocab_size(), "num_conversations": len(conversations)},
-        )
-        note = ""
+        kept = f"the conversations in {conv_folder}; {paths.tokenized} is written whole or not at all"
+        with writing(paths.tokenized, kept=lambda: kept):
+            manifest = tokenize_conversations(
+                conversations, paths.tokenized, tokenizer,
+                max_length=cfg.render.max_length, last_turn_only=cfg.render.last_turn_only, stop_ids=stops,
+                num_proc=cfg.render.num_proc, map_batch_size=cfg.render.map_batch_size, cache_dir=paths.cache,
+                fingerprint=_digest(spec),
+                manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.recipe.target.name,
+                          "vocab_size": env.vocab_size(), "num_conversations": len(conversations)},
+            )
+        note = f"{damage}: tokenized again" if damage else ""
     if manifest["num_samples"] == 0:
         raise DraftsmithError(f"every conversation was skipped while rendering ({manifest['skipped']}); "
                               f"raise data.render.max_length or check the chat template")

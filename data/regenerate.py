@@ -77,6 +77,9 @@ class RegenReport:
     """The first skipped conversation per reason (source:conv_id)."""
     seconds: float = 0.0
     """Generation time of this run (0 when every shard was already done)."""
+    run_tokens: int = 0
+    """The tokens generated in this run, every process together (``new_tokens`` counts every shard, those a killed run
+    finished included, and the answers a server's journal held): what the rate is over."""
     note: str = ""
 
 
@@ -123,7 +126,8 @@ def regenerate_conversations(
     def commit(s: int, out: list[dict[str, Any]], stats: dict[str, Any]) -> None:
         nonlocal new_tokens
         payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out).encode()
-        new_tokens += job.commit(by_index[s], payload, {**stats, "process": workers.rank})["new_tokens"]
+        replayed = stats.pop("replayed_tokens", 0)  # answered in an earlier run (a server's journal)
+        new_tokens += job.commit(by_index[s], payload, {**stats, "process": workers.rank})["new_tokens"] - replayed
         bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f} new tok/s")
 
     todo = []
@@ -137,18 +141,20 @@ def regenerate_conversations(
     if retried:
         report.note += f"; asking again the {sum(retried.values())} failed request(s) of {len(retried)} shard(s)"
     answer = METHODS[settings.method].answer
-    if answer is None:
-        from .regenerate_server import regenerate_through_server
+    with job.writing():  # a full disk: one line, saying which shards the rerun keeps
+        if answer is None:
+            from .regenerate_server import regenerate_through_server
 
-        regenerate_through_server(todo, rows, commit, job.folder, target, settings, max_length, bar,
-                                  tags={i: by_index[i].inputs for i in todo})
-    else:
-        for s in todo:
-            commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, answer, drafter,
-                                         bar))
+            regenerate_through_server(todo, rows, commit, job.folder, target, settings, max_length, bar,
+                                      tags={i: by_index[i].inputs for i in todo})
+        else:
+            for s in todo:
+                commit(s, *_regenerate_shard(rows(s), target, settings, max_length, settings.seed + s, answer, drafter,
+                                             bar))
     bar.close()
     shards = job.collect(workers)
     report.seconds = time.perf_counter() - start
+    report.run_tokens = int(workers.all_sum([float(new_tokens)])[0])
     done = _report_from(shards, RegenReport(), note="")
     check_failures(done.turns, done.failures, done.examples.get("failed", ""))  # before the manifest: a re-run retries
     job.finish(shards, workers, num_conversations=sum(m["kept"] for m in shards))

@@ -270,6 +270,7 @@ class _Run:
                                   self.st.top_p, seed, self.eos)
                 self.in_flight[fut] = (shard, i, prompt)
                 return
+            shard.stats["replayed_tokens"] = shard.stats.get("replayed_tokens", 0) + len(entry["tokens"])
             self.apply(shard, conv, entry)
         shard.left -= 1
         if shard.left == 0:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DraftsmithError
+from ..errors import DraftsmithError, writing
 from ..files import atomic_path, sha256_file, write_json
 
 JOB = "job.json"
@@ -229,8 +229,21 @@ class ShardedJob:
             return None
         return meta
 
+    def writing(self) -> contextlib.AbstractContextManager[None]:
+        """Computing and committing shards: a write the system refuses (a full disk) is one line naming the folder and
+        the finished shards a rerun keeps (a refused shard leaves no file a rerun would trust: :meth:`commit`)."""
+        def kept() -> str:
+            done = sum(self.done(s) is not None for s in self.shards)
+            return f"{done} finished shard(s) of {len(self.shards)} in {self.folder}, nothing half-written"
+
+        return writing(self.folder, kept=kept)
+
     def commit(self, shard: Shard, payload: bytes, meta: dict[str, Any]) -> dict[str, Any]:
-        """Write ``shard`` (atomically) and then its record; return the record."""
+        """Write ``shard`` (atomically) and then its record; return the record. A record an earlier run left is removed
+        first: a new file is never paired with an old record (a write refused between the two leaves it unrecorded,
+        which a rerun computes again)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._meta_path(shard.index))
         with atomic_path(self.shard_path(shard.index)) as tmp:
             with open(tmp, "wb") as f:
                 f.write(payload)

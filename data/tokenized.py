@@ -9,8 +9,9 @@
 
 Next to the Arrow files, ``draftsmith_manifest.json`` records the tokenizer fingerprint
 (:func:`draftsmith.target.tokenizer_fingerprint`), the target's vocabulary size, the
-render settings, counts, and ``data_hash`` (a hash of every input_ids / loss_mask
-value, which the feature cache records as its source-data hash).
+render settings, counts, ``data_hash`` (a hash of every input_ids / loss_mask
+value, which the feature cache records as its source-data hash) and ``files`` (the sha256 of each file
+``save_to_disk`` wrote: ``prepare`` tokenizes again rather than reuse a folder whose files changed).
 :func:`load_tokenized` checks the columns and refuses data rendered with another tokenizer.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DraftsmithError
-from ..files import atomic_dir, write_json
+from ..files import atomic_dir, file_digests, write_json
 from .render import render_batch
 from .shards import read_json
 
@@ -89,6 +90,7 @@ def tokenize_conversations(
             "data_hash": data_hash, "skipped": dict(skipped), "skip_examples": examples}
     with atomic_dir(out) as tmp:
         kept.save_to_disk(tmp)
+        full["files"] = file_digests(tmp)
         write_json(os.path.join(tmp, MANIFEST), full)
     return full
 

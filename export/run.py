@@ -262,18 +262,20 @@ def check_gguf_bytes(folder: str, name: str, info: dict[str, Any]) -> list[str]:
     recorded = info.get("gguf", {}).get("sha256")
     if recorded is None:
         return []
-    if sha256_file(os.path.join(folder, name)) != recorded:
+    path = os.path.join(folder, name)
+    if sha256_file(path) != recorded:
         raise DraftsmithError(f"{folder}/{name} is not the file that was exported: its sha256 differs from the one "
                               f"{INFO_FILE} records; export it again")
-    return [f"{name}: the bytes exported (sha256 {recorded[:16]}…)"]
+    return [f"{name}: the bytes exported ({os.path.getsize(path):,} bytes, sha256 {recorded[:16]}…, as {INFO_FILE} "
+            f"records)"]
 
 
 def check_target(folder: str, info: dict[str, Any]) -> list[str]:
     """A target GGUF: it loads in llama-server and its greedy output is recorded beside draftsmith's (fp32)."""
     path = os.path.join(folder, gguf.TARGET_FILE)
-    check_gguf_bytes(folder, gguf.TARGET_FILE, info)
+    lines = check_gguf_bytes(folder, gguf.TARGET_FILE, info)
     meta = gguf.read_metadata(path)
-    lines = [f"{gguf.TARGET_FILE}: a {meta.get('general.architecture')} GGUF ({info['gguf']['type']}) of "
+    lines += [f"{gguf.TARGET_FILE}: a {meta.get('general.architecture')} GGUF ({info['gguf']['type']}) of "
              f"'{info['target']['name']}', {len(meta['__tensors__'])} tensors"]
     target = load_target(info["target"]["name"], "float32", "cpu")
     from ..decode.reference import target_greedy

@@ -109,3 +109,70 @@ def test_the_printed_summary_fits_80_columns():
     text = " ".join(" ".join(lines).split())
     assert "regenerate: greedy, bf16, batch 32, shards of 96; 196 turns (finish: 150 length, 46 eos); 139 new tok/s" in text
     assert "44 prompt_too_long:" in text and "first: sharegpt record 3: 1,873 prompt tokens > 1,024" in text
+
+
+def _tokenize(tmp_path, target_dir: str, capsys) -> tuple[int, str]:
+    """`prepare` with the tokenize stage on three conversations; (exit code, stderr)."""
+    src = tmp_path / "convs.jsonl"
+    if not src.exists():
+        src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                                                       {"role": "assistant", "content": f"Answer {i}."}]})
+                               + "\n" for i in range(3)))
+    code = main(["prepare", f"target.name={target_dir}", f"data.sources=[{{path: {src}}}]", "data.stages=[tokenize]",
+                 f"data.out_dir={tmp_path / 'out'}", "data.render.num_proc=1", f"run_dir={tmp_path / 'run'}"])
+    return code, capsys.readouterr().err
+
+
+def test_a_full_disk_while_tokenizing_is_one_line_naming_what_the_rerun_keeps(tmp_path, tiny_target_dir, capsys,
+                                                                              monkeypatch):
+    """The disk fills while the tokenized dataset is saved: one line naming the folder and what the rerun keeps (the
+    conversations read), no temporary folder left; the rerun reuses the conversations and writes the dataset."""
+    import errno
+
+    import datasets
+
+    out = tmp_path / "out"
+
+    def full(self, path, *args, **kwargs):
+        with open(os.path.join(path, "data-00000-of-00001.arrow"), "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(datasets.Dataset, "save_to_disk", full)
+        code, err = _tokenize(tmp_path, tiny_target_dir, capsys)
+    assert code == 2 and err.splitlines()[-1] == (f"draftsmith: error: no space left on {out}: free some space (or write elsewhere: "
+                                 f"run_dir, --out) and rerun; kept for the rerun: the conversations in "
+                                 f"{out / 'conversations'}; {out / 'tokenized'} is written whole or not at all")
+    assert sorted(os.listdir(out)) == [".cache", "conversations"]  # no temporary folder beside them
+    assert all(n.startswith(("render-", "kept-")) for n in os.listdir(out / ".cache"))  # datasets' finished caches
+    assert _tokenize(tmp_path, tiny_target_dir, capsys)[0] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["stage"], s["note"]) for s in summary["stages"]] == [("read", "up to date (reused)"), ("tokenize", "")]
+    assert len(load_tokenized(str(out / "tokenized"))) == 3
+
+
+def test_a_truncated_or_altered_output_is_made_again_not_reused(tmp_path, tiny_target_dir, capsys):
+    """The tokenized dataset and the read conversations are checked against the sha256 their manifests record before
+    they are called up to date: a truncated Arrow file is tokenized (read) again, saying so, to the same data."""
+    out = tmp_path / "out"
+    assert _tokenize(tmp_path, tiny_target_dir, capsys)[0] == 0
+    before = load_tokenized(str(out / "tokenized"))[:]
+
+    def notes() -> list[str]:
+        assert _tokenize(tmp_path, tiny_target_dir, capsys)[0] == 0
+        return [s["note"] for s in json.loads((out / "summary.json").read_text())["stages"]]
+
+    assert notes() == ["up to date (reused)", "up to date (reused)"]
+    arrow = out / "tokenized" / "data-00000-of-00001.arrow"
+    arrow.write_bytes(arrow.read_bytes()[:-100])
+    assert notes() == ["up to date (reused)", f"{out / 'tokenized'}: data-00000-of-00001.arrow changed after it was "
+                                              f"written (sha256): tokenized again"]
+    assert load_tokenized(str(out / "tokenized"))[:] == before
+    data = out / "conversations" / "data.arrow"
+    data.write_bytes(data.read_bytes()[:-100])
+    assert notes() == [f"{out / 'conversations'}: data.arrow changed after it was written (sha256): read again",
+                       "up to date (reused)"]  # read again, the conversations hash the same: the dataset stands
+    (out / "tokenized" / "state.json").unlink()
+    assert notes()[1] == f"{out / 'tokenized'}: state.json is missing: tokenized again"
+    assert load_tokenized(str(out / "tokenized"))[:] == before

@@ -362,10 +362,13 @@ def test_failed_requests_are_asked_again_by_the_next_run_and_only_they(tmp_path,
         some.close()
     assert (report.kept, dict(report.finish), dict(report.failures)) == (5, {"eos": 5, "failed": 3}, {"http_500": 3})
     assert dict(report.skipped) == {"request_failed": 3} and len(got) == 5
+    per_answer = report.new_tokens // report.turns
     fixed = _Served(lambda n: (200, GOOD))
     try:
         report, got = _run(tmp_path, target, _settings(fixed, concurrency=1), users=users)
         assert fixed.posts == 3 and report.kept == len(got) == 8 and dict(report.finish) == {"eos": 8}
+        # the rate's tokens are the 3 answers asked now, not those the re-opened shard's journal held
+        assert (report.run_tokens, report.new_tokens) == (3 * per_answer, 8 * per_answer) and per_answer
         assert "asking again the 3 failed request(s) of 1 shard(s)" in report.note
         report, _ = _run(tmp_path, target, _settings(fixed, concurrency=1), users=users)
         assert report.note == "up to date (reused)" and fixed.posts == 3

@@ -180,6 +180,29 @@ def test_a_gguf_whose_tensor_data_was_altered_fails_the_check(llama, draft_lm, t
         check(str(out))
 
 
+def test_the_check_of_a_target_gguf_says_its_bytes_were_checked_and_fails_altered_ones(target_gguf, tmp_path):
+    """``export --check`` of a ``--to gguf-target`` export prints the byte check first (size, sha256), and a target
+    GGUF altered in place (size intact) fails it."""
+    import hashlib
+    import shutil
+
+    out = tmp_path / "target"
+    shutil.copytree(os.path.dirname(target_gguf), out)
+    path = out / gguf.TARGET_FILE
+    size, digest = path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest()
+    lines = check(str(out))
+    assert lines[0] == f"target.gguf: the bytes exported ({size:,} bytes, sha256 {digest[:16]}…, as " \
+                       f"draftsmith_export.json records)"
+    assert lines[1].startswith("target.gguf: a llama GGUF (f32)") and "llama-server loads it" in lines[2]
+    with open(path, "r+b") as f:
+        f.seek(size - 8)
+        byte = f.read(1)
+        f.seek(size - 8)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(DraftsmithError, match="target.gguf is not the file that was exported"):
+        check(str(out))
+
+
 def test_an_eagle3_head_in_gguf_carries_the_engines_layer_ids_and_passes_the_check(llama, random_head, tmp_path, capsys):
     out = tmp_path / "gguf"
     assert main(["export", random_head, "--to", "gguf", "--out", str(out)]) == 0

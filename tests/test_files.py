@@ -65,3 +65,23 @@ def test_every_weight_file_draftsmith_writes_has_the_umasks_mode(tmp_path, tiny_
     modes = {str(p.relative_to(tmp_path)): _mode(p) for p in tmp_path.rglob("*")}
     assert "drafter/model.safetensors" in modes and "export-eagle3/model.safetensors" in modes
     assert {p: m for p, m in modes.items() if m != (dir_mode if os.path.isdir(tmp_path / p) else file_mode)} == {}
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_a_folder_replaced_is_the_new_one_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch, exchange):
+    """atomic_dir over an existing folder: the new one in its place and nothing else left, with the one-rename
+    exchange or (a system without it) two renames; a write that fails part-way keeps the old folder whole."""
+    from draftsmith import files
+
+    if not exchange:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    path = str(tmp_path / "drafter")
+    for text in ("old", "new"):
+        with atomic_dir(path) as tmp:
+            write_json(os.path.join(tmp, "config.json"), text)
+    with pytest.raises(OSError, match="disk"):
+        with atomic_dir(path) as tmp:
+            write_json(os.path.join(tmp, "config.json"), "newer")
+            raise OSError("disk gone")
+    assert os.listdir(tmp_path) == ["drafter"] and os.listdir(path) == ["config.json"]
+    assert open(os.path.join(path, "config.json")).read() == '"new"\n'

@@ -190,3 +190,38 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_by_itself_and_leaves_no
     assert f"resumed from {root / 'step_00000002'} at step 2" in capsys.readouterr().out
     assert open(root / "latest").read().strip() == "step_00000004"
     assert sorted(n for n in os.listdir(root) if not n.endswith(".py")) == ["latest", "step_00000002", "step_00000004"]
+
+
+def test_a_rerun_of_a_finished_run_never_leaves_latest_or_the_drafter_missing(run_copy, tiny_target_dir,
+                                                                             tiny_train_data, monkeypatch):
+    """Running a finished run's command again saves its last checkpoint and the drafter again. A SIGKILL may fall
+    between any two of the renames and removals that does: after each of them, ``latest`` names a whole checkpoint
+    and ``drafter/`` (``drafter-best/``) is a whole drafter (the old ones or the new ones; deleting the old folder first left neither)."""
+    from draftsmith.drafters.checkpoint import read_meta
+    from draftsmith.train.checkpoint import latest_checkpoint
+
+    ops = []
+
+    def saved() -> list[int]:
+        return [os.stat(run_copy / path).st_ino for path in (f"{CKPT}/trainer_state.json", "drafter/config.json")]
+
+    before = saved()
+
+    def intact() -> None:
+        verify_checksums(latest_checkpoint(str(run_copy)))
+        read_meta(os.path.join(run_copy, "drafter"))
+        read_meta(os.path.join(run_copy, "drafter-best"))
+
+    for module, name in ((os, "replace"), (os, "rename"), (shutil, "rmtree")):
+        def recorded(*args, _real=getattr(module, name), _name=name, **kwargs):
+            out = _real(*args, **kwargs)
+            ops.append((_name, str(args[0])))
+            intact()
+            return out
+
+        monkeypatch.setattr(module, name, recorded)
+    assert main(["train", "--config", RECIPE, *overrides(tiny_target_dir, tiny_train_data, run_copy, steps=1)]) == 0
+    monkeypatch.undo()
+    assert saved() != before and ops  # both were saved again
+    assert sorted(n for n in os.listdir(run_copy / "checkpoints") if not n.endswith(".py")) == ["latest", "step_00000001"]
+    assert not [n for n in os.listdir(run_copy) if n.startswith(".") and not n.endswith(".lock")]

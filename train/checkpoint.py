@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import DraftsmithError, writing
-from ..files import sha256_file, write_json, write_text
+from ..files import file_digests, folder_files, sha256_file, swap_dir, write_json, write_text
 from . import distributed
 from .distributed import World
 
@@ -121,10 +121,9 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
         if world.is_main:
             write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
             write_checksums(os.path.join(root, tmp_tag))
-            final = os.path.join(root, tag)
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(os.path.join(root, tmp_tag), final)
+            # a rerun of a finished run saves its last step again: the folder ``latest`` names is exchanged, never
+            # deleted first
+            swap_dir(os.path.join(root, tmp_tag), os.path.join(root, tag))
             write_text(os.path.join(root, "latest"), tag + "\n")
             _prune(root, keep)
     distributed.barrier()
@@ -200,8 +199,7 @@ def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
 
 def write_checksums(folder: str) -> None:
     """Write ``folder/checksums.json``: the sha256 of every file below ``folder`` (atomically, last)."""
-    write_json(os.path.join(folder, CHECKSUMS), {"sha256": {name: sha256_file(os.path.join(folder, name))
-                                                           for name in _files(folder)}})
+    write_json(os.path.join(folder, CHECKSUMS), {"sha256": file_digests(folder, skip=(CHECKSUMS,))})
 
 
 def verify_checksums(path: str) -> None:
@@ -221,7 +219,7 @@ def verify_checksums(path: str) -> None:
     if not isinstance(listed, dict):
         raise DraftsmithError(f"checkpoint '{path}': {CHECKSUMS} is unreadable or not a checksum list; the checkpoint "
                               f"is damaged")
-    present = _files(path)
+    present = folder_files(path, skip=(CHECKSUMS,))
     for name in present:
         if name not in listed:
             raise DraftsmithError(f"checkpoint '{path}' holds {name}, which its {CHECKSUMS} does not list: refused, "
@@ -234,12 +232,6 @@ def verify_checksums(path: str) -> None:
     if missing:
         raise DraftsmithError(f"checkpoint '{path}' lacks {', '.join(missing[:3])}, listed in its {CHECKSUMS}: it is "
                               f"incomplete")
-
-
-def _files(folder: str) -> list[str]:
-    """Every file below ``folder`` but the manifest, as sorted paths relative to it."""
-    out = [os.path.relpath(os.path.join(d, name), folder) for d, _, names in os.walk(folder) for name in names]
-    return sorted(name for name in out if name != CHECKSUMS)
 
 
 def load_tensors(file: str) -> Any:
