@@ -264,6 +264,26 @@ def test_a_malformed_answer_is_a_failed_request_not_a_crash(body):
         served.close()
 
 
+def _read_request(conn) -> bytes:
+    """One whole HTTP request (headers and the Content-Length body): a server that answers before reading it all
+    and closes makes the kernel reset the connection, and the client sees that instead of the answer."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 class _Raw:
     """A local server that answers every POST with the raw ``payload`` bytes (HTTP or not) and every GET with a 404
     (so /health proves it up): what a broken proxy or a server killed mid-answer sends."""
@@ -281,8 +301,10 @@ class _Raw:
                 except OSError:
                     return
                 with conn:
-                    get = conn.recv(65536).startswith(b"GET")
+                    request = _read_request(conn)
+                    get = request.startswith(b"GET")
                     conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n" if get else payload)
+                    conn.shutdown(socket.SHUT_WR)  # closing with the request unread would reset the connection
 
         threading.Thread(target=serve, daemon=True).start()
 
