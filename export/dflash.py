@@ -47,8 +47,10 @@ DFlash2 (``drafter.type: dflash2``) goes to speculators' format only (``--to spe
 which llama.cpp's converter registers too), and its tensors DFlash's plus ``layers.{i}.{attention,mlp}_conv.base_kernel``
 [2, K, H] / ``.kernel_projection.weight`` [2·K·G, H] and ``candidate_selector.{predecessor,successor}_codebook`` [V, r],
 ``candidate_selector.hidden_projection.weight`` [r, H]; full vocabulary only (the reference refuses a draft
-vocabulary). z-lab's layout and GGUF would need z-lab's ``dflash_config`` conv/selector fields, which llama.cpp's
-converter reads (``conversion/qwen.py`` ``DFlashModel``); they are not written yet.
+vocabulary). For GGUF it is written in z-lab's layout with ``architectures: [DFlash2DraftModel]`` and those four
+fields in ``dflash_config``, what llama.cpp's converter reads (``conversion/qwen.py`` ``DFlashModel``: ``dflash.conv_*``,
+``dflash.selector_*``, the ``blk.{i}.{attn,ffn}_conv_{base,proj}`` and ``selector_*`` tensors); z-lab's own loaders
+know no DFlash2, so ``--to dflash`` refuses it.
 
 ``--check`` beyond the static checks: the z-lab folder is converted by speculators' own
 ``DFlashConverter`` (which refuses unexpected tensors and missing draft tensors, and maps
@@ -87,14 +89,18 @@ def qwen3_fields(module: Any) -> dict[str, Any]:
 
 
 def zlab_config(source: Any) -> dict[str, Any]:
+    """z-lab's config; a DFlash2's (``DFlash2DraftModel``, for llama.cpp's converter only) adds its conv and selector
+    sizes to ``dflash_config``, where the converter reads them."""
     m = source.drafter.module
+    extra = {name: int(getattr(source.drafter.config, name)) for name in DFLASH2_FIELDS} if source.family == "dflash2" else {}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if extra else "DFlashDraftModel"],
         **qwen3_fields(m),
         "num_target_layers": int(source.target.num_layers),
         "block_size": int(m.block_size),
         "dflash_config": {"block_size": int(m.block_size), "mask_token_id": int(m.mask_token_id),
-                          "target_layer_ids": engine_layer_ids(m.feature_layers, source.target.num_layers, "zlab")},
+                          "target_layer_ids": engine_layer_ids(m.feature_layers, source.target.num_layers, "zlab"),
+                          **extra},
         "torch_dtype": dtype_name(source.dtype),
         "dtype": dtype_name(source.dtype),
     }

@@ -71,7 +71,7 @@ FORMATS: dict[str, Format] = {
     "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),
     "speculators-dflash": Format(("dflash", "dflash2"), "vLLM (speculators format, speculators_model_type dflash or "
                                  "dflash2)", dflash),
-    "gguf": Format(("eagle3", "draft_lm", "dflash"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
+    "gguf": Format(("eagle3", "draft_lm", "dflash", "dflash2"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
                    "draft-simple | draft-dflash), converted by llama.cpp's convert_hf_to_gguf.py", gguf),
     "eagle1": Format(("eagle1",), "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
                      eagle1),
