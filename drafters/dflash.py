@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -162,10 +163,11 @@ class DFlashModule(nn.Module):
 
     draft_vocab_size: 0 (or V) = the target's vocabulary; Vd < V = a reduced draft vocabulary: ``lm_head`` is
     a frozen [Vd, H] slice of the target's head (set by :meth:`set_vocab`) and ``d2t`` [Vd] / ``t2d`` [V] are
-    buffers (module docstring). It is created last, so the body's random initialization is the same either way."""
+    buffers (module docstring). It is created last, so the body's random initialization is the same either way.
+    layer: builds one draft layer from ``layer_config`` (DFlash2's adds its convolutions)."""
 
     def __init__(self, parts: Any, layer_config: Any, num_layers: int, feature_layers: list[int], block_size: int,
-                 mask_token_id: int, draft_vocab_size: int = 0):
+                 mask_token_id: int, draft_vocab_size: int = 0, layer: Callable[[Any], nn.Module] = DFlashLayer):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -179,7 +181,7 @@ class DFlashModule(nn.Module):
         self.lm_head = parts.lm_head
         self.fc = nn.Linear(len(feature_layers) * h, h, bias=False)
         self.hidden_norm = LlamaRMSNorm(h, eps=eps)
-        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(layer(layer_config) for _ in range(num_layers))
         self.norm = LlamaRMSNorm(h, eps=eps)
         self.rotary_emb = LlamaRotaryEmbedding(layer_config)
         vocab = int(parts.embed.num_embeddings)
@@ -283,15 +285,20 @@ class DFlashDrafter(FeatureDrafter):
 
     @torch.inference_mode()
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal:
+        rows = self.block(k)
+        logits = self.module.lm_head(rows)  # [m, V], or [m, Vd] over a draft vocabulary
+        return draft_block(logits, warp, generator, self._vocab, self.stop_below)
+
+    def block(self, k: int) -> Tensor:
+        """This round's block (the context caught up first): the hidden rows [m, H] of block positions 1 … m,
+        m = min(k, Bs − 1), from one forward of the whole block, as trained."""
         self._catch_up()
         m, bs = min(k, self.module.block_size - 1), self.module.block_size
         anchor = self.rows  # = len(tokens) − 1: the last committed token's position
         ids = torch.full((1, bs), self.module.mask_token_id, dtype=torch.long, device=self.device)
         ids[0, 0] = self.tokens[-1]
         positions = torch.arange(anchor, anchor + bs, device=self.device)[None]
-        hidden = self.module(ids, positions, self.kv)  # the whole block, as trained: [1, Bs, H]
-        logits = self.module.lm_head(hidden[0, 1 : 1 + m])  # [m, V], or [m, Vd] over a draft vocabulary
-        return draft_block(logits, warp, generator, self._vocab, self.stop_below)
+        return self.module(ids, positions, self.kv)[0, 1 : 1 + m]  # [Bs, H] → block positions 1 … m
 
     def _catch_up(self) -> None:
         """Append the context keys/values of the features that arrived since the last round."""
@@ -318,9 +325,7 @@ def build_dflash(arch: Any, parts: Any, config: DFlashConfig, draft_vocab_size: 
     """A seeded-random DFlash module for a target with HF config ``arch`` around ``parts`` (embedding and
     lm_head); ``config`` resolved (explicit feature layers and mask token); ``draft_vocab_size`` as
     :class:`DFlashModule` takes it (its lm_head rows and d2t still to be set)."""
-    with seeded(config.seed):
-        return DFlashModule(parts, dflash_layer_config(arch), config.num_layers, config.feature_layers,
-                            config.block_size, config.mask_token_id, draft_vocab_size)
+    return config.new_module(arch, parts, draft_vocab_size)
 
 
 @dataclass
@@ -351,6 +356,7 @@ class DFlashConfig:
     target_parts: ClassVar[tuple[str, ...]] = ("embed_tokens.", "lm_head.")
     """State-dict prefixes copied from the target (frozen), not stored in checkpoints (a reduced lm_head too:
     it is the target's rows, taken again at load)."""
+    runtime_class: ClassVar[Any] = DFlashDrafter
 
     def validate(self) -> None:
         if self.num_layers < 1:
@@ -377,6 +383,12 @@ class DFlashConfig:
             raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} is larger than the target's "
                               f"vocabulary ({vocab_size})")
         return dataclasses.replace(self, feature_layers=layers, mask_token_id=mask)
+
+    def new_module(self, arch: Any, parts: Any, draft_vocab_size: int = 0) -> DFlashModule:
+        """The seeded-random module of this (resolved) config for a target with HF config ``arch`` (:func:`build_dflash`)."""
+        with seeded(self.seed):
+            return DFlashModule(parts, dflash_layer_config(arch), self.num_layers, self.feature_layers,
+                                self.block_size, self.mask_token_id, draft_vocab_size)
 
     def build(self, target: Target) -> DFlashDrafter:
         cfg = self.resolve(target)
@@ -422,7 +434,7 @@ class DFlashConfig:
     def runtime(self, module: DFlashModule, target: Target) -> DFlashDrafter:
         size = 0 if module.d2t is None else int(module.d2t.shape[0])
         cfg = dataclasses.replace(self.resolve(target), draft_vocab="", draft_vocab_size=size)
-        return DFlashDrafter(module, cfg)
+        return self.runtime_class(module, cfg)
 
     def checkpoint_meta(self, module: nn.Module) -> dict[str, Any]:
         return {} if module.d2t is None else {"draft_vocab_size": int(module.d2t.shape[0])}

@@ -16,6 +16,7 @@ from torch import nn
 
 from .common import count_parameters, placeholder_parts, text_config
 from .dflash import DFlashConfig, meta_dflash
+from .dflash2 import DFlash2Config
 from .draft_lm import DraftLMConfig, draft_arch
 from .eagle1 import Eagle1Config, build_eagle1
 from .eagle3 import Eagle3Config
@@ -56,6 +57,7 @@ VARIANTS: dict[str, list[tuple[str, Any]]] = {
         ("medusa: 4 heads x 1 block", MedusaConfig(num_heads=4, num_layers=1)),
         ("dflash: 3 layers, block 8 (the recipe's)", DFlashConfig(num_layers=3)),
         ("dflash: 5 layers, block 16", DFlashConfig(num_layers=5, block_size=16)),
+        ("dflash2: 3 layers, block 8, selector rank 256 (the recipe's)", DFlash2Config(num_layers=3)),
         ("peagle: full vocabulary (49152), 8 depths (the recipe's)", PEagleConfig(feature_layers=[1, 14, 26])),
     ],
     "Llama-3.1-8B": [

@@ -32,6 +32,7 @@ from ..schema import define_section
 from ..target import Target
 from .checkpoint import SavedDrafterConfig
 from .dflash import DFlashConfig
+from .dflash2 import DFlash2Config
 from .draft_lm import DraftLMConfig
 from .eagle1 import Eagle1Config
 from .eagle3 import Eagle3Config
@@ -131,6 +132,7 @@ SPECS: tuple[FamilySpec, ...] = (
     FamilySpec(Eagle3Config, recipe="draftsmith.train.eagle3"),
     FamilySpec(MedusaConfig, recipe="draftsmith.train.medusa"),
     FamilySpec(DFlashConfig, recipe="draftsmith.train.dflash"),
+    FamilySpec(DFlash2Config, recipe="draftsmith.train.dflash2"),
     FamilySpec(PEagleConfig, recipe="draftsmith.train.peagle"),
     FamilySpec(PromptLookupConfig, model_free=True),
     FamilySpec(SuffixConfig, model_free=True),

@@ -542,7 +542,7 @@ def serving(spec: ServerSpec, **kwargs: Any) -> Iterator[Server]:
 # ---------------------------------------------------------------- decoding a prompt set
 
 
-SPEC_TYPES = {"eagle3": "draft-eagle3", "draft_lm": "draft-simple", "dflash": "draft-dflash"}
+SPEC_TYPES = {"eagle3": "draft-eagle3", "draft_lm": "draft-simple", "dflash": "draft-dflash", "dflash2": "draft-dflash"}
 """llama.cpp's ``--spec-type`` for each drafter family it serves."""
 
 

@@ -108,6 +108,10 @@ DFLASH = [Rule("fc.{p}", "fc.{p}"), Rule("hidden_norm.{p}", "hidden_norm.{p}"), 
 # speculators' DFlashDraftModel with a reduced draft vocabulary (DraftVocabMixin) also stores its lm_head rows,
 # d2t and t2d; with the full vocabulary the lm_head is the target's and left out.
 DFLASH_SPECULATORS = DFLASH + [Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+# speculators' DFlash2DraftModel: DFlash's body (its layers' attention_conv / mlp_conv ride under layers.{l}) plus the
+# candidate_selector's codebooks and projection; full vocabulary only, so the lm_head is the target's and left out.
+# llama.cpp's converter reads the same names in z-lab's layout (conversion/qwen.py DFlashModel, "DFlash2DraftModel").
+DFLASH2_SPECULATORS = DFLASH + [Rule("candidate_selector.{p}", "candidate_selector.{p}")]
 # llama.cpp's converter (DFlashModel) reads z-lab's names; with a reduced draft vocabulary the lm_head rows go in too
 # (written as its ``output``) and export/gguf.py adds the d2t the converter does not write.
 DFLASH_LLAMACPP = DFLASH + [Rule("lm_head.{p}", "lm_head.{p}")]
@@ -129,6 +133,8 @@ def adapter(family: str, fmt: str, num_layers: int = 1, reduced_vocab: bool = Fa
         ("dflash", "dflash"): lambda: StateDictAdapter(family, fmt, DFLASH, skip=("embed_tokens.", "lm_head.")),
         ("dflash", "speculators-dflash"): lambda: StateDictAdapter(
             family, fmt, DFLASH_SPECULATORS, skip=("embed_tokens.",) if reduced_vocab else ("embed_tokens.", "lm_head.")),
+        ("dflash2", "speculators-dflash"): lambda: StateDictAdapter(family, fmt, DFLASH2_SPECULATORS, skip=("embed_tokens.", "lm_head.")),
+        ("dflash2", "gguf"): lambda: StateDictAdapter(family, fmt, DFLASH2_SPECULATORS, skip=("embed_tokens.", "lm_head.")),
         ("dflash", "gguf"): lambda: StateDictAdapter(
             family, fmt, DFLASH_LLAMACPP, skip=("embed_tokens.", "d2t", "t2d") if reduced_vocab else ("embed_tokens.", "lm_head.")),
     }

@@ -41,6 +41,17 @@ A reduced draft vocabulary (``drafter.draft_vocab``; the drafter's lm_head is th
   for the DSpark architectures, so ``export/gguf.py`` adds it to the converted file (:func:`~draftsmith.export.
   gguf.set_d2t`), as the converter's ``DSparkModel`` writes it (offsets + arange).
 
+DFlash2 (``drafter.type: dflash2``) goes to speculators' format only (``--to speculators-dflash``): its
+``DFlash2SpeculatorConfig`` is DFlash's plus ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
+``selector_top_k`` (``speculators_model_type: dflash2``, ``architectures: [DFlash2DraftModel]``, the config's default,
+which llama.cpp's converter registers too), and its tensors DFlash's plus ``layers.{i}.{attention,mlp}_conv.base_kernel``
+[2, K, H] / ``.kernel_projection.weight`` [2·K·G, H] and ``candidate_selector.{predecessor,successor}_codebook`` [V, r],
+``candidate_selector.hidden_projection.weight`` [r, H]; full vocabulary only (the reference refuses a draft
+vocabulary). For GGUF it is written in z-lab's layout with ``architectures: [DFlash2DraftModel]`` and those four
+fields in ``dflash_config``, what llama.cpp's converter reads (``conversion/qwen.py`` ``DFlashModel``: ``dflash.conv_*``,
+``dflash.selector_*``, the ``blk.{i}.{attn,ffn}_conv_{base,proj}`` and ``selector_*`` tensors); z-lab's own loaders
+know no DFlash2, so ``--to dflash`` refuses it.
+
 ``--check`` beyond the static checks: the z-lab folder is converted by speculators' own
 ``DFlashConverter`` (which refuses unexpected tensors and missing draft tensors, and maps
 ``target_layer_ids``), and speculators' ``DFlashDraftModel`` loaded from either layout computes the
@@ -78,34 +89,46 @@ def qwen3_fields(module: Any) -> dict[str, Any]:
 
 
 def zlab_config(source: Any) -> dict[str, Any]:
+    """z-lab's config; a DFlash2's (``DFlash2DraftModel``, for llama.cpp's converter only) adds its conv and selector
+    sizes to ``dflash_config``, where the converter reads them."""
     m = source.drafter.module
+    extra = {name: int(getattr(source.drafter.config, name)) for name in DFLASH2_FIELDS} if source.family == "dflash2" else {}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if extra else "DFlashDraftModel"],
         **qwen3_fields(m),
         "num_target_layers": int(source.target.num_layers),
         "block_size": int(m.block_size),
         "dflash_config": {"block_size": int(m.block_size), "mask_token_id": int(m.mask_token_id),
-                          "target_layer_ids": engine_layer_ids(m.feature_layers, source.target.num_layers, "zlab")},
+                          "target_layer_ids": engine_layer_ids(m.feature_layers, source.target.num_layers, "zlab"),
+                          **extra},
         "torch_dtype": dtype_name(source.dtype),
         "dtype": dtype_name(source.dtype),
     }
 
 
+SPECULATORS_ARCHITECTURE = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel"}
+"""speculators_model_type → the architectures entry its config class writes by default."""
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""What speculators' DFlash2 config adds to DFlash's, under the same names as draftsmith's DFlash2Config."""
+
+
 def speculators_config(source: Any) -> dict[str, Any]:
-    m, target = source.drafter.module, source.target
+    m, target, kind = source.drafter.module, source.target, source.family
+    extra = {name: int(getattr(source.drafter.config, name)) for name in DFLASH2_FIELDS} if kind == "dflash2" else {}
     return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": [SPECULATORS_ARCHITECTURE[kind]],
+        "speculators_model_type": kind,
         "transformer_layer_config": qwen3_fields(m),
         "draft_vocab_size": int(target.vocab_size if m.d2t is None else m.d2t.shape[0]),
         "block_size": int(m.block_size),
         "target_hidden_size": int(target.hidden_size),
         "aux_hidden_state_layer_ids": engine_layer_ids(m.feature_layers, target.num_layers, "speculators"),
         "mask_token_id": int(m.mask_token_id),
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": kind == "dflash2",  # each config's default (no sliding-window layer either way)
         "sample_from_anchor": False,
+        **extra,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(m.block_size) - 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_path(target),
@@ -127,7 +150,7 @@ def write(source: Any, fmt: str, out: str) -> None:
                               f"training splits that layer off as the verifier's own; train with earlier layers")
     refuse_draft_vocab(source, fmt)
     state = {k: v for k, v in m.state_dict().items() if not k.startswith("rotary_emb.")}
-    tensors = cast_floats(adapter("dflash", fmt, reduced_vocab=m.d2t is not None).to_engine(state), source.dtype)
+    tensors = cast_floats(adapter(source.family, fmt, reduced_vocab=m.d2t is not None).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
     write_json_file(os.path.join(out, "config.json"), speculators_config(source) if fmt == "speculators-dflash" else zlab_config(source))
 
@@ -153,9 +176,10 @@ def _draft_fields(cfg: dict[str, Any], fmt: str, num_layers: int) -> dict[str, A
     """block_size, mask_token_id, our feature layer ids (and speculators' draft_vocab_size), read from either layout."""
     if fmt == "speculators-dflash":
         vd, v = int(cfg["draft_vocab_size"]), int(cfg["transformer_layer_config"]["vocab_size"])
+        extra = {name: int(cfg[name]) for name in DFLASH2_FIELDS} if cfg.get("speculators_model_type") == "dflash2" else {}
         return {"block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
                 "feature_layers": native_layer_ids(cfg["aux_hidden_state_layer_ids"], num_layers, "speculators"),
-                "draft_vocab_size": 0 if vd == v else vd}
+                "draft_vocab_size": 0 if vd == v else vd, **extra}
     d = cfg.get("dflash_config") or {}
     return {"block_size": int(d.get("block_size", cfg.get("block_size", 16))), "mask_token_id": int(d["mask_token_id"]),
             "feature_layers": native_layer_ids(d["target_layer_ids"], num_layers, "zlab")}
@@ -182,6 +206,15 @@ def expected_tensors(cfg: dict[str, Any], fmt: str, num_features: int) -> dict[s
             f"{p}mlp.gate_proj.weight": ((i, h), f), f"{p}mlp.up_proj.weight": ((i, h), f),
             f"{p}mlp.down_proj.weight": ((h, i), f),
         })
+        if cfg.get("speculators_model_type") == "dflash2":
+            k, g = int(cfg["conv_kernel_size"]), h // int(cfg["conv_group_size"])
+            for conv in ("attention_conv", "mlp_conv"):
+                out.update({f"{p}{conv}.base_kernel": ((2, k, h), f), f"{p}{conv}.kernel_projection.weight": ((2 * k * g, h), f)})
+    if cfg.get("speculators_model_type") == "dflash2":
+        r = int(cfg["selector_rank"])
+        out.update({"candidate_selector.predecessor_codebook": ((v, r), f),
+                    "candidate_selector.successor_codebook": ((v, r), f),
+                    "candidate_selector.hidden_projection.weight": ((r, h), f)})
     return out
 
 
@@ -200,13 +233,15 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
         done.append(what)
 
     if fmt == "speculators-dflash":
-        need(cfg.get("architectures") == ["DFlashSpeculator"] and cfg.get("speculators_model_type") == "dflash",
-             "architectures = [DFlashSpeculator], speculators_model_type = dflash")
+        kind = cfg.get("speculators_model_type")
+        arch = SPECULATORS_ARCHITECTURE.get(kind)
+        need(arch is not None and cfg.get("architectures") == [arch],
+             f"architectures = [{arch}], speculators_model_type = {kind} (dflash or dflash2)")
         spec = cfg.get("speculators_config") or {}
         methods = spec.get("proposal_methods") or [{}]
-        need(spec.get("algorithm") == "dflash" and int(methods[0].get("speculative_tokens", 0)) == int(cfg["block_size"]) - 1
+        need(spec.get("algorithm") == kind and int(methods[0].get("speculative_tokens", 0)) == int(cfg["block_size"]) - 1
              and bool((spec.get("verifier") or {}).get("name_or_path")),
-             "speculators_config: algorithm dflash, block_size − 1 speculative tokens, a verifier name_or_path")
+             f"speculators_config: algorithm {kind}, block_size − 1 speculative tokens, a verifier name_or_path")
         vd = int(cfg.get("draft_vocab_size", -1))
         need(cfg.get("sample_from_anchor") is False and 0 < vd <= target.vocab_size,
              f"sample_from_anchor = false (Bs − 1 drafts), draft_vocab_size {vd} ≤ the target's {target.vocab_size}")
@@ -214,6 +249,13 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
         need(cfg.get("architectures") == ["DFlashDraftModel"], "architectures = [DFlashDraftModel]")
         need(int(cfg.get("num_target_layers", -1)) == target.num_layers, f"num_target_layers = {target.num_layers}")
     fields = _draft_fields(cfg, fmt, target.num_layers)
+    if "selector_rank" in fields:
+        need(fields["draft_vocab_size"] == 0 and all(fields[k] >= 1 for k in DFLASH2_FIELDS)
+             and int(lc["hidden_size"]) % fields["conv_group_size"] == 0 and fields["conv_kernel_size"] <= fields["block_size"]
+             and fields["selector_top_k"] <= target.vocab_size,
+             f"DFlash2: the full vocabulary, {fields['conv_kernel_size']} taps ≤ block_size, groups of "
+             f"{fields['conv_group_size']} channels dividing the hidden size, selector rank {fields['selector_rank']}, "
+             f"top {fields['selector_top_k']} ≤ the vocabulary")
     need(2 <= fields["block_size"] <= 64, f"block_size = {fields['block_size']}")
     need(0 <= fields["mask_token_id"] < target.vocab_size, f"mask_token_id {fields['mask_token_id']} in the vocabulary")
     need(all(0 <= i < target.num_layers for i in fields["feature_layers"]),
@@ -237,13 +279,16 @@ def load(folder: str, fmt: str, target: Target) -> Any:
     """The export as a draftsmith drafter: fields from the exported config, tensors from the exported file
     (renamed back by the adapter), the target's embedding and lm_head."""
     from ..drafters.dflash import DFlashConfig
+    from ..drafters.dflash2 import DFlash2Config
 
     cfg = read_json(os.path.join(folder, "config.json"))
     fields = _draft_fields(cfg, fmt, target.num_layers)
-    config = DFlashConfig(num_layers=int(_layers(cfg, fmt)["num_hidden_layers"]), **fields).resolve(target)
+    kind = "dflash2" if "selector_rank" in fields else "dflash"
+    family = DFlash2Config if kind == "dflash2" else DFlashConfig
+    config = family(num_layers=int(_layers(cfg, fmt)["num_hidden_layers"]), **fields).resolve(target)
     module = config.module_for_checkpoint(target, {})  # a reduced head: the target's rows, taken after d2t is read
     file = read_safetensors(os.path.join(folder, WEIGHTS))
-    native = adapter("dflash", fmt, reduced_vocab="d2t" in file).from_engine(file)
+    native = adapter(kind, fmt, reduced_vocab="d2t" in file).from_engine(file)
     missing, unexpected = module.load_state_dict(native, strict=False)
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.", "rotary_emb."))]
     if missing or unexpected:
@@ -271,6 +316,7 @@ def reference_model(folder: str, fmt: str, target: Target) -> tuple[Any, list[st
     first), fp32, eager attention; and the checks done on the way."""
     try:
         from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+        from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     except ImportError as e:
         raise DraftsmithError(f"checking a DFlash export needs the speculators package ({e}): pip install --no-deps "
                               f"speculators==0.9.0 hs-connectors && pip install openai loguru") from e
@@ -286,15 +332,18 @@ def reference_model(folder: str, fmt: str, target: Target) -> tuple[Any, list[st
             lines.append("speculators' DFlashConverter reads the z-lab layout (no unexpected tensor, no draft tensor "
                          "missing) and maps dflash_config.target_layer_ids")
             folder = tmp
-        config = DFlashSpeculatorConfig.from_pretrained(folder)
+        dflash2 = read_json(os.path.join(folder, "config.json")).get("speculators_model_type") == "dflash2"
+        config_class, model_class = ((DFlash2SpeculatorConfig, DFlash2DraftModel) if dflash2 else
+                                     (DFlashSpeculatorConfig, DFlashDraftModel))
+        config = config_class.from_pretrained(folder)
         config.transformer_layer_config._attn_implementation = "eager"  # its default flex attention wants S % 128 == 0
-        model = DFlashDraftModel.from_pretrained(folder, config=config).float().eval()
+        model = model_class.from_pretrained(folder, config=config).float().eval()
         file = read_safetensors(os.path.join(folder, WEIGHTS))
     loaded = model.state_dict()
     from_verifier = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
     missing, unexpected, stale = loaded_mismatch(loaded, file, from_verifier)
     if missing or unexpected or stale:
-        raise DraftsmithError(f"speculators' DFlashDraftModel leaves tensors missing {missing}, finds unexpected "
+        raise DraftsmithError(f"speculators' {type(model).__name__} leaves tensors missing {missing}, finds unexpected "
                               f"{unexpected}, or holds values other than the file's {stale}")
     lines.append(f"speculators {type(model).__name__} loads all {len(file)} draft tensors, each equal to the file, "
                  f"and the embedding and lm_head from the verifier")
@@ -304,7 +353,9 @@ def reference_model(folder: str, fmt: str, target: Target) -> tuple[Any, list[st
 def compare_reference(folder: str, fmt: str, target: Target, source: Any, ids: list[int]) -> list[str]:
     """speculators' model and draftsmith's drafter, the same block on the same target hidden states: the anchor
     (the last prompt token) at position n − 1 and Bs − 1 mask tokens, context = the target's features of
-    positions 0 … n − 2. Its layers are run one by one as its forward does (that forward is its training step)."""
+    positions 0 … n − 2. Its layers are run one by one as its forward does (that forward is its training step). A
+    DFlash2's selector scores too, each block row's candidates given a predecessor (the anchor for row 1, the unary
+    argmax of the row before for the others: a walk the runtime could take)."""
     model, lines = reference_model(folder, fmt, target)
     m = source.drafter.module
     if [i - 1 for i in model.target_layer_ids] != list(m.feature_layers):
@@ -315,16 +366,27 @@ def compare_reference(folder: str, fmt: str, target: Target, source: Any, ids: l
         feats = target.forward(torch.tensor([ids[:-1]]), feature_layers=tuple(m.feature_layers)).features.float()
         block = torch.tensor([[ids[-1]] + [m.mask_token_id] * (bs - 1)])
         positions = torch.arange(n + bs)[None]
-        ours = m.lm_head(m(block, positions[:, n:], m.context(feats, positions[:, :n])))[0]  # [Bs, V]
+        hidden = m(block, positions[:, n:], m.context(feats, positions[:, :n]))[0]  # [Bs, H]
+        ours = m.lm_head(hidden)  # [Bs, V]
         ctx = model.hidden_norm(model.fc(feats))
         x = model.embed_tokens(block)
         pe = model.rotary_emb(x, positions)
         for layer in model.layers:
             x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=positions, position_embeddings=pe)
-        theirs = model.lm_head(model.norm(x))[0]
+        their_hidden = model.norm(x)[0]
+        theirs = model.lm_head(their_hidden)
+        what = "logits"
+        if hasattr(m, "candidate_selector"):
+            # row k's predecessor: the anchor for rows 0 (unused) and 1, then the unary argmax of row k − 1
+            previous = torch.cat([block[0, :1], block[0, :1], ours[1:-1].argmax(-1)])  # [Bs]
+            candidates, scores = m.select(hidden, previous)
+            their_candidates, their_scores = model.candidate_selector.select(theirs, their_hidden, previous)
+            if not torch.equal(candidates, their_candidates):
+                raise DraftsmithError("speculators' DFlash2 selector picks other candidates than draftsmith's drafter")
+            ours, theirs, what = torch.cat([ours, scores], -1), torch.cat([theirs, their_scores], -1), "logits and selector scores"
     diff = float((ours.float() - theirs.float()).abs().max())
     if diff > LOGIT_TOLERANCE:
-        raise DraftsmithError(f"speculators' DFlash logits differ from draftsmith's drafter by {diff:.2e} "
+        raise DraftsmithError(f"speculators' {type(model).__name__} {what} differ from draftsmith's drafter by {diff:.2e} "
                               f"(> {LOGIT_TOLERANCE:.0e})")
     return lines + [f"speculators' layers on the same target hidden states ({n} context positions, a block of {bs}) = "
-                    f"draftsmith's logits (max |Δ| = {diff:.1e}, fp32)"]
+                    f"draftsmith's {what} (max |Δ| = {diff:.1e}, fp32)"]

@@ -37,8 +37,11 @@ from .conventions import engine_layer_ids
 
 DRAFT_FILE = "draft.gguf"
 TARGET_FILE = "target.gguf"
-ARCH = {"eagle3": "eagle3", "draft_lm": "llama", "dflash": "dflash"}
-"""general.architecture of each family's GGUF (a draft LM keeps its own, Llama for SmolLM2-style ones)."""
+ARCH = {"eagle3": "eagle3", "draft_lm": "llama", "dflash": "dflash", "dflash2": "dflash"}
+"""general.architecture of each family's GGUF (a draft LM keeps its own, Llama for SmolLM2-style ones; DFlash2 is
+llama.cpp's ``dflash`` with its conv and selector tensors)."""
+BLOCK_FAMILIES = ("dflash", "dflash2")
+"""The families llama.cpp drafts a whole block for in one forward (its block is n_max + 1 rows)."""
 
 
 def outtype(gguf_type: str, dtype: Any) -> str:
@@ -53,13 +56,13 @@ def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
     """Write ``source`` (an eagle3, dflash or draft_lm drafter) as ``out/draft.gguf``."""
     kind = outtype(gguf_type, source.dtype)
     target_dir = resolve_target_folder(source.target.name)
-    if source.family in ("eagle3", "dflash"):
+    if source.family in ("eagle3", *BLOCK_FAMILIES):
         engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips
     with tempfile.TemporaryDirectory(prefix=".hf-layout.", dir=out) as tmp:
         if source.family == "eagle3":
             eagle3.write(source, "eagle3", tmp, reader="llamacpp")
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
-        elif source.family == "dflash":  # z-lab's layout: the converter's DFlashModel (a Qwen3 backbone)
+        elif source.family in BLOCK_FAMILIES:  # z-lab's layout: the converter's DFlashModel (a Qwen3 backbone)
             dflash.write(source, "gguf", tmp)
             llamacpp.convert(tmp, os.path.join(out, DRAFT_FILE), kind, target_model_dir=target_dir)
             if source.drafter.module.d2t is not None:  # the converter writes the head rows, not their ids
@@ -179,7 +182,7 @@ def static_check(folder: str, fmt: str, target: Target, source: Any) -> list[str
         lines.append(f"eagle3.target_layers = {got} (llama.cpp captures layer inputs; draftsmith "
                      f"{list(source.drafter.feature_layers)}), norm flags the head's, target_hidden_size {target.hidden_size}, "
                      f"draft vocabulary {vd}")
-    if family == "dflash":
+    if family in BLOCK_FAMILIES:
         lines += dflash_static_check(path, meta, target, source.drafter.module)
     return lines
 
@@ -187,6 +190,10 @@ def static_check(folder: str, fmt: str, target: Target, source: Any) -> list[str
 DFLASH_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_norm",
                         "ffn_gate", "ffn_up", "ffn_down")
 """What llama.cpp's ``dflash`` loader requires of every block (``src/models/dflash.cpp``, ``load_arch_tensors``)."""
+DFLASH2_LAYER_TENSORS = ("attn_conv_base", "attn_conv_proj.weight", "ffn_conv_base", "ffn_conv_proj.weight")
+"""What it requires of every block of a DFlash2 (the convolutions' bases carry no ``.weight``)."""
+DFLASH2_TENSORS = frozenset({"selector_predecessor.weight", "selector_successor.weight", "selector_hidden.weight"})
+"""The candidate selector of a DFlash2, as llama.cpp names it."""
 
 
 def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module: Any) -> list[str]:
@@ -212,6 +219,16 @@ def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module:
         f"blk.{i}.{t}.weight" for i in range(len(module.layers)) for t in DFLASH_LAYER_TENSORS}
     if module.d2t is not None:
         need |= {"output.weight", "d2t"}
+    selector = getattr(module, "candidate_selector", None)
+    if selector is not None:  # DFlash2: the convolutions of every block and the selector (``load_arch_tensors``)
+        need |= DFLASH2_TENSORS | {f"blk.{i}.{t}" for i in range(len(module.layers)) for t in DFLASH2_LAYER_TENSORS}
+        layer = module.layers[0].attention_conv
+        want_meta = {"dflash.conv_kernel_size": layer.kernel_size, "dflash.conv_group_size": module.hidden_size // layer.num_groups,
+                     "dflash.selector_rank": selector.hidden_projection.out_features, "dflash.selector_top_k": selector.top_k}
+        wrong = {k: meta.get(k) for k, v in want_meta.items() if meta.get(k) is None or int(meta[k]) != v}
+        if wrong:
+            raise DraftsmithError(f"{path}: {wrong} differ from the drafter's {want_meta}: llama.cpp would convolve or "
+                                  f"rerank otherwise")
     missing, extra = sorted(need - names), sorted(names - need)
     if missing or extra:
         raise DraftsmithError(f"{path}: llama.cpp's dflash loader needs {missing} (missing); {extra} are unexpected")
@@ -226,8 +243,9 @@ def dflash_static_check(path: str, meta: dict[str, Any], target: Target, module:
         vocab = f"; output [{len(want_ids)} draft rows] and d2t = the drafter's target ids"
     return [f"dflash.target_layers = {got} (llama.cpp captures layer inputs; draftsmith {list(module.feature_layers)}), "
             f"dflash.block_size {module.block_size}, mask token {module.mask_token_id}, the {len(need)} tensors "
-            f"llama.cpp's dflash loader reads (fc, enc.output_norm, output_norm, {len(module.layers)} blocks with q/k norms)"
-            + vocab]
+            f"llama.cpp's dflash loader reads (fc, enc.output_norm, output_norm, {len(module.layers)} blocks with q/k norms"
+            + (", their convolutions and the candidate selector, with its conv/selector sizes" if selector is not None else "")
+            + ")" + vocab]
 
 
 # ---------------------------------------------------------------- the engine check
@@ -246,7 +264,7 @@ def engine_check(folder: str, target: Target, source: Any, prompts: list[list[in
     from ..decode.chain import speculative_decode
     from ..decode.stats import DecodeStats
 
-    if source.family == "dflash":  # llama.cpp's block is n_max + 1 rows: only the whole trained block drafts as trained
+    if source.family in BLOCK_FAMILIES:  # llama.cpp's block is n_max + 1 rows: only the whole trained block drafts as trained
         k = source.drafter.module.block_size - 1
     target_gguf = cached_target(target, "f32")
     draft = os.path.join(folder, DRAFT_FILE)

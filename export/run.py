@@ -14,7 +14,8 @@ speculative decode with it accepts the source's drafts round for round, and per 
 ``hf`` — transformers' assisted generation with it equals the target's greedy output;
 ``speculators`` — speculators' own ``Eagle3DraftModel`` (``PEagleDraftModel`` for P-EAGLE) loads every tensor and its logits on
 the same hidden states equal draftsmith's head's (fp32 tolerance); ``dflash`` / ``speculators-dflash`` —
-the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its ``DFlashConverter``).
+the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its ``DFlashConverter``), and
+``DFlash2DraftModel`` for a DFlash2 drafter (its selector scores too).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ FORMATS: dict[str, Format] = {
     "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
     "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
     "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),
-    "speculators-dflash": Format(("dflash",), "vLLM (speculators format, speculators_model_type dflash)", dflash),
-    "gguf": Format(("eagle3", "draft_lm", "dflash"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
+    "speculators-dflash": Format(("dflash", "dflash2"), "vLLM (speculators format, speculators_model_type dflash or "
+                                 "dflash2)", dflash),
+    "gguf": Format(("eagle3", "draft_lm", "dflash", "dflash2"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
                    "draft-simple | draft-dflash), converted by llama.cpp's convert_hf_to_gguf.py", gguf),
     "eagle1": Format(("eagle1",), "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
                      eagle1),

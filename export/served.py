@@ -50,7 +50,7 @@ def sweep_export(folder: str, info_file: str, target: Any, source: Any, prompts:
     """Serve the GGUF export in ``folder`` at every (k, p-min) of ``sweep`` against llama.cpp's target alone
     (:func:`measure`, no n-gram methods), record the fastest setting in its ``draftsmith_export.json`` and return
     the check's lines: the setting and the command that serves it."""
-    ks = [source.drafter.module.block_size - 1] if source.family == "dflash" else list(sweep.ks)
+    ks = [source.drafter.module.block_size - 1] if source.family in gguf.BLOCK_FAMILIES else list(sweep.ks)
     threads = sweep.threads or (os.cpu_count() or 1)
     result = measure(target_gguf_for(target.name, sweep.target_type, target), prompts, sweep.max_new_tokens,
                      draft_gguf=os.path.join(folder, gguf.DRAFT_FILE), family=source.family, ks=ks, threads=threads,
@@ -79,7 +79,7 @@ def serve_command(folder: str, info: dict[str, Any]) -> str:
     if served:
         return describe_best(served) + "\nserve it: " + served["command"]
     draft = os.path.join(folder, gguf.DRAFT_FILE)
-    k = 1 if info["source"]["family"] != "dflash" else int(gguf.read_metadata(draft)["dflash.block_size"]) - 1
+    k = 1 if info["source"]["family"] not in gguf.BLOCK_FAMILIES else int(gguf.read_metadata(draft)["dflash.block_size"]) - 1
     spec = llamacpp.ServerSpec(model="TARGET.gguf", draft=draft, spec_type=info["gguf"]["spec_type"], n_max=k,
                                threads=os.cpu_count() or 1)
     return (f"serve it (unmeasured: k = {k}, no p-min gate; `draftsmith export --check {folder}` measures the fastest k "

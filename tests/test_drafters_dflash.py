@@ -152,13 +152,27 @@ def test_runtime_blocks_use_the_cached_context_exactly(tiny_target, dflash):
         proposal = drafter.propose(3, Warp(), None)
         expected = module.lm_head(reference_block(module, tiny_target, tokens)[1:]).argmax(-1)
         assert proposal.tokens.tolist() == expected.tolist()
-        new = proposal.tokens[:accept].tolist() + [int(7 + 31 * accept)]
-        n = len(tokens)
-        f = tiny_target.forward(torch.tensor([tokens + new[:-1]]), feature_layers=drafter.feature_layers).features[0]
-        drafter.update(torch.tensor(new), f[n - 1 :])
-        tokens += new
+        commit(tiny_target, drafter, tokens, proposal.tokens[:accept].tolist() + [int(7 + 31 * accept)])
     drafter.propose(3, Warp(), None)
     assert drafter.rows == len(tokens) - 1  # each committed position once in the context cache
+
+
+def prefilled(target: Target, config, module, tokens: list[int]):
+    """The runtime of ``module`` after the protocol's first update: ``tokens`` and the features of all but the last."""
+    drafter = config.runtime(module, target)
+    drafter.reset()
+    drafter.update(torch.tensor(tokens), target.forward(torch.tensor([tokens[:-1]]),
+                                                        feature_layers=drafter.feature_layers).features[0])
+    return drafter
+
+
+def commit(target: Target, drafter, tokens: list[int], new: list[int]) -> None:
+    """One round's commit: ``new`` (accepted drafts + the target's token) appended to ``tokens``, the drafter
+    updated with them and the target's features of the positions verified (the protocol's invariant)."""
+    n = len(tokens)
+    f = target.forward(torch.tensor([tokens + new[:-1]]), feature_layers=drafter.feature_layers).features[0]
+    drafter.update(torch.tensor(new), f[n - 1 :])
+    tokens += new
 
 
 def test_propose_caps_at_the_block_and_reports_q_per_position(tiny_target, dflash):
@@ -303,6 +317,13 @@ def exact_law(target: Target, prompt: list[int], length: int, warp: Warp) -> dic
             else:
                 frontier.append((nxt, pr))
     return law
+
+
+def law_check(target, drafter, warp: Warp) -> tuple[float, int]:
+    """(pooled chi-square p-value of the sequences decoded with ``drafter`` against the target's exact law, drafts
+    accepted in all): PROMPT5, 3 tokens, k = 3, DRAWS seeds."""
+    counts, accepted = sampled_counts(target, drafter, PROMPT5, 3, warp)
+    return pooled_chi2(counts, exact_law(target, PROMPT5, 3, warp)), accepted
 
 
 def sampled_counts(target, drafter, prompt, length, warp, k=3):

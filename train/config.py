@@ -2,7 +2,7 @@
 
 Learning rate, schedule and losses live here; engine settings (ZeRO stage, bf16/fp32,
 gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, named by
-``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash, peagle).
+``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash, dflash2, peagle).
 """
 
 from __future__ import annotations
@@ -185,6 +185,17 @@ class DFlashTrainConfig:
 
 
 @dataclass
+class DFlash2TrainConfig:
+    selector_alpha: float = 1.0
+    """Weight of the candidate selector's K-way cross-entropy beside the unary loss (the reference's
+    ``selector_loss_alpha``, 1); blocks, anchors and position weights are ``train.dflash``'s."""
+
+    def validate(self) -> None:
+        if self.selector_alpha < 0:
+            raise ConfigError(f"train.dflash2.selector_alpha = {self.selector_alpha} must be ≥ 0")
+
+
+@dataclass
 class PEagleTrainConfig:
     down_sample_ratio: float = 0.7
     """COD sampling: depth d ≥ 1 trains a share max(r^d, r_min) of the rollouts (r, the reference's 0.7)."""
@@ -246,7 +257,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: TrainEvalConfig = field(default_factory=TrainEvalConfig)
     dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)
-    """DFlash's anchors and position weights (``train/dflash.py``)."""
+    """DFlash's anchors and position weights (``train/dflash.py``; DFlash2's too)."""
+    dflash2: DFlash2TrainConfig = field(default_factory=DFlash2TrainConfig)
+    """DFlash2's candidate selector loss (``train/dflash2.py``)."""
     peagle: PEagleTrainConfig = field(default_factory=PEagleTrainConfig)
     """P-EAGLE's COD sampling of the depths trained (``train/peagle.py``)."""
 

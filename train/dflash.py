@@ -99,6 +99,74 @@ def dpace_weights(confidence: Tensor, valid: Tensor, alpha: float) -> Tensor:
         return suffix * valid
 
 
+def batch_anchors(run: setup.Run, batch: Batch, heldout_batch: bool = False) -> Tensor:
+    """The batch's anchors [B, N] (``train.dflash.anchors`` per sequence), from a generator seeded by (train.seed,
+    step, batch): counting a batch's rows and computing its loss see the same blocks, and a held-out batch always
+    gets the same ones."""
+    salt = 0 if heldout_batch else run.state.step + 1
+    gen = torch.Generator().manual_seed(hash((run.cfg.seed, salt, int(batch.input_ids.sum()))) % (1 << 62))
+    return sample_anchors(batch.loss_mask, run.cfg.dflash.anchors, gen)
+
+
+def block_rows(run: setup.Run, batch: Batch, block_size: int) -> Tensor:
+    """[B, N, Bs] bool: the block rows of the batch that count (what a step's loss is divided by)."""
+    return block_labels(batch_anchors(run, batch), block_size, batch.loss_mask)[1]
+
+
+def block_targets(run: setup.Run, batch: Batch, layers: tuple[int, ...], label: Tensor, valid: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """The target's side of the blocks of :func:`block_labels`: (its features [B, S, L·H], its logits p [M, V] at
+    each valid row's source position label − 1, in the row-major order of ``valid`` [B, N, Bs])."""
+    b = torch.arange(label.shape[0], device=label.device)[:, None, None].expand_as(label)[valid]  # [M]
+    source = label[valid] - 1  # the target's position whose output predicts the label
+    need = torch.zeros_like(batch.loss_mask)
+    need[b, source] = True
+    features, p_rows = target_side.features_and_logits(run, batch, layers, rows=need)  # [N', V]
+    index = (need.flatten().long().cumsum(0) - 1).view(need.shape)  # [B, S]: row of a position in p_rows
+    return features, p_rows[index[b, source]]
+
+
+def row_losses(run: setup.Run, q: Tensor, p: Tensor, k: Tensor, valid: Tensor, decay: Tensor,
+               draft_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per valid block row [M] (q logits [M, V'], p [M, V], block position k [M]; ``valid`` [B, N, Bs]): (the token
+    loss, its weight under ``train.dflash.weighting`` (``decay`` [Bs] or D-PACE from q's confidence), whether it
+    counts: with a draft vocabulary (target ids ``draft_ids``), not when the target's argmax lies outside it)."""
+    cfg = run.cfg
+    ok = torch.ones_like(k, dtype=torch.bool)
+    if draft_ids is not None:  # p over the draft vocabulary; a target argmax outside it has no loss
+        p, ok = losses.restrict_to_draft_vocab(p, draft_ids, ok)
+    row = losses.token_loss(cfg.loss.kind, q, p, ok, cfg.loss.temperature, cfg.loss.jsd_beta, reduction="none",
+                             eta=cfg.loss.lk_eta)  # [M]
+    if cfg.dflash.weighting == "dpace":
+        confidence = torch.zeros(valid.shape, device=q.device)  # an unreachable target token: confidence 0
+        picked = q.float().log_softmax(-1).gather(-1, p.argmax(-1, keepdim=True))[:, 0].exp()
+        confidence[valid] = torch.where(ok, picked, 0.0)
+        return row, dpace_weights(confidence, valid, cfg.dflash.dpace_alpha)[valid], ok
+    return row, decay.to(q.device)[k], ok
+
+
+def position_parts(name: str, row: Tensor, ok: Tensor, k: Tensor, block_size: int) -> heldout.Metrics:
+    """Each block position's unweighted (sum of ``row`` [M], rows that count) as ``{name}/pos{k}``."""
+    return {f"{name}/pos{pos}": (row[k == pos].sum().item(), float((ok & (k == pos)).sum())) for pos in range(1, block_size)}
+
+
+def block_metrics(accept: Tensor, top1: Tensor, k: Tensor, valid: Tensor, anchors: Tensor) -> heldout.Metrics:
+    """Held-out figures of the drafts of valid block rows (accept: Σ min(p, q) [M]; top1: the draft is the target's
+    argmax [M]; k: block position [M]) per position (``expected_accept_step{k−1}``, ``top1_step{k−1}``), and
+    ``block_tau``: 1 + the leading agreeing positions of a block, averaged over the real anchors [B, N]."""
+    out: heldout.Metrics = {}
+    for pos in range(1, valid.shape[-1]):
+        at = k == pos
+        out[f"expected_accept_step{pos - 1}"] = heldout.masked_metric(lambda: losses.masked_mean(accept[at], at[at]), at[at])
+        out[f"top1_step{pos - 1}"] = heldout.masked_metric(lambda: losses.masked_mean(top1[at], at[at]), at[at])
+    agree = torch.zeros_like(valid)
+    agree[valid] = top1
+    real = anchors >= 0  # [B, N]
+    run_length = agree[..., 1:].long().cumprod(-1).sum(-1)  # [B, N] leading agreeing positions
+    out["block_tau"] = (float((run_length + 1)[real].sum()), float(real.sum()))
+    return out
+
+
 def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
@@ -111,66 +179,32 @@ def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, 
     run.max_drafts = bs - 1  # a round drafts at most the block's masked positions (the simulated τ's cap)
     setup.restore(run, engine, resume)
 
-    def anchors_of(batch: Batch, heldout_batch: bool = False) -> Tensor:
-        """The batch's anchors [B, N]: the same for a batch at a given step (counting and loss agree)."""
-        salt = 0 if heldout_batch else run.state.step + 1
-        gen = torch.Generator().manual_seed(hash((cfg.seed, salt, int(batch.input_ids.sum()))) % (1 << 62))
-        return sample_anchors(batch.loss_mask, cfg.dflash.anchors, gen)
-
-    def rows(batch: Batch) -> Tensor:
-        return block_labels(anchors_of(batch), bs, batch.loss_mask)[1]
-
     def blocks(batch: Batch, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q logits [M, V'] of the valid block rows (V' = Vd with a draft vocabulary), the target's p logits
         there [M, V], their block position [M], valid [B, N, Bs])."""
         label, valid = block_labels(anchors, bs, batch.loss_mask)
-        b = torch.arange(label.shape[0], device=label.device)[:, None, None].expand_as(label)[valid]  # [M]
-        source = label[valid] - 1  # the target's position whose output predicts the label
-        need = torch.zeros_like(batch.loss_mask)
-        need[b, source] = True
-        features, p_rows = target_side.features_and_logits(run, batch, layers, rows=need)  # [N', V]
-        index = (need.flatten().long().cumsum(0) - 1).view(need.shape)  # [B, S]: row of a position in p_rows
+        features, p = block_targets(run, batch, layers, label, valid)
         q = engine(lambda m: m.lm_head(m.train_blocks(batch.input_ids, features.to(run.dtype), anchors)[valid]))
         k = torch.arange(bs, device=label.device).expand_as(label)[valid]
-        return q, p_rows[index[b, source]], k, valid
+        return q, p, k, valid
 
     def objective(q: Tensor, p: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, heldout.Metrics]:
         """Σ_rows w_row · token loss (the recipe's weighting, module docstring); parts: each position's
         unweighted (sum, rows)."""
-        ok = torch.ones_like(k, dtype=torch.bool)
-        if draft_ids is not None:  # p over the draft vocabulary; a target argmax outside it has no loss
-            p, ok = losses.restrict_to_draft_vocab(p, draft_ids, ok)
-        row = losses.token_loss(cfg.loss.kind, q, p, ok, cfg.loss.temperature, cfg.loss.jsd_beta, reduction="none",
-                                 eta=cfg.loss.lk_eta)  # [M]
-        if cfg.dflash.weighting == "dpace":
-            confidence = torch.zeros(valid.shape, device=q.device)  # an unreachable target token: confidence 0
-            picked = q.float().log_softmax(-1).gather(-1, p.argmax(-1, keepdim=True))[:, 0].exp()
-            confidence[valid] = torch.where(ok, picked, 0.0)
-            w = dpace_weights(confidence, valid, cfg.dflash.dpace_alpha)[valid]  # [M]
-        else:
-            w = decay.to(q.device)[k]
-        parts = {f"loss/pos{pos}": (row[k == pos].sum().item(), float((ok & (k == pos)).sum())) for pos in range(1, bs)}
-        return (w * row).sum(), parts
+        row, w, ok = row_losses(run, q, p, k, valid, decay, draft_ids)  # [M] each
+        return (w * row).sum(), position_parts("loss", row, ok, k, bs)
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
-        anchors = anchors_of(batch, heldout_batch=True)
+        anchors = batch_anchors(run, batch, heldout_batch=True)
         q, p, k, valid = blocks(batch, anchors)
-        out: heldout.Metrics = {"loss": (float(objective(q, p, k, valid)[0]), float(valid.sum()))}
         ids = draft_ids if draft_ids is not None else torch.arange(vocab, device=q.device)  # q = 0 outside them
         accept, top1 = losses.draft_vocab_agreement(q, p, ids)  # [M] each, no [M, V] copy of q
-        for pos in range(1, bs):
-            at = k == pos
-            out[f"expected_accept_step{pos - 1}"] = heldout.masked_metric(lambda: losses.masked_mean(accept[at], at[at]), at[at])
-            out[f"top1_step{pos - 1}"] = heldout.masked_metric(lambda: losses.masked_mean(top1[at], at[at]), at[at])
-        agree = torch.zeros_like(valid)
-        agree[valid] = top1
-        real = anchors >= 0  # [B, N]
-        run_length = agree[..., 1:].long().cumprod(-1).sum(-1)  # [B, N] leading agreeing positions
-        out["block_tau"] = (float((run_length + 1)[real].sum()), float(real.sum()))
-        return out
+        return {"loss": (float(objective(q, p, k, valid)[0]), float(valid.sum())),
+                **block_metrics(accept, top1, k, valid, anchors)}
 
     save.baseline(run, engine, evaluate)
-    for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid block rows counted
-        step.optimizer_step(run, engine, micro, lambda batch: objective(*blocks(batch, anchors_of(batch))))
+    # the micro-batches of one optimizer step, their valid block rows counted
+    for micro in step.step_batches(run, lambda batch: block_rows(run, batch, bs)):
+        step.optimizer_step(run, engine, micro, lambda batch: objective(*blocks(batch, batch_anchors(run, batch))))
         step.after_step(run, engine, evaluate)
     return save.finish(run, engine, evaluate)
