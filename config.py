@@ -16,8 +16,7 @@ from .data.config import DataConfig
 from .drafters import DrafterConfig
 from .errors import ConfigError
 from .drafters.layer_skip import LayerSkipConfig
-from .eval.config import EvalConfig
-from .measure.config import DecodeConfig
+from .measure.config import DecodeConfig, EvalConfig
 from .report.config import ReportConfig
 from .schema import from_dict, load_yaml, merge, parse_overrides
 from .target import TargetConfig

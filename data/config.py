@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
+from ..decode.protocol import BuildsDrafter
 from ..engines import Launch
 from ..engines.llamacpp import TargetGGUFType
 from ..errors import ConfigError
+from ..target import TargetConfig
 
 Stage = Literal["regenerate", "tokenize", "features", "vocab"]
 RegenerateMethod = Literal["generate", "speculative", "server"]
@@ -244,3 +246,19 @@ class DataConfig:
     def resolve_out_dir(self, run_dir: str) -> str:
         """The output folder: ``out_dir`` or ``<run_dir>/data``."""
         return self.out_dir or os.path.join(run_dir, "data")
+
+
+class PrepareRecipe(Protocol):
+    """What ``draftsmith prepare`` reads of the recipe: the run folder, the target, this section, and the drafter
+    that regenerates with ``data.regenerate.method=speculative``. The top-level ``config.Recipe`` satisfies it
+    (``config`` lies above this stage: it imports the section)."""
+
+    run_dir: str
+    target: TargetConfig
+    data: DataConfig
+
+    @property
+    def drafter(self) -> BuildsDrafter:
+        """Read only: the recipe's section is the union of every family's config (``drafters/``, above data/),
+        each of which builds a drafter."""
+        ...

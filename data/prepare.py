@@ -32,21 +32,20 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..decode.protocol import BuildsDrafter
 from ..errors import DraftsmithError, writing
 from ..files import changed_files, write_json
 from ..schema import save_recipe
 from ..tables import WIDTH, text_table, wrapped
-from .config import STAGE_ORDER, DataConfig
+from ..target import TargetConfig
+from .config import STAGE_ORDER, DataConfig, PrepareRecipe
 from .conversations import FORMAT as CONVERSATIONS_FORMAT
 from .conversations import conversations_manifest, load_conversations, write_conversations
 from .normalize import SKIP_REASONS, ReadStats, iter_conversations
 from .shards import MANIFEST, SOLO, Workers, read_json
 from .sources import SourceReport, repairs_note, source_identity
-
-if TYPE_CHECKING:
-    from ..config import Recipe
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ class PrepareSummary:
                 "skipped": dict(self.skipped), "skip_examples": self.examples, "sources": self.sources}
 
 
-def run_prepare_recipe(recipe: Recipe, restart: bool = False,
+def run_prepare_recipe(recipe: PrepareRecipe, restart: bool = False,
                        workers: Callable[[], AbstractContextManager[Workers]] = lambda: nullcontext(SOLO)) -> dict[str, Any]:
     """``draftsmith prepare``: the whole command (the CLI and the demo call it). Opens ``workers`` for the run,
     writes the resolved recipe to ``<run_dir>/config.yaml`` (process 0), runs :func:`run_prepare` and returns
@@ -120,7 +119,7 @@ def run_prepare_recipe(recipe: Recipe, restart: bool = False,
         return run_prepare(recipe, workers=w, restart=restart).to_dict()
 
 
-def run_prepare(recipe: Recipe, progress: bool = True, workers: Workers = SOLO, restart: bool = False) -> PrepareSummary:
+def run_prepare(recipe: PrepareRecipe, progress: bool = True, workers: Workers = SOLO, restart: bool = False) -> PrepareSummary:
     """Run ``recipe.data.stages`` for ``recipe.target``; print and return the summary (process 0 prints
     and writes it when several ``workers`` share the job). ``restart``: let regenerate and features discard
     finished shards that changed settings or inputs invalidate (without it they stop and say what changed)."""
@@ -128,7 +127,7 @@ def run_prepare(recipe: Recipe, progress: bool = True, workers: Workers = SOLO, 
     paths = PreparedPaths.at(cfg.resolve_out_dir(recipe.run_dir))
     stages = [s for s in STAGE_ORDER if s in cfg.stages]
     summary = PrepareSummary(out_dir=paths.root)
-    env = _Env(recipe)
+    env = _Env(recipe.target)
 
     conv_folder = conv_hash = None
     if "regenerate" in stages or "tokenize" in stages:
@@ -138,7 +137,8 @@ def run_prepare(recipe: Recipe, progress: bool = True, workers: Workers = SOLO, 
         with _main_first(workers):
             conv_folder, conv_hash = _read_stage(cfg, paths, summary)
     if "regenerate" in stages:
-        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, conv_folder, summary, progress, workers, restart)
+        conv_folder, conv_hash = _regenerate_stage(cfg, paths, env, recipe.drafter, conv_folder, summary, progress,
+                                                   workers, restart)
     if "tokenize" in stages:
         with _main_first(workers):
             _tokenize_stage(cfg, paths, env, conv_folder, conv_hash, summary)
@@ -168,8 +168,8 @@ class _Env:
     features); what its files say (tokenizer, config, fingerprint) for the stages that need no model
     (tokenize, vocab, regenerate through a server)."""
 
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    def __init__(self, target_config: TargetConfig):
+        self.target_config = target_config
         self._target = None
         self._files = None
         self._tokenizer = None
@@ -178,13 +178,13 @@ class _Env:
     def folder(self) -> str:
         from ..target import resolve_target_folder
 
-        return resolve_target_folder(self.recipe.target.name)
+        return resolve_target_folder(self.target_config.name)
 
     def target(self) -> Any:
         if self._target is None:
             from ..target import load_target
 
-            self._target = load_target(self.recipe.target)
+            self._target = load_target(self.target_config)
         return self._target
 
     def files(self) -> Any:
@@ -194,7 +194,7 @@ class _Env:
         if self._files is None:
             from ..target import load_target_files
 
-            self._files = load_target_files(self.recipe.target)
+            self._files = load_target_files(self.target_config)
         return self._files
 
     def tokenizer(self) -> Any:
@@ -206,9 +206,9 @@ class _Env:
             from ..chat import apply_option
 
             try:
-                self._tokenizer = apply_option(AutoTokenizer.from_pretrained(self.folder), self.recipe.target.chat_template)
+                self._tokenizer = apply_option(AutoTokenizer.from_pretrained(self.folder), self.target_config.chat_template)
             except (OSError, ValueError) as e:
-                raise DraftsmithError(f"could not load the tokenizer of target '{self.recipe.target.name}': {e}") from e
+                raise DraftsmithError(f"could not load the tokenizer of target '{self.target_config.name}': {e}") from e
         return self._tokenizer
 
     def vocab_size(self) -> int:
@@ -264,8 +264,8 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
     return paths.conversations, manifest["hash"]
 
 
-def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folder: str, summary: PrepareSummary,
-                      progress: bool, workers: Workers, restart: bool) -> tuple[str, str]:
+def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_config: BuildsDrafter, conv_folder: str,
+                      summary: PrepareSummary, progress: bool, workers: Workers, restart: bool) -> tuple[str, str]:
     from .regenerate import METHODS, regenerate_conversations, regenerated_records
 
     from ..target import load_target
@@ -279,9 +279,9 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_fol
     else:
         target = env.target()
     if method.loads_target and r.dtype != "target" and str(target.dtype) != f"torch.{r.dtype}":
-        target = load_target(env.recipe.target.name, r.dtype, str(target.device),
-                             env.recipe.target.chat_template)  # this stage only
-    drafter = env.recipe.drafter.build(target) if method.drafter else None
+        spec = env.target_config
+        target = load_target(spec.name, r.dtype, str(target.device), spec.chat_template)  # this stage only
+    drafter = drafter_config.build(target) if method.drafter else None
     report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, drafter=drafter, restart=restart,
                                       progress=progress, workers=workers)
@@ -337,7 +337,7 @@ def _tokenize_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, conv_folde
                 max_length=cfg.render.max_length, last_turn_only=cfg.render.last_turn_only, stop_ids=stops,
                 num_proc=cfg.render.num_proc, map_batch_size=cfg.render.map_batch_size, cache_dir=paths.cache,
                 fingerprint=_digest(spec),
-                manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.recipe.target.name,
+                manifest={"spec": spec, "tokenizer_hash": spec["tokenizer_hash"], "target": env.target_config.name,
                           "vocab_size": env.vocab_size(), "num_conversations": len(conversations)},
             )
         note = f"{damage}: tokenized again" if damage else ""

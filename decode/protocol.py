@@ -55,7 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..target import TargetOutput
+from ..target import Target, TargetOutput
 from .sampling import Warp
 
 
@@ -85,6 +85,15 @@ class Drafter(Protocol):
     def update(self, tokens: Tensor, features: Tensor | None) -> None: ...
 
     def propose(self, k: int, warp: Warp, generator: torch.Generator | None) -> Proposal: ...
+
+
+class BuildsDrafter(Protocol):
+    """A drafter's config, as a user of the decoder that builds one sees it (every family's config in
+    ``drafters/`` is one: ``drafters.registry.FamilyConfig``); data/ regenerates with it."""
+
+    def build(self, target: Target) -> Drafter:
+        """The runtime drafter for ``target`` (its device and dtype), speaking this protocol."""
+        ...
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol, Union, get_args, get_origin, runtime_
 
 from torch import nn
 
-from ..decode.protocol import Drafter
+from ..decode.protocol import BuildsDrafter, Drafter
 from ..errors import ConfigError
 from ..schema import define_section
 from ..target import Target
@@ -46,15 +46,11 @@ from .suffix import SuffixConfig
 
 
 @runtime_checkable
-class FamilyConfig(Protocol):
-    """What every family's config class provides (a dataclass; ``validate`` is optional)."""
+class FamilyConfig(BuildsDrafter, Protocol):
+    """What every family's config class provides (a dataclass; ``validate`` is optional): ``build`` and its tag."""
 
     type: str
     """The family's tag, ``Literal["name"]`` on the class: the YAML's ``drafter.type``."""
-
-    def build(self, target: Target) -> Drafter:
-        """The runtime drafter for ``target`` (its device and dtype), speaking ``decode/protocol.py``."""
-        ...
 
 
 @runtime_checkable

@@ -16,20 +16,18 @@ import json
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..files import atomic_path, write_json
 from ..measure.baselines import baseline_configs, baseline_lines, baseline_rows
+from ..measure.config import EvalRecipe
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import fields_note, load_questions
 from ..schema import save_recipe, to_dict
 from ..tables import WIDTH, wrapped
 from ..target import describe, load_target
-
-if TYPE_CHECKING:
-    from ..config import Recipe
 
 
 def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, extra: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +48,7 @@ def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, ex
     return metrics
 
 
-def run_eval_recipe(recipe: Recipe) -> dict[str, Any]:
+def run_eval_recipe(recipe: EvalRecipe) -> dict[str, Any]:
     """``draftsmith eval``: decode the recipe's prompts with its drafter and with the target alone in the
     recipe's dtype (speed), check greedy identity in fp32 (``eval.check_identity``), write and print the metrics,
     and with ``eval.engine=llamacpp`` measure the same drafter where it is served (``export/serve.py``, written

@@ -12,21 +12,19 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..measure.config import EvalRecipe
 from ..measure.engine import measure, table
 from ..files import write_json
 from . import gguf
 from .run import INFO_FILE, export
 from .served import record_best, target_gguf_for
 
-if TYPE_CHECKING:
-    from ..config import Recipe
-
 __all__ = ["evaluate_in_llamacpp", "run_engine_eval", "target_gguf_for"]
 
 
-def evaluate_in_llamacpp(recipe: Recipe, prompts: Sequence[Sequence[int]], target: Any) -> dict[str, Any]:
+def evaluate_in_llamacpp(recipe: EvalRecipe, prompts: Sequence[Sequence[int]], target: Any) -> dict[str, Any]:
     """``eval.engine=llamacpp``: the recipe's saved drafter exported to GGUF (``<run_dir>/engine``) and measured in
     llama.cpp against llama.cpp's target alone (:func:`measure`) on the same prompts and max_new_tokens."""
     import os
@@ -55,7 +53,7 @@ def evaluate_in_llamacpp(recipe: Recipe, prompts: Sequence[Sequence[int]], targe
     return result
 
 
-def run_engine_eval(recipe: Recipe) -> dict[str, Any]:
+def run_engine_eval(recipe: EvalRecipe) -> dict[str, Any]:
     """After ``draftsmith eval`` wrote ``eval_metrics.json``: the same prompts through llama.cpp, written into it
     under "engine", and printed."""
     from ..measure.prompts import load_questions

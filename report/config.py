@@ -7,9 +7,10 @@ The prompts come from ``eval.prompts`` / ``eval.num_prompts``, k and max_new_tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from ..errors import ConfigError
+from ..measure.config import EvalRecipe
 
 
 @dataclass
@@ -46,3 +47,10 @@ class ReportConfig:
             raise ConfigError(f"report.worst = {self.worst} must be ≥ 0")
         if self.tolerance_sigmas <= 0:
             raise ConfigError(f"report.tolerance_sigmas = {self.tolerance_sigmas} must be > 0")
+
+
+class ReportRecipe(EvalRecipe, Protocol):
+    """What ``draftsmith report`` reads of the recipe: what ``draftsmith eval`` reads, and this section. The
+    top-level ``config.Recipe`` satisfies it (``config`` lies above this stage: it imports the section)."""
+
+    report: ReportConfig

@@ -21,7 +21,7 @@ import gc
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,16 +30,15 @@ from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
 from ..measure.baselines import baseline_configs
+from ..measure.config import DecodeConfig
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import Question, load_questions
 from ..decode.reference import target_greedy
 from ..schema import save_recipe, to_dict
 from ..target import Target, describe, load_target
 from . import summary as S
+from .config import ReportConfig, ReportRecipe
 from .alignment import AnswerAlignment, align_answer
-
-if TYPE_CHECKING:
-    from ..config import Recipe
 
 
 def drafter_entries(drafter: Any, compare: list[str], baselines: list[str] = ()) -> list[tuple[str, Any]]:
@@ -132,8 +131,9 @@ def reference_answers(target: Target, questions: list[Question], max_new_tokens:
 
 
 def alignment_pass(target: Target, cfg: Any, asked: list[Question], turn_of: list[int], answers: list[list[int]],
-                   recipe: Recipe) -> dict[str, Any]:
-    """The offline alignment of one drafter (two instances: teacher-forced and rollout)."""
+                   decode: DecodeConfig, report: ReportConfig) -> dict[str, Any]:
+    """The offline alignment of one drafter (two instances: teacher-forced and rollout) at ``decode.k`` and
+    ``report.temperature``."""
     teacher, rollout = cfg.build(target), cfg.build(target)
     if isinstance(teacher, BindsTargetCache):
         return {"skipped": "a self-speculative drafter drafts inside the target's KV cache; run the same drafts "
@@ -142,16 +142,16 @@ def alignment_pass(target: Target, cfg: Any, asked: list[Question], turn_of: lis
     draft_ids = getattr(module, "draft_ids", None) if module is not None else None
     if draft_ids is not None and draft_ids.numel() == target.vocab_size:
         draft_ids = None
-    k, max_new = recipe.decode.k, recipe.decode.max_new_tokens
+    k, max_new = decode.k, decode.max_new_tokens
     aligned: list[AnswerAlignment] = []
     t0 = time.perf_counter()
     for q, turn, answer in zip(asked, turn_of, answers):
         prompt = target.render_chat(q.messages())
-        aligned.append(align_answer(target, teacher, rollout, prompt, answer, k, max_new, recipe.report.temperature,
+        aligned.append(align_answer(target, teacher, rollout, prompt, answer, k, max_new, report.temperature,
                                     draft_ids, (q.id, q.category, turn)))
     decode_text = lambda ids: target.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    out = S.summarize_alignment(aligned, k, max_new, target.eos_token_ids, recipe.report.calibration_bins,
-                                recipe.report.worst, decode_text, recipe.report.temperature)
+    out = S.summarize_alignment(aligned, k, max_new, target.eos_token_ids, report.calibration_bins,
+                                report.worst, decode_text, report.temperature)
     out["by_category"] = S.predicted_by_group(aligned, lambda a: a.category)
     out["by_turn"] = S.predicted_by_group(aligned, lambda a: f"turn {a.turn}")
     out["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -186,7 +186,7 @@ def decoding_summary(ev: Evaluation, turn_of: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def run_report(recipe: Recipe, compare: list[str] | None = None) -> dict[str, Any]:
+def run_report(recipe: ReportRecipe, compare: list[str] | None = None) -> dict[str, Any]:
     """The whole command; returns report.json's content (also written with report.md and the plots)."""
     cfg = recipe.report
     if recipe.decode.tree != "none":
@@ -218,7 +218,7 @@ def run_report(recipe: Recipe, compare: list[str] | None = None) -> dict[str, An
     for name, d in entries:
         res = results[name]
         print(f"report [{name}]: offline alignment", flush=True)
-        res["alignment"] = al = alignment_pass(target, d, asked, turns, answers, recipe)
+        res["alignment"] = al = alignment_pass(target, d, asked, turns, answers, recipe.decode, cfg)
         if "skipped" not in al:
             print(f"report [{name}]: alpha by position {al['teacher_forced']['alpha']} (teacher-forced), top-1 "
                   f"{al['teacher_forced']['top1']}; predicted tau greedy {al['prediction']['greedy']['tau']}, sampled "
@@ -253,7 +253,7 @@ def run_report(recipe: Recipe, compare: list[str] | None = None) -> dict[str, An
             sampled.append(evaluate(target, drafter, asked, warm, progress=False))
         res["decoding"] = {"greedy": res.pop("_greedy"), "greedy_fp32": res.pop("_fp32_greedy"),
                            "sampled": sampled_summary(sampled, cfg, turn_of)}
-        res["prediction_vs_measurement"] = predicted_vs_measured(res, recipe)
+        res["prediction_vs_measurement"] = predicted_vs_measured(res, cfg, recipe.decode.k)
     if recipe.eval.engine == "llamacpp":  # the first drafter served in llama.cpp, chains of decode.k
         name, _ = entries[0]
         print(f"report [{name}]: served in llama.cpp (k = {recipe.decode.k})", flush=True)
@@ -295,7 +295,7 @@ TOLERANCE_NOTE = (
 )
 
 
-def sampled_summary(evs: list[Evaluation], cfg: Any, turn_of: dict[str, int]) -> dict[str, Any] | None:
+def sampled_summary(evs: list[Evaluation], cfg: ReportConfig, turn_of: dict[str, int]) -> dict[str, Any] | None:
     """Per seed τ, and all seeds pooled per prompt (a prompt's rounds over every seed form one unit)."""
     if not evs:
         return None
@@ -329,12 +329,13 @@ def sampled_summary(evs: list[Evaluation], cfg: Any, turn_of: dict[str, int]) ->
     return out
 
 
-def predicted_vs_measured(res: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
-    """τ predicted offline next to the decoder's, and the speedup the cost model predicts from it."""
+def predicted_vs_measured(res: dict[str, Any], cfg: ReportConfig, k: int) -> dict[str, Any]:
+    """τ predicted offline next to the decoder's (agreeing within ``cfg.tolerance_sigmas``), and the speedup the
+    cost model predicts from it for chains of ``k`` drafts."""
     al = res["alignment"]
     if "skipped" in al:
         return {"skipped": al["skipped"]}
-    pred, sig = al["prediction"], recipe.report.tolerance_sigmas
+    pred, sig = al["prediction"], cfg.tolerance_sigmas
     dec = res["decoding"]
     g, g32 = dec["greedy"], dec["greedy_fp32"]
     out: dict[str, Any] = {
@@ -355,7 +356,6 @@ def predicted_vs_measured(res: dict[str, Any], recipe: Recipe) -> dict[str, Any]
                                        "decoder": round(S.tau_of(s["acceptance_at_position"]), 4)}
     speed = g.get("speed")
     if speed is not None:
-        k = recipe.decode.k
         predicted = S.speedup_prediction(al["teacher_forced"]["cumulative_top1"], k, speed["cost_model"])
         measured = speed["speedup_vs_target"]
         out["speedup_greedy"] = {

@@ -5,16 +5,22 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal, Union, get_type_hints
 
 import pytest
 import yaml
 
 from draftsmith.config import CONFIG_DIR, Recipe, load_recipe
+from draftsmith.data.config import PrepareRecipe
+from draftsmith.decode.protocol import BuildsDrafter
+from draftsmith.drafters.registry import missing_members, specs
 from draftsmith.drafters.hf_lm import HFDrafterConfig
 from draftsmith.drafters.layer_skip import LayerSkipConfig
 from draftsmith.errors import ConfigError
+from draftsmith.measure.config import EvalRecipe
+from draftsmith.report.config import ReportRecipe
 from draftsmith.schema import from_dict, merge, parse_overrides, save_recipe, to_dict
+from draftsmith.train.config import TrainRecipe
 
 RECIPES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.yaml")))
 
@@ -30,6 +36,37 @@ def test_every_recipe_loads_and_round_trips(path, tmp_path):
     # the resolved config written next to a run reloads to the same recipe
     written = save_recipe(recipe, str(tmp_path))
     assert load_recipe(written) == recipe
+
+
+STAGE_RECIPES = [PrepareRecipe, EvalRecipe, TrainRecipe, ReportRecipe]
+
+
+@pytest.mark.parametrize("proto", STAGE_RECIPES, ids=[p.__name__ for p in STAGE_RECIPES])
+def test_the_recipe_satisfies_what_each_stage_reads(proto):
+    """A stage types the recipe it takes with a Protocol of its own layer (``config.py`` lies above the stages):
+    ``Recipe`` has each section the Protocol names, of the same type; a read-only one (a property) of a type whose
+    members every drafter family's config has."""
+    sections = get_type_hints(Recipe)
+    named = get_type_hints(proto)
+    read_only = {n: get_type_hints(v.fget)["return"] for n, v in vars(proto).items() if isinstance(v, property)}
+    assert set(named) | set(read_only) <= set(sections), f"{proto.__name__} names no section of Recipe"
+    for name, tp in named.items():
+        assert tp == sections[name], f"{proto.__name__}.{name}: {tp} here, {sections[name]} in Recipe"
+    for name, tp in read_only.items():
+        assert name == "drafter" and tp is BuildsDrafter, f"{proto.__name__}.{name}: check its type against Recipe"
+        assert not [missing_members(s.config, tp) for s in specs().values() if missing_members(s.config, tp)]
+    assert {"run_dir", "target"} <= set(named)  # every stage writes into the run folder, for one target
+
+
+def test_a_stage_protocol_that_names_a_missing_section_fails():
+    from typing import Protocol
+
+    class Wrong(Protocol):
+        run_dir: str
+        target: str  # Recipe's is a TargetConfig
+
+    with pytest.raises(AssertionError, match="Wrong.target"):
+        test_the_recipe_satisfies_what_each_stage_reads(Wrong)
 
 
 def test_recipe_by_name_and_overrides():

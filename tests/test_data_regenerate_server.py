@@ -103,7 +103,7 @@ def test_the_gguf_types_of_the_configs_are_those_the_engine_serves():
     from typing import get_args, get_type_hints
 
     from draftsmith.engines.llamacpp import DRAFT_GGUF_TYPES, NGRAM_METHODS, TARGET_GGUF_TYPES
-    from draftsmith.eval.config import EvalConfig
+    from draftsmith.measure.config import EvalConfig
 
     assert get_args(get_type_hints(ServerConfig)["gguf_type"]) == TARGET_GGUF_TYPES
     hints = get_type_hints(EvalConfig)

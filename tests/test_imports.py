@@ -10,8 +10,9 @@ names the file it executes: ``from .registry import specs`` → ``drafters/regis
 ``from . import hybrid`` → ``drafters/hybrid.py``, ``from ..drafters import save`` →
 ``drafters/__init__.py`` (the parent packages an import initializes on the way are not counted:
 every file of a folder would otherwise close a circle through its ``__init__``). An import under
-``if TYPE_CHECKING:`` is no arrow: it never runs, and names a type for annotations only (a stage's
-``recipe: Recipe``, whose class lives in ``config`` above it).
+``if TYPE_CHECKING:`` is an arrow like any other: the type checker and the reader follow it, so a type
+named from a layer above is a climb. A stage types the recipe it takes with a Protocol of the sections
+it reads, defined in its own layer (``train.config.TrainRecipe``), which ``config.Recipe`` satisfies.
 """
 
 from __future__ import annotations
@@ -69,12 +70,7 @@ def imported_names(rel_path: str, source: str) -> list[list[str]]:
     of a from-import may be a module or a name in one)."""
     package = ["draftsmith", *rel_path[: -len(".py")].split(os.sep)[:-1]]  # the file's package
     out: list[list[str]] = []
-    tree = ast.parse(source, filename=rel_path)
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and is_type_checking(block.test)
-                   for stmt in block.body for n in ast.walk(stmt)}
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(source, filename=rel_path)):
         if isinstance(node, ast.Import):
             targets = [a.name.split(".") for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -90,12 +86,6 @@ def imported_names(rel_path: str, source: str) -> list[list[str]]:
             continue
         out += [t[1:] for t in targets if t[0] == "draftsmith"]
     return out
-
-
-def is_type_checking(test: ast.expr) -> bool:
-    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``: the condition no run of the code ever meets."""
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def imported_nodes(rel_path: str, source: str) -> set[str]:
@@ -177,7 +167,7 @@ def test_the_parser_sees_every_kind_of_import():
     assert imported_nodes("cli.py", "from .demo import DemoSize\nfrom . import config\n") == {"demo", "config"}
     typed = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..config import Recipe\nelse:\n"
              "    from ..eval import run\nif typing.TYPE_CHECKING:\n    import draftsmith.cli\n")
-    assert imported_nodes(os.path.join("train", "m.py"), typed) == {"eval"}  # the else branch runs: an arrow
+    assert imported_nodes(os.path.join("train", "m.py"), typed) == {"config", "eval", "cli"}  # types only: arrows too
 
 
 def test_find_cycle_reports_the_circle():

@@ -15,7 +15,7 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.engines.llamacpp import Completion, EngineRun
 from draftsmith.errors import ConfigError
-from draftsmith.eval.config import EvalConfig
+from draftsmith.measure.config import EvalConfig
 from draftsmith.measure import engine
 from draftsmith.measure.engine import TARGET, Method, best_setting, methods, row, table
 

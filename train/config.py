@@ -8,9 +8,10 @@ gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, name
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from ..errors import ConfigError
+from ..measure.config import EvalRecipe
 from .losses import TokenLoss
 
 
@@ -277,3 +278,11 @@ class TrainConfig:
             raise ConfigError(f"train.align_top_k = {self.align_top_k} must be ≥ 0 (0 = off)")
         if self.feature_noise < 0:
             raise ConfigError(f"train.feature_noise = {self.feature_noise} must be ≥ 0")
+
+
+class TrainRecipe(EvalRecipe, Protocol):
+    """What ``draftsmith train`` reads of the recipe: the run folder, the target, the drafter to train, this
+    section, and what the training-time evaluation reads (``decode``, ``eval.prompts``). The top-level
+    ``config.Recipe`` satisfies it (``config`` lies above this stage: it imports the section)."""
+
+    train: TrainConfig

@@ -36,18 +36,16 @@ over blocks — the greedy acceptance length of a block drafted from a true cont
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
+from .config import TrainRecipe
 from .data import Batch
 from .distributed import World
-
-if TYPE_CHECKING:
-    from ..config import Recipe
 
 
 def sample_anchors(loss_mask: Tensor, num: int, generator: torch.Generator) -> Tensor:
@@ -167,10 +165,10 @@ def block_metrics(accept: Tensor, top1: Tensor, k: Tensor, valid: Tensor, anchor
     return out
 
 
-def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
-    config = setup.trainable(recipe).resolve(run.target)
+    config = setup.trainable(recipe.drafter).resolve(run.target)
     module = config.build_module(run.target)
     layers, bs, vocab = tuple(config.feature_layers), config.block_size, run.target.vocab_size
     draft_ids = None if module.draft_ids is None else module.draft_ids.clone()  # a reduced vocabulary's target ids

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import heldout, save, setup, step
+from .config import TrainRecipe
 from .data import Batch
 from .dflash import (
     batch_anchors,
@@ -69,10 +70,10 @@ def candidate_agreement(scores: Tensor, candidates: Tensor, p: Tensor, chunk_row
     return (torch.cat(accept) if accept else empty.float()), (torch.cat(top1) if top1 else empty.bool())
 
 
-def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
-    config = setup.trainable(recipe).resolve(run.target)
+    config = setup.trainable(recipe.drafter).resolve(run.target)
     module = config.build_module(run.target)
     layers, bs, top_k = tuple(config.feature_layers), config.block_size, config.selector_top_k
     decay = torch.tensor(position_weights(bs, cfg.dflash.decay_gamma))

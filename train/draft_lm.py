@@ -19,23 +19,21 @@ Held-out: expected acceptance Σ min(p, q) and top-1 agreement on the dataset's 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
+from .config import TrainRecipe
 from .data import Batch, collate
 from .distributed import World
 
-if TYPE_CHECKING:
-    from ..config import Recipe
 
-
-def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = setup.trainable(recipe)
+    config = setup.trainable(recipe.drafter)
     run = setup.start(recipe, world)
     engine = setup.build_engine(run, config.build_module(run.target))
     setup.restore(run, engine, resume)

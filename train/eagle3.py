@@ -25,18 +25,16 @@ Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
+from .config import TrainRecipe
 from .data import Batch
 from .distributed import World
-
-if TYPE_CHECKING:
-    from ..config import Recipe
 
 
 @dataclass
@@ -69,10 +67,10 @@ def still_aligned(alive: Tensor, rows: Tensor, logits: Tensor, draft_ids: Tensor
     return out
 
 
-def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
-    config = setup.trainable(recipe).resolve(run.target)
+    config = setup.trainable(recipe.drafter).resolve(run.target)
     head = config.build_module(run.target)
     layers, draft_ids = tuple(config.feature_layers), head.draft_ids.clone()
     weights = losses.decayed_weights(cfg.ttt_steps, cfg.loss.step_decay)

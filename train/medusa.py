@@ -14,22 +14,20 @@ Held-out: expected acceptance Σ min(p, q) and top-1 agreement per head
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 
 from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
+from .config import TrainRecipe
 from .data import Batch
 from .distributed import World
 
-if TYPE_CHECKING:
-    from ..config import Recipe
 
-
-def train(recipe: Recipe, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = setup.trainable(recipe)
+    config = setup.trainable(recipe.drafter)
     run = setup.start(recipe, world)
     heads = config.build_module(run.target)
     num_heads, last_layer = heads.num_heads, (run.target.num_layers - 1,)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..drafters.common import shift_left
 from . import heldout, losses, save, setup, step, target_side
+from .config import TrainRecipe
 from .data import Batch
 from .distributed import World
 
@@ -78,10 +79,10 @@ def cod_layout(loss_mask: Tensor, attention_mask: Tensor | None, num_depths: int
     return anchor.to(device), depth.to(device), valid.to(device)
 
 
-def train(recipe: Any, world: World, resume: str | None = None) -> dict[str, Any]:
+def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
-    config = setup.trainable(recipe).resolve(run.target)
+    config = setup.trainable(recipe.drafter).resolve(run.target)
     head = config.build_module(run.target)
     layers, depths, draft_ids = tuple(config.feature_layers), config.num_depths, head.draft_ids.clone()
     engine = setup.build_engine(run, head)

@@ -11,14 +11,12 @@ import fcntl
 import importlib
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..drafters.registry import specs
 from ..errors import ConfigError, DraftsmithError
 from . import checkpoint, distributed
-
-if TYPE_CHECKING:
-    from ..config import Recipe
+from .config import TrainRecipe
 
 
 def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
@@ -26,7 +24,7 @@ def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
     return {name: importlib.import_module(s.recipe).train for name, s in specs().items() if s.recipe}
 
 
-def run_training(recipe: Recipe, resume: str | None = None) -> dict[str, Any]:
+def run_training(recipe: TrainRecipe, resume: str | None = None) -> dict[str, Any]:
     """Train the recipe's drafter (one process, torchrun or the deepspeed launcher); return the summary."""
     method = recipe.drafter.type
     table = recipes()

@@ -3,7 +3,7 @@
 A recipe reads top to bottom (``draft_lm.py`` and ``eagle1.py`` as written; ``medusa.py`` and ``eagle3.py``
 build their module in a few lines between ``start`` and ``build_engine``)::
 
-    config = setup.trainable(recipe)                  # the recipe's trainable drafter config       (this file)
+    config = setup.trainable(recipe.drafter)          # the recipe's trainable drafter config       (this file)
     run = setup.start(recipe, world)                  # run folder, seeds, frozen target, data      (this file)
     engine = setup.build_engine(run, config.build_module(run.target))  # DeepSpeed, drafter only (this file)
     setup.restore(run, engine, resume)                # latest checkpoint of the run folder         (this file)
@@ -28,23 +28,20 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..devices import resolve_dtype
-from ..drafters.registry import TrainableConfig, trainable_families
+from ..drafters.registry import DrafterConfig, TrainableConfig, trainable_families
 from ..errors import ConfigError
 from ..schema import save_recipe, to_dict
 from ..target import Target, load_target
 from . import checkpoint, distributed
-from .config import TrainConfig
+from .config import TrainConfig, TrainRecipe
 from .data import Batch, BatchOrder, Split, collate, load_rows, record_lengths, split_heldout
 from .distributed import World
 from .monitor import Monitor
-
-if TYPE_CHECKING:
-    from ..config import Recipe
 
 
 @dataclass
@@ -70,7 +67,7 @@ class TrainState:
 
 @dataclass
 class Run:
-    recipe: Recipe
+    recipe: TrainRecipe
     world: World
     target: Target
     rows: Sequence[dict[str, Any]]
@@ -107,15 +104,15 @@ class Run:
         return bool(self.cfg.features)
 
 
-def trainable(recipe: Recipe) -> TrainableConfig:
+def trainable(drafter: DrafterConfig) -> TrainableConfig:
     """The recipe's drafter config, if its family can be trained (it builds an nn.Module)."""
-    if recipe.drafter.type not in trainable_families():
-        raise ConfigError(f"drafter.type = '{recipe.drafter.type}' cannot be trained; the methods are: "
+    if drafter.type not in trainable_families():
+        raise ConfigError(f"drafter.type = '{drafter.type}' cannot be trained; the methods are: "
                           f"{', '.join(trainable_families())}")
-    return recipe.drafter
+    return drafter
 
 
-def start(recipe: Recipe, world: World) -> Run:
+def start(recipe: TrainRecipe, world: World) -> Run:
     """Run folder, seeds, the frozen target (placed once on this process's device), data, engine config."""
     cfg = recipe.train
     os.makedirs(recipe.run_dir, exist_ok=True)
