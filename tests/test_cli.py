@@ -64,7 +64,8 @@ def test_the_help_lists_every_format_family_and_gguf_type_of_their_homes(capsys,
             option = line.split()[0]
         options[option] = options.get(option, "") + " " + line.strip()
     assert options["--to"].split(maxsplit=2)[2].split(" | ") == [*FORMATS, TARGET_FORMAT]
-    described = re.findall(r"(?:one of: |; )([\w-]+) \(([\w, ]+)\) for ", export)
+    described = [(name, " ".join(fams.split()))  # argparse wraps the help anywhere between words
+                 for name, fams in re.findall(r"(?:one of:|;)\s+([\w-]+)\s+\(([\w,\s]+)\)\s+for\s", export)]
     assert described == [(name, ", ".join(f.families)) for name, f in FORMATS.items()]
     assert f"for gguf {' | '.join(DRAFT_GGUF_TYPES)} (auto" in options["--gguf-type"]
     assert f"for {TARGET_FORMAT} {' | '.join(TARGET_GGUF_TYPES)} (as-loaded" in options["--gguf-type"]

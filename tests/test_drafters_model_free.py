@@ -297,10 +297,10 @@ def test_every_family_has_one_spec_that_meets_its_protocol():
     from draftsmith.train.run import recipes
 
     table = specs()
-    assert set(table) == {"layer_skip", "hf", "draft_lm", "eagle1", "eagle3", "medusa", "dflash", "peagle", "prompt_lookup",
+    assert set(table) == {"layer_skip", "hf", "draft_lm", "eagle1", "eagle3", "medusa", "dflash", "dflash2", "peagle", "prompt_lookup",
                           "suffix", "hybrid", "saved"}
     assert set(drafters.families()) == set(table)
-    assert {n for n, s in table.items() if s.trainable} == set(recipes()) == {"draft_lm", "eagle1", "eagle3", "medusa", "dflash", "peagle"}
+    assert {n for n, s in table.items() if s.trainable} == set(recipes()) == {"draft_lm", "eagle1", "eagle3", "medusa", "dflash", "dflash2", "peagle"}
     assert {n for n, s in table.items() if s.model_free} == {"prompt_lookup", "suffix"}
     for s in table.values():
         assert missing_members(s.config, TrainableConfig if s.trainable else FamilyConfig) == []
