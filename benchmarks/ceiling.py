@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.protocol import Proposal
 from draftsmith.decode.sampling import Warp
 from draftsmith.files import write_json

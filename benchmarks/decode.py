@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from draftsmith.config import load_recipe
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.layer_skip import layer_skip_drafter, truncated_model
 from draftsmith.files import write_json

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, LayerSkipConfig, MedusaConfig
 from draftsmith.drafters.dflash import DFlashConfig
 from draftsmith.measure.costs import TimedDrafter, target_step_seconds, verify_costs

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "out", "engine.json"))
     args = p.parse_args(argv)
 
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.drafters import load
     from draftsmith.engines import llamacpp

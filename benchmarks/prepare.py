@@ -185,7 +185,7 @@ def bench_regen(target, convs, args) -> dict:
     from draftsmith.config import load_recipe
     from draftsmith.data.config import RegenerateConfig
     from draftsmith.data.regenerate import generate_batch
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters.layer_skip import layer_skip_drafter
 
     prompts = []

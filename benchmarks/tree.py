@@ -84,7 +84,7 @@ def _floats(text: str) -> list[float]:
 
 
 def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dict[str, Any]:
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.decode.tree import tree_decode
     from draftsmith.drafters import Eagle3Config, load

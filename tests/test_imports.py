@@ -154,7 +154,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_parser_sees_every_kind_of_import():
     src = (
-        "from ..decode.chain import speculative_decode\n"
+        "from ..decode.rounds import speculative_decode\n"
         "from . import common\n"
         "from .. import errors\n"
         "import draftsmith.target\n"
