@@ -45,8 +45,11 @@ LAYERS = [
     {"cli"},
 ]
 """The package bottom to top (docs/conventions.md, "Layout"): a folder or top-level module imports only the layers
-below its own. ``measure/`` is the measurement layer the stages share: below ``train/``, ``export/``, ``eval/`` and
-``report/``, which stand on it side by side, and above the decoder and the drafters it measures."""
+below its own. ``measure/`` is the measurement layer every stage imports, above the decoder and the drafters it
+measures. The stages above it are stacked, not side by side: ``train/`` (its decoder evaluation goes through
+``measure/``), ``export/`` (it reads ``train/``'s checkpoints: ``export/source.py``), then ``eval/`` and ``report/``
+(both serve a drafter in llama.cpp through ``export/serve.py``; neither imports the other). ``config`` imports every
+stage's section; no stage imports ``config`` (each types its recipe with a Protocol of its own layer)."""
 
 
 def package_files(root: str = ROOT) -> list[str]:
@@ -200,6 +203,16 @@ def test_the_layer_check_sees_an_upward_import(monkeypatch):
     monkeypatch.setattr(module, "import_graph", lambda: {**real, "measure": real["measure"] | {"eval"}})
     with pytest.raises(AssertionError, match="measure → eval"):
         test_every_node_imports_only_the_layers_below_it()
+
+
+def test_the_stages_import_what_the_prose_says():
+    """The arrows LAYERS' docstring, the README and docs/conventions.md name between the stages: each stage on
+    measure/, export/ on train/, eval/ and report/ on export/, and not on each other."""
+    graph = import_graph()
+    assert all("measure" in graph[stage] for stage in ("train", "export", "eval", "report"))
+    assert "train" in graph["export"] and "export" in graph["eval"] and "export" in graph["report"]
+    assert "report" not in graph["eval"] and "eval" not in graph["report"]
+    assert not any("config" in graph[n] for n in graph if n not in ("demo", "cli"))
 
 
 def test_decode_imports_only_what_lies_below_it():
