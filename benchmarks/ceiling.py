@@ -13,8 +13,9 @@ shows how much of the bound the decoder loop keeps. Figures and the command are 
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.protocol import Proposal
 from draftsmith.decode.sampling import Warp
 from draftsmith.files import write_json
@@ -30,6 +31,9 @@ from draftsmith.measure.costs import verify_costs
 from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target, describe, load_target
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import first_turns, script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
 
 
 class OracleDrafter:
@@ -179,23 +183,20 @@ def format_ceiling(res: dict[str, Any], dtype: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap = script_parser(__doc__, target=True, threads=True)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--prompts", type=int, default=5, help="timed MT-bench first turns, after one warm-up")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/out/ceiling.json")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     questions = load_questions("mtbench", args.prompts + 1)
     report = {"threads": torch.get_num_threads(), "results": {}}
     for dtype in args.dtypes.split(","):
         target = load_target(args.target, dtype=dtype)
-        prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+        prompts = first_turns(target, questions)
         print(f"\n== {target.name} {dtype}, {torch.get_num_threads()} threads, {args.prompts} prompts")
         res = bench_ceiling(target, prompts, ks, args.max_new_tokens, progress=print)
         res["target"] = describe(target)

@@ -21,9 +21,10 @@ bf16 runs our kernel on AVX2 without a bf16 GEMM and oneDNN on packed weights wh
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -34,6 +35,9 @@ from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import target_greedy
 from draftsmith.cpu_kernels import cpu_linear
 from draftsmith.target import crop_cache, load_target
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import first_turns, script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
 
 NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -114,19 +118,16 @@ def alone(target, prompts: list[list[int]], max_new: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap = script_parser(__doc__, target=True, threads=True)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--chat-template", default="auto", help="target.chat_template (plain for a base model)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-time", action="store_true", help="time by CPU seconds of this process, not wall seconds")
     args = ap.parse_args()
     global clock
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.cpu_time:
         clock = time.process_time
     dtype = getattr(torch, args.dtype)
@@ -140,7 +141,7 @@ def main() -> None:
         linears(target.model, args.repeats * 4, dtype)
         forwards(target, args.repeats)
         questions = load_questions("mtbench", args.prompts)
-        prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+        prompts = first_turns(target, questions)
         alone(target, prompts, args.max_new_tokens)
 
 

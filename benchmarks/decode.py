@@ -27,8 +27,9 @@ which is how the default depth and k of the layer-skip recipe were chosen.
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from draftsmith.config import load_recipe
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.layer_skip import layer_skip_drafter, truncated_model
 from draftsmith.files import write_json
@@ -44,6 +45,9 @@ from draftsmith.measure.forwards import ForwardCounter
 from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import hf_generate, target_greedy
 from draftsmith.target import Target, describe, load_target
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import first_turns, script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
 
 
 def hf_assistant(target: Target, num_layers: int, k: int) -> torch.nn.Module:
@@ -231,13 +235,12 @@ def run_bench_decode(
     out_path: str,
 ) -> dict[str, Any]:
     """Load the target per dtype, run :func:`bench_decode` (and the sweep), print tables, write JSON."""
-    if threads > 0:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     questions = load_questions("mtbench", num_prompts + 1)  # +1: the warm-up prompt
     report: dict[str, Any] = {"threads": torch.get_num_threads(), "results": {}, "sweep": None}
     for dtype in dtypes:
         target = load_target(target_name, dtype=dtype)
-        prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+        prompts = first_turns(target, questions)
         print(f"\n== {target.name} {dtype} on {target.device}: layer-skip {num_layers}/{target.num_layers} layers, "
               f"k={k}, {num_prompts} MT-bench prompts, max_new_tokens={max_new_tokens}, "
               f"{torch.get_num_threads()} threads")
@@ -288,15 +291,13 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct", help="target spec (default: the builtin SmolLM2)")
+    ap = script_parser(__doc__, target=True, threads=True)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to run (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None, help="layer-skip depth (default: the layer-skip recipe's)")
     ap.add_argument("--k", type=int, default=None, help="draft tokens per round (default: the layer-skip recipe's)")
     ap.add_argument("--prompts", type=int, default=10, help="timed MT-bench prompts, after 1 warm-up (default: 10)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sweep-layers", default="", help="also measure acceptance at these depths, e.g. 8,16,24")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="benchmarks/out/decode.json", help="where the JSON results go")
     args = ap.parse_args(argv)
     recipe = load_recipe("smollm2-135m-layerskip")

@@ -18,17 +18,22 @@ With c and the verification cost v(k) the speedup a drafter can give is τ(k) / 
 
 from __future__ import annotations
 
-import argparse
+import os
+import sys
 
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.drafters import DraftLMConfig, Eagle1Config, Eagle3Config, LayerSkipConfig, MedusaConfig
 from draftsmith.drafters.dflash import DFlashConfig
 from draftsmith.measure.costs import TimedDrafter, target_step_seconds, verify_costs
 from draftsmith.measure.prompts import load_questions
 from draftsmith.files import write_json
 from draftsmith.target import describe, load_target
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import first_turns, script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+
 
 def reduced(config, size: int):
     """A drafter of ``config`` (EAGLE-3 or DFlash) over the first ``size`` token ids (cost does not depend on which ids)."""
@@ -69,21 +74,17 @@ def families(target) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap = script_parser(__doc__, target=True, threads=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--only", default="", help="comma-separated substrings of family names to run")
     ap.add_argument("--out", default="benchmarks/out/draft_cost.json")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype)
-    prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}])
-               for q in load_questions("mtbench", args.prompts + 1)]
+    prompts = first_turns(target, load_questions("mtbench", args.prompts + 1))
     v = verify_costs(target, prompts[0], [args.k])[args.k]
     rows = []
     print(f"target {args.dtype}, {torch.get_num_threads()} threads, v({args.k}) = {v:.2f}")

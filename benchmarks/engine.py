@@ -14,18 +14,19 @@ Time it on a quiet machine (llama.cpp's threads spin: under load its speed colla
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, target=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR of a saved drafter (repeatable)")
-    p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--target-types", default="as-loaded,f32,bf16", help="target GGUF types (as-loaded = the shipped file)")
     p.add_argument("--k", default="1,2,3,4")
     p.add_argument("--p-min", default="0", help="llama.cpp's --spec-draft-p-min gates served at each k (e.g. 0,0.5); "
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "out", "engine.json"))
     args = p.parse_args(argv)
 
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.drafters import load
     from draftsmith.engines import llamacpp

@@ -22,10 +22,12 @@ Time it on a quiet machine (llama.cpp's threads spin; under load its speed colla
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,9 +43,8 @@ def break_even(points: list[tuple[float, float]]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, target=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR of a saved drafter (repeatable)")
-    p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--target-types", default="f32,as-loaded", help="target GGUF types (as-loaded = the shipped file)")
     p.add_argument("--k", default="1,3", help="draft lengths of chain drafters (a DFlash block is served whole)")
     p.add_argument("--tau", default="1.5,2,3,4,6", help="forced mean acceptance lengths L (bonus counted)")

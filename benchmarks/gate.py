@@ -10,8 +10,9 @@ gate (``decode.min_confidence``) is lossless; this measures whether it pays. Fig
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import sys
 
 from draftsmith.config import load_recipe
 from draftsmith.measure.config import DecodeConfig
@@ -19,9 +20,12 @@ from draftsmith.measure.prompts import load_questions
 from draftsmith.measure.evaluate import evaluate
 from draftsmith.target import load_target
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("drafter", help="a saved drafter folder (draftsmith train's drafter/ or drafter-best/)")
     ap.add_argument("--prompts", type=int, default=5, help="timed MT-bench first turns, after one warm-up")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -11,13 +11,16 @@ print the same figures; the peak RSS above those inputs is what the metric itsel
 
 from __future__ import annotations
 
-import argparse
+import os
 import resource
 import subprocess
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 def one(path: str, rows: int, vocab: int, draft_vocab: int) -> None:
@@ -43,7 +46,7 @@ def one(path: str, rows: int, vocab: int, draft_vocab: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=262144)
     p.add_argument("--draft-vocab", type=int, default=8192)

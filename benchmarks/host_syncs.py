@@ -73,7 +73,7 @@ def count_cuda_syncs() -> Iterator[list]:
 
 def measure(target: Any, drafter: Any, prompts: list[list[int]], k: int, max_new_tokens: int, cuda_debug: bool = False) -> dict[str, Any]:
     """Decode ``prompts`` greedily; host reads (and CUDA syncs) per verification round."""
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
 
     speculative_decode(target, drafter, prompts[0], k=k, max_new_tokens=max_new_tokens)  # warm-up (lazy initialization reads values once)
     rounds = tokens = prefills = 0

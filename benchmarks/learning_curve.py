@@ -22,6 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 def heldout_points(run_dir: str) -> list[dict]:
@@ -126,7 +130,7 @@ def plot(curves: dict[str, list[dict]], measured: list[dict], args: argparse.Nam
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("runs", nargs="+", help="draftsmith train run folders")
     ap.add_argument("--prompts", type=int, default=5, help="timed MT-bench first turns per drafter (0: held-out only)")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from draftsmith.config import load_recipe
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.decode.tree import DynamicTree, tree_decode
@@ -56,9 +58,12 @@ from draftsmith.files import write_json
 from draftsmith.cpu_kernels import cpu_linear
 from draftsmith.target import Target, load_target
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import first_turns  # noqa: E402 — the benchmarks folder is not a package
+
 
 def prompts_of(target: Target, name: str, n: int) -> list[list[int]]:
-    return [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in load_questions(name, n)]
+    return first_turns(target, load_questions(name, n))
 
 
 def drafter_overrides(drafter_path: str, corpus: str, both: bool = False, head_depth: int = 0) -> dict[str, list[str]]:

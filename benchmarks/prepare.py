@@ -37,10 +37,12 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct")
+    p = script_parser(__doc__, target=True, threads=True)
     p.add_argument("--dtype", default="float32", help="target dtype for features and regeneration")
     p.add_argument("--render", type=int, default=300, help="conversations for the rendering comparison")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per comparison (median reported)")
@@ -48,7 +50,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--regen-prompts", type=int, default=8)
     p.add_argument("--regen-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--regenerate-conversations", type=int, default=48,
                    help="ShareGPT conversations for the regenerate-stage comparison (the demo: 96)")
     p.add_argument("--regenerate-old", default="float32,8,8", help="old settings: dtype,batch_size,shard_size")
@@ -185,7 +186,7 @@ def bench_regen(target, convs, args) -> dict:
     from draftsmith.config import load_recipe
     from draftsmith.data.config import RegenerateConfig
     from draftsmith.data.regenerate import generate_batch
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters.layer_skip import layer_skip_drafter
 
     prompts = []
@@ -316,8 +317,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     from transformers import AutoTokenizer
 
     from draftsmith.target import load_target, resolve_target_folder

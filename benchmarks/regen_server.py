@@ -31,10 +31,12 @@ import sys
 import tempfile
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct")
+    p = script_parser(__doc__, target=True)
     p.add_argument("--conversations", type=int, default=96, help="ShareGPT conversations (first turns)")
     p.add_argument("--new-tokens", type=int, default=160, help="max new tokens per answer")
     p.add_argument("--max-length", type=int, default=1024, help="data.render.max_length (longer prompts are skipped)")

@@ -13,7 +13,6 @@ Written for benchmarks/gpu_check.sh; it cannot run without a GPU and these engin
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -22,6 +21,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 SPEC_TOKENS = 3
 
@@ -153,9 +155,8 @@ def measure(engine: str, target_dir: str, exports: dict[str, str], prompts: list
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, target=True)
     p.add_argument("--drafter", required=True)
-    p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", required=True)

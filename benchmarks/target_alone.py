@@ -12,9 +12,10 @@ process (``time.process_time``, all threads: a figure that a loaded machine move
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -23,17 +24,18 @@ from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import target_greedy
 from draftsmith.target import load_target
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_parser(__doc__, threads=True)
     ap.add_argument("--target", action="append", default=[], help="a target spec, plain:SPEC for a base model (repeatable)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     runs = {}
     for spec in args.target or ["smollm2-135m-instruct"]:
         template, name = ("plain", spec[len("plain:"):]) if spec.startswith("plain:") else ("auto", spec)

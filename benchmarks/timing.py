@@ -15,9 +15,10 @@ machine without noise. Figures: RESULTS.md, "timing".
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -29,6 +30,9 @@ from draftsmith.measure.costs import median_interval
 from draftsmith.measure.prompts import load_questions
 from draftsmith.measure.evaluate import MAIN, TARGET, evaluate
 from draftsmith.target import load_target
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 class NullDrafter:
@@ -52,7 +56,7 @@ def estimators(runs: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_parser(__doc__)
     ap.add_argument("drafter", help="a saved drafter folder (draftsmith train's drafter/)")
     ap.add_argument("--prompts", type=int, default=10, help="timed MT-bench first turns, after one warm-up")
     ap.add_argument("--max-new-tokens", type=int, default=64)

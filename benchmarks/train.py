@@ -45,9 +45,12 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, threads=True)
     p.add_argument("mode", choices=["throughput", "short-run"])
     p.add_argument("--data-dir", default="benchmarks/out/train-data", help="where the prepared data goes (reused)")
     p.add_argument("--conversations", type=int, default=400, help="ShareGPT conversations to prepare")
@@ -67,7 +70,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=10, help="short-run: MT-bench prompts for τ")
     p.add_argument("--max-new-tokens", type=int, default=64, help="short-run: tokens decoded per prompt")
     p.add_argument("--k", type=int, default=4, help="short-run: draft tokens per round")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out-dir", default="benchmarks/out")
     return p.parse_args(argv)
 
@@ -212,8 +214,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     data = prepare_data(args)
     result = throughput(args, data) if args.mode == "throughput" else short_run(args, data)
     result["command"] = "python benchmarks/train.py " + " ".join(argv)

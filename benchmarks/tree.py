@@ -25,15 +25,17 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import first_turns, script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+
 DEFAULT_DRAFTER = os.path.join("runs", "demo", "eagle3", "drafter")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, target=True, threads=True)
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="a drafter folder from `draftsmith train` "
                    f"(default: the demo's trained EAGLE-3 head, {DEFAULT_DRAFTER})")
     p.add_argument("--untrained", action="store_true", help="use an untrained EAGLE-3 head (a quick check of the script)")
-    p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--prompts", type=int, default=10, help="timed MT-bench prompts after 1 warm-up (default: 10)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -47,7 +49,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gates", default="0", help="confidence gates for the chain and the dynamic trees, e.g. 0,0.2 "
                    "(decode.min_confidence; 0: ungated)")
     p.add_argument("--no-static", action="store_true", help="skip the static tree")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=os.path.join("benchmarks", "out", "tree.json"))
     return p.parse_args(argv)
 
@@ -84,7 +85,7 @@ def _floats(text: str) -> list[float]:
 
 
 def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dict[str, Any]:
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.decode.tree import tree_decode
     from draftsmith.drafters import Eagle3Config, load
@@ -96,7 +97,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
         drafter, label = Eagle3Config(feature_layers=[1, 14, 26]).build(target), "EAGLE-3 head, untrained"
     else:
         drafter, label = load(args.drafter, target), f"drafter {args.drafter}"
-    prompts = [target.render_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    prompts = first_turns(target, questions)
     shapes = methods(args)
 
     def decode(method: tuple[Any, float], p: list[int]) -> Any:
@@ -172,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tree.py: no drafter folder at '{args.drafter}'; run `draftsmith demo` (it trains the EAGLE-3 head "
               f"there), give --drafter, or pass --untrained for a quick check", file=sys.stderr)
         return 2
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     try:
         questions = load_questions("mtbench", args.prompts + 1)  # +1: the warm-up prompt
         report: dict[str, Any] = {"threads": torch.get_num_threads(), "args": vars(args), "results": {}}

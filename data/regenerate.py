@@ -250,7 +250,7 @@ def _answer_speculative(
     asks: list[tuple[int, list[int]]], target: Target, st: RegenerateConfig, seed: int, drafter: Any
 ) -> Iterator[tuple[int, list[int], str]]:
     """The built-in speculative decoder with the recipe's drafter, one prompt at a time."""
-    from ..decode.chain import speculative_decode
+    from ..decode.rounds import speculative_decode
     from ..decode.sampling import Warp
 
     warp = Warp(temperature=st.temperature, top_p=st.top_p)

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 from ..target import Target, keep_cache_rows
-from .chain import DecodeResult, Verified, decode_rounds, gate
+from .rounds import DecodeResult, Verified, decode_rounds, gate
 from .protocol import BindsTargetCache, Drafter, Proposal, TreeDrafter
 from .sampling import Warp
 

@@ -51,7 +51,8 @@ from .eagle_runtime import EagleDrafter
 
 
 class Eagle1Head(nn.Module):
-    """fc → LlamaDecoderLayer → (frozen) norm → (frozen) lm_head. Shapes in the module docstring."""
+    """fc → LlamaDecoderLayer → (frozen) norm → (frozen) lm_head. Shapes in the module docstring; the runtime drafts
+    through its :class:`~.eagle_runtime.EagleHead` surface (``new_cache``, ``forward``, ``target_logits``)."""
 
     def __init__(self, parts: TargetParts, layer_config: Any, fc_bias: bool = True):
         """parts: frozen target embedding / final norm / lm_head; layer_config: a one-layer LlamaConfig."""

@@ -223,7 +223,9 @@ class Eagle3NextLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """The EAGLE-3 draft model. Shapes and alignment in the module docstring."""
+    """The EAGLE-3 draft model. Shapes and alignment in the module docstring; the runtime drafts through its
+    :class:`~.eagle_runtime.EagleHead` surface (``new_cache``, ``forward``, ``target_logits``, and the draft
+    vocabulary ``draft_ids`` / ``t2d``), training through ``unroll``."""
 
     def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False, num_layers: int = 1,

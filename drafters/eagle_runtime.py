@@ -1,4 +1,5 @@
-"""The runtime drafter of EAGLE-1 and EAGLE-3 heads: chain drafting from target features.
+"""The runtime drafter of EAGLE-1 and EAGLE-3 heads (each speaks :class:`EagleHead`): chain and tree drafting
+from target features.
 
 Alignment (both heads): cache row s pairs the target feature f_s (hidden state at position
 s) with token x_{s+1} and sits at position s; its output predicts f_{s+1} and x_{s+2}.
@@ -21,10 +22,10 @@ was sampled from, so the decoder's accept rule stays lossless.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..decode.protocol import Proposal, ReducedVocab, draft_chain
 from ..decode.sampling import Warp
@@ -34,16 +35,42 @@ from ..target import crop_cache
 from .common import FeatureDrafter
 
 
-class EagleDrafter(FeatureDrafter):
-    """Drafter protocol over an EAGLE head (``Eagle1Head`` or ``Eagle3Head``); constructed as :class:`~.common.FeatureDrafter`.
+@runtime_checkable
+class EagleHead(Protocol):
+    """What :class:`EagleDrafter` calls on its head: ``Eagle1Head``, ``Eagle3Head`` and ``PEagleHead`` (an EAGLE-3
+    head) each provide it. Like the decoder's abilities (``decode/protocol.py``), one small protocol; it lives here,
+    beside its one caller, since the decoder never sees a head. An EAGLE-3 head also has ``draft_ids`` [Vd] and
+    ``t2d`` [V] (its reduced vocabulary, drafted in: ``reset``); EAGLE-1's speaks the full vocabulary."""
 
-    module: the head; it provides ``new_cache()``, ``forward(input_ids, hidden, position_ids=,
-    cache=, logits_to_keep=) -> (hidden [1,S,H], logits [1,S',V'])`` and ``target_logits(logits [..,V']) -> [..,V]``.
-    feature_layers: the target layers the decoder must return (resolved, 0-based).
+    fc: nn.Linear
+    """The feature projection; its weight gives the runtime's device and dtype."""
+
+    def new_cache(self) -> Any:
+        """An empty decoding cache (a layer per decoder layer of the head), extended in place by ``forward``."""
+        ...
+
+    def forward(self, input_ids: Tensor, hidden: Tensor, position_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None, cache: Any = None, logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
+        """input_ids [1, S] and hidden [1, S, F] (target features, F = the feature layers' widths together, or the
+        head's own output, F = H) → (the head's output [1, S, H], logits [1, S', V']). attention_mask: [1, past + S]
+        or a 4-D additive mask over the cache (trees); logits_to_keep: 0 = every row's logits (S' = S), n = the last
+        n rows' only. Called as ``module(...)`` (``nn.Module.__call__``)."""
+        ...
+
+    def target_logits(self, logits: Tensor) -> Tensor:
+        """[..., V'] logits over the head's vocabulary → [..., V] over the target's (−inf outside a reduced one)."""
+        ...
+
+
+class EagleDrafter(FeatureDrafter):
+    """Drafter protocol over an EAGLE head (:class:`EagleHead`); constructed as :class:`~.common.FeatureDrafter`.
+
+    module: the head. feature_layers: the target layers the decoder must return (resolved, 0-based).
     config: the family config the head was built from, resolved (``None`` for a head read from an export).
     """
 
     kind = "EAGLE"
+    module: EagleHead
 
     @property
     def dtype(self) -> torch.dtype:

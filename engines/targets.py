@@ -19,9 +19,9 @@ from .llamacpp import TARGET_GGUF_TYPES
 def original_gguf(target_spec: str) -> str | None:
     """The GGUF file a target spec was loaded from (a builtin alias's packaged file, or the path), else None."""
     if target_spec in BUILTINS:
-        from ..target import _builtin_gguf
+        from ..target import builtin_gguf
 
-        return _builtin_gguf(target_spec)
+        return builtin_gguf(target_spec)
     return target_spec if target_spec.endswith(".gguf") and os.path.isfile(target_spec) else None
 
 

@@ -3,7 +3,7 @@
 ``export(source, fmt, out)`` writes a drafter folder or a training checkpoint (any ZeRO stage)
 in one engine format; ``check(folder)`` proves an export. One state-dict adapter per (family,
 format) (``adapters.py``); the layer-id and vocabulary conventions written once
-(``conventions.py``). This package imports drafters/, target.py and train/checkpoint.py, and
+(``conventions.py``). This package imports drafters/, target/ and train/checkpoint.py, and
 nothing imports it but the CLI. ``import_drafter(folder, out, target)`` is the inverse (``importer.py``): a drafter
 trained elsewhere, in one of ``IMPORTS``, becomes a draftsmith drafter folder.
 """

@@ -261,7 +261,7 @@ def engine_check(folder: str, target: Target, source: Any, prompts: list[list[in
     """Serve the export in llama.cpp and prove it there (module docstring): greedy, on an F32 GGUF of ``target``,
     (a) its output equals llama.cpp's target alone, token for token, on every prompt; (b) its acceptance by
     draft position agrees with draftsmith's chain decoder (same target weights in fp32, same prompts, same k)."""
-    from ..decode.chain import speculative_decode
+    from ..decode.rounds import speculative_decode
     from ..decode.stats import DecodeStats
 
     if source.family in BLOCK_FAMILIES:  # llama.cpp's block is n_max + 1 rows: only the whole trained block drafts as trained

@@ -340,7 +340,7 @@ def compare_proposals(target: Target, source: Any, exported: Any, prompts: list[
 def compare_decodes(target: Target, source: Any, exported: Any, prompt: list[int], new_tokens: int = 24) -> list[str]:
     """A whole sampled speculative decode (every round's drafts, rejections and cache rollbacks) with the
     export gives the source's tokens and acceptance, round for round (same seed)."""
-    from ..decode.chain import speculative_decode
+    from ..decode.rounds import speculative_decode
     from ..decode.sampling import Warp
 
     warp = Warp(temperature=0.8, top_p=0.95)

@@ -39,7 +39,7 @@ class DecodeConfig:
     """The confidence gate, one parameter of both decoders — chains (and a chain verified as a tree): verify
     only the leading drafts whose running product of the drafter's own probabilities is ≥ this; dynamic
     trees: draft only the slots whose path confidence is ≥ this; a static tree is fixed (0 = off; lossless
-    either way, see ``decode/chain.py`` and ``decode/tree.py``).
+    either way, see ``decode/rounds.py`` and ``decode/tree.py``).
     A draft less likely to be accepted than verifying one more token costs, v(1) − 1 of a target step
     (benchmarks/RESULTS.md, "cpu_linear"), costs more than it gives."""
     tree: Literal["none", "static", "dynamic"] = "none"

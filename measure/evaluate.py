@@ -18,7 +18,7 @@ import torch
 
 from tqdm import tqdm
 
-from ..decode.chain import DecodeResult, check_prompt, speculative_decode
+from ..decode.rounds import DecodeResult, check_prompt, speculative_decode
 from ..decode.protocol import Drafter, common_prefix
 from ..decode.reference import target_greedy
 from ..decode.stats import DecodeStats

@@ -15,7 +15,7 @@ from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.layer_skip import LayerSkipConfig
 from draftsmith.errors import DraftsmithError
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target, check_architecture
 

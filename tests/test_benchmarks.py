@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.reference import target_greedy
 
 from .conftest import benchmark_script

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.protocol import ABILITIES, BindsTargetCache, Drafter, Gated, TreeDrafter, ability_methods
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.measure.costs import TimedDrafter

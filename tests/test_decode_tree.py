@@ -128,7 +128,7 @@ def test_a_chain_drafter_in_tree_decoding_is_gated_as_in_the_chain_decoder(smoll
     """A drafter without propose_tree drafts chains in tree decoding: the dynamic shape's gate cuts them
     (set_gate stops the drafter there), the output stays the target's greedy one, and the nodes verified
     are those the chain decoder verifies at the same gate."""
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
 
     target = make_target(smollm2_tokenizer)
     ref = reference(target, 30)

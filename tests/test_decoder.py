@@ -22,7 +22,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache, LlamaConfig
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.protocol import Proposal
 from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.hf_lm import HFDrafter
@@ -239,7 +239,7 @@ def test_markov_gate_on_the_drawn_token_is_biased_and_the_check_sees_it(markov):
 
 
 def test_confidence_gate_counts_the_leading_drafts_above_the_threshold():
-    from draftsmith.decode.chain import gate
+    from draftsmith.decode.rounds import gate
 
     c = torch.tensor([0.9, 0.5, 0.9, 0.1])  # running products 0.9, 0.45, 0.405, 0.0405
     assert [gate(c, t) for t in (0.0, 0.5, 0.45, 0.4, 0.05, 0.95)] == [4, 1, 2, 3, 3, 0]

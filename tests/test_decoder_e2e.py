@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftsmith.config import load_recipe
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.drafters.hf_lm import HFDrafterConfig

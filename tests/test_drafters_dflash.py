@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.protocol import Proposal
 from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.dflash import (

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.drafters.draft_lm import DraftLMConfig, layer_sources, merged_model, principal_projection
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.decode.reference import target_greedy

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftsmith.config import load_recipe
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.drafters.draft_lm import DraftLMConfig
 from draftsmith.drafters.medusa import MedusaConfig
 from draftsmith.decode.reference import target_greedy

@@ -146,6 +146,24 @@ def test_logits_to_keep_gives_the_last_rows_logits_exactly(tiny_target, family, 
             assert torch.allclose(kept, logits[:, -keep:], atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["eagle1", "eagle3", "eagle31", "eagle3_deep"])
+def test_every_eagle_head_speaks_the_surface_the_runtime_calls(family, request):
+    """``EagleHead`` is the runtime's whole use of a head: each head has its members, and its ``forward`` takes the
+    protocol's arguments by the same names (runtime_checkable alone sees only that the names exist)."""
+    import inspect
+
+    from draftsmith.drafters.eagle_runtime import EagleHead
+    from draftsmith.drafters.peagle import PEagleHead
+
+    head = request.getfixturevalue(family).module
+    assert isinstance(head, EagleHead)
+    wanted = list(inspect.signature(EagleHead.forward).parameters)[1:]
+    for cls in (type(head), PEagleHead):
+        params = inspect.signature(cls.forward).parameters
+        assert all(name in params for name in wanted), f"{cls.__name__}.forward lacks {set(wanted) - set(params)}"
+    assert not isinstance(torch.nn.Linear(2, 2), EagleHead)
+
+
 def test_causal_mask_exact():
     m = causal_mask(2, 3, torch.float32, torch.device("cpu"), padding=torch.tensor([[0, 1, 1, 1, 1]]))
     allowed = (m == 0).int()[0, 0]

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.medusa import MedusaConfig, medusa_labels
 from draftsmith.errors import ConfigError

@@ -18,7 +18,7 @@ from typing import Literal
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.drafters.hf_lm import HFDrafter

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from draftsmith.config import load_recipe
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.stats import DecodeStats
 from draftsmith.decode.tree import DynamicTree, tree_decode
 from draftsmith.measure.prompts import load_questions

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.sampling import Warp
 from draftsmith.drafters.peagle import PEagleConfig, PEagleHead, parallel_attention_mask, parallel_inputs
 from draftsmith.errors import ConfigError

@@ -16,7 +16,7 @@ from draftsmith.devices import detect_device, resolve_dtype
 from draftsmith.drafters.common import causal_mask
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.drafters.layer_skip import LayerSkipConfig
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.reference import target_greedy
 from draftsmith.target import Target
 

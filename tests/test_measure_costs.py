@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from draftsmith.decode.chain import speculative_decode
+from draftsmith.decode.rounds import speculative_decode
 from draftsmith.decode.stats import conditional_acceptance, tau_from_acceptance
 from draftsmith.drafters.layer_skip import layer_skip_drafter
 from draftsmith.drafters.registry import model_free_config

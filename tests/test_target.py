@@ -269,6 +269,7 @@ def test_weights_without_safetensors_are_hashed_from_the_loaded_model(tmp_path, 
     """A folder of ``pytorch_model.bin`` (or quantized safetensors) has no float sample to read: the model is loaded
     to hash it, as before."""
     import draftsmith.target as target_module
+    import draftsmith.target.load as loading  # where load_target_files looks both up
 
     model = tiny_llama(layers=2, hidden=32, seed=1)
     model.save_pretrained(tmp_path)
@@ -284,9 +285,9 @@ def test_weights_without_safetensors_are_hashed_from_the_loaded_model(tmp_path, 
     assert target_module.files_fingerprint(str(tmp_path), AutoConfig.from_pretrained(tmp_path)) is None
     model.save_pretrained(tmp_path)
     loads = []
-    monkeypatch.setattr(target_module, "files_fingerprint", lambda *a: None)
-    real = target_module.load_target
-    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: loads.append(a[1:]) or real(*a, **k))
+    monkeypatch.setattr(loading, "files_fingerprint", lambda *a: None)
+    real = loading.load_target
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: loads.append(a[1:]) or real(*a, **k))
     assert target_module.load_target_files(str(tmp_path)).fingerprint == model_fingerprint(model)
     assert loads == [("bfloat16", "cpu")]
 

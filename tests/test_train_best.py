@@ -42,7 +42,7 @@ def test_sim_tau_chains_the_conditional_per_step_figures():
 
 
 def test_drafter_best_is_the_evaluation_with_the_best_sim_tau_and_loads(tmp_path, tiny_target_dir, tiny_train_data):
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.decode.reference import target_greedy
     from draftsmith.target import load_target
 

@@ -22,7 +22,7 @@ ARGS = ["drafter.num_layers=1", "drafter.block_size=4", "drafter.feature_layers=
 
 
 def test_dflash_learns_and_saves_a_drafter_that_decodes_like_the_target(tmp_path, tiny_target_dir, tiny_train_data):
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters import load
     from draftsmith.decode.reference import target_greedy
 
@@ -121,7 +121,7 @@ def test_dflash_with_a_draft_vocabulary_and_dpace_learns_and_decodes_like_the_ta
 
     from draftsmith.data.tokenized import load_tokenized
     from draftsmith.data.vocab import vocab_from_counts
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters import load
     from draftsmith.decode.reference import target_greedy
 

@@ -82,7 +82,7 @@ def test_two_processes_zero2_under_torchrun(tmp_path, tiny_target_dir, tiny_trai
 
 
 def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny_target_dir, tiny_train_data):
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters import load
     from draftsmith.decode.reference import target_greedy
 

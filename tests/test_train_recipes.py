@@ -38,7 +38,7 @@ def heldout(log: list[dict], name: str) -> list[float]:
 def decodes_like_the_target(folder: str, target_dir: str, k: int, tokens: int = 16):
     """The saved drafter ``folder``, loaded against the fp32 target, after checking that it decodes a chat prompt
     token for token as the target's own greedy decoding (``tokens`` of them, k drafts a round)."""
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters import load
     from draftsmith.decode.reference import target_greedy
 
@@ -51,7 +51,7 @@ def decodes_like_the_target(folder: str, target_dir: str, k: int, tokens: int = 
 
 
 def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, tiny_train_data):
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters import load
     from draftsmith.decode.reference import target_greedy
 
@@ -124,7 +124,7 @@ def test_recipe_improves_heldout_metrics(tmp_path, tiny_target_dir, tiny_train_d
 def test_bf16_engine_under_zero2_trains_every_method(tmp_path, tiny_target_dir, tiny_train_data, method, extra):
     """The GPU configuration (bf16 target, bf16 DeepSpeed engine with its fp32 master weights,
     ZeRO-2), run on CPU: the held-out loss falls and the saved drafter drafts for a bf16 target."""
-    from draftsmith.decode.chain import speculative_decode
+    from draftsmith.decode.rounds import speculative_decode
     from draftsmith.drafters import load
 
     ds = tmp_path / "bf16_zero2.json"
