@@ -38,7 +38,7 @@ def write_refusal(e: BaseException, folder: str | None) -> str | None:
         return None
     code = getattr(e, "errno", None)
     folder = getattr(e, "filename", None) or folder
-    where = os.path.dirname(os.path.abspath(folder)) if folder and not os.path.isdir(folder) else folder
+    where = _existing(folder) if folder else None
     if code in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e) or (code is None and where and _nearly_full(where)):
         return f"no space left on {where or 'the disk'}: free some space (or write elsewhere: run_dir, --out) and rerun"
     if code == errno.EROFS:
@@ -68,11 +68,20 @@ def writing(folder: str, cleanup: str | None = None, kept: Callable[[], str] | N
         raise DraftsmithError(message) from e
 
 
-def _nearly_full(folder: str) -> bool:
-    path = os.path.abspath(folder)
-    while not os.path.exists(path):
+def _existing(path: str) -> str:
+    """``path`` when it is a folder, else the nearest folder above it that exists: where a refused write was, for a user
+    to look at — not the file that could not be written, a temporary folder already removed, or an output folder
+    (and its parents) not created yet."""
+    if os.path.isdir(path):
+        return path
+    path = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(path):
         path = os.path.dirname(path)
+    return path
+
+
+def _nearly_full(folder: str) -> bool:
     try:
-        return shutil.disk_usage(path).free < FULL_DISK_BYTES
+        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
     except OSError:
         return False

@@ -215,3 +215,16 @@ def test_a_library_that_hides_the_errno_of_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage(10 << 30, 1 << 30, 9 << 30))
     assert errors.write_refusal(RuntimeError("basic_ios::clear: iostream error"), str(tmp_path)) is None  # a bug stays one
     assert errors.write_refusal(ValueError("no"), str(tmp_path)) is None
+
+
+def test_a_full_disk_under_an_output_folder_not_created_yet_names_the_folder_that_exists(tmp_path):
+    """`df` on the folder a full-disk line names works: an output folder whose parents are not created yet either is
+    named by the nearest folder above it that exists, as is a file the error names inside a folder already removed."""
+    from draftsmith.errors import write_refusal
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    rest = ": free some space (or write elsewhere: run_dir, --out) and rerun"
+    assert write_refusal(full, str(tmp_path / "runs" / "new" / "data")) == f"no space left on {tmp_path}{rest}"
+    assert write_refusal(full, str(tmp_path)) == f"no space left on {tmp_path}{rest}"
+    gone = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".tmp-tokenized-1" / "data.arrow"))
+    assert write_refusal(gone, str(tmp_path / "tokenized")) == f"no space left on {tmp_path}{rest}"
