@@ -41,8 +41,8 @@ def write_refusal(e: BaseException, folder: str | None) -> str | None:
     where = _existing(folder) if folder else None
     if code in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e) or (code is None and where and _nearly_full(where)):
         return f"no space left on {where or 'the disk'}: free some space (or write elsewhere: run_dir, --out) and rerun"
-    if code == errno.EROFS:
-        return f"'{folder}' is on a read-only file system: choose a writable folder (run_dir, data.out_dir, --out)"
+    if code == errno.EROFS or (code is None and where and _read_only(where)):
+        return f"'{where}' is on a read-only file system: choose a writable folder (run_dir, data.out_dir, --out)"
     if code in (errno.EACCES, errno.EPERM):
         return f"permission denied on '{folder}': choose a folder you can write (run_dir, data.out_dir, --out)"
     return None
@@ -78,6 +78,15 @@ def _existing(path: str) -> str:
     while not os.path.isdir(path):
         path = os.path.dirname(path)
     return path
+
+
+def _read_only(folder: str) -> bool:
+    """Whether ``folder`` is on a file system mounted read-only: DeepSpeed logs the refused ``mkdir`` of a checkpoint
+    folder and goes on, and torch.save then says only "Parent directory … does not exist" (no errno)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _nearly_full(folder: str) -> bool:
