@@ -38,11 +38,11 @@ def write_refusal(e: BaseException, folder: str | None) -> str | None:
         return None
     code = getattr(e, "errno", None)
     folder = getattr(e, "filename", None) or folder
-    where = os.path.dirname(os.path.abspath(folder)) if folder and not os.path.isdir(folder) else folder
+    where = _existing(folder) if folder else None
     if code in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e) or (code is None and where and _nearly_full(where)):
         return f"no space left on {where or 'the disk'}: free some space (or write elsewhere: run_dir, --out) and rerun"
-    if code == errno.EROFS:
-        return f"'{folder}' is on a read-only file system: choose a writable folder (run_dir, data.out_dir, --out)"
+    if code == errno.EROFS or (code is None and where and _read_only(where)):
+        return f"'{where}' is on a read-only file system: choose a writable folder (run_dir, data.out_dir, --out)"
     if code in (errno.EACCES, errno.EPERM):
         return f"permission denied on '{folder}': choose a folder you can write (run_dir, data.out_dir, --out)"
     return None
@@ -68,11 +68,29 @@ def writing(folder: str, cleanup: str | None = None, kept: Callable[[], str] | N
         raise DraftsmithError(message) from e
 
 
-def _nearly_full(folder: str) -> bool:
-    path = os.path.abspath(folder)
-    while not os.path.exists(path):
+def _existing(path: str) -> str:
+    """``path`` when it is a folder, else the nearest folder above it that exists: where a refused write was, for a user
+    to look at — not the file that could not be written, a temporary folder already removed, or an output folder
+    (and its parents) not created yet."""
+    if os.path.isdir(path):
+        return path
+    path = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(path):
         path = os.path.dirname(path)
+    return path
+
+
+def _read_only(folder: str) -> bool:
+    """Whether ``folder`` is on a file system mounted read-only: DeepSpeed logs the refused ``mkdir`` of a checkpoint
+    folder and goes on, and torch.save then says only "Parent directory … does not exist" (no errno)."""
     try:
-        return shutil.disk_usage(path).free < FULL_DISK_BYTES
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _nearly_full(folder: str) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
     except OSError:
         return False

@@ -8,9 +8,10 @@ runs :func:`run_prepare`) writes, under
   ``input_ids`` (list of int32), ``loss_mask`` (list of int8, 1 on assistant tokens that
   are trained on; token t is predicted from position t-1), ``source`` (str), ``conv_id``
   (str), and ``draftsmith_manifest.json`` (tokenizer fingerprint, target vocab size,
-  counts, ``data_hash``). Read it with :func:`load_tokenized` ``(path, tokenizer=None)``,
-  which checks the columns and, given a tokenizer / Target / fingerprint, refuses data
-  rendered with another tokenizer.
+  counts, ``data_hash``, the sha256 of each file). Read it with :func:`load_tokenized`
+  ``(path, tokenizer=None, verify="all")``, which checks the columns, refuses a file whose
+  sha256 differs and, given a tokenizer / Target / fingerprint, data rendered with another
+  tokenizer.
 * ``features/`` — the offline feature cache (:mod:`.feature_cache`):
   :func:`write_feature_cache` writes it, ``FeatureCache.open(path, target)`` reads it
   (``len(cache)``, ``cache[i]`` → dict of ``input_ids``, ``loss_mask``, ``hidden`` [S, L*H] bf16,

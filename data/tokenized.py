@@ -12,7 +12,9 @@ Next to the Arrow files, ``draftsmith_manifest.json`` records the tokenizer fing
 render settings, counts, ``data_hash`` (a hash of every input_ids / loss_mask
 value, which the feature cache records as its source-data hash) and ``files`` (the sha256 of each file
 ``save_to_disk`` wrote: ``prepare`` tokenizes again rather than reuse a folder whose files changed).
-:func:`load_tokenized` checks the columns and refuses data rendered with another tokenizer.
+:func:`load_tokenized` checks the columns, refuses data rendered with another tokenizer and, with
+``verify="all"`` (the default), a folder whose files are not those sha256s (a manifest of an older
+draftsmith, which records none, is read unchecked).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import DraftsmithError
-from ..files import atomic_dir, file_digests, write_json
+from ..files import atomic_dir, changed_files, file_digests, write_json
 from .render import render_batch
 from .shards import read_json
 
@@ -134,11 +136,14 @@ def tokenized_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def load_tokenized(path: str, tokenizer: Any = None) -> Any:
+def load_tokenized(path: str, tokenizer: Any = None, verify: Literal["all", "none"] = "all") -> Any:
     """The tokenized `datasets.Dataset` at ``path`` (columns input_ids, loss_mask, source, conv_id).
 
     tokenizer: a tokenizer, a :class:`~draftsmith.target.Target`, or a tokenizer fingerprint
     string; when given, data rendered with a different tokenizer is refused.
+    verify: "all" checks every file against the sha256 the manifest records before reading it (Arrow
+    files are memory-mapped, so there is no first read to check lazily, as the feature cache does);
+    "none" skips it. A manifest that records no sha256 (an older draftsmith) is read unchecked.
     """
     import datasets
 
@@ -152,6 +157,11 @@ def load_tokenized(path: str, tokenizer: Any = None) -> Any:
                 f"would not mean the same thing. Re-run `draftsmith prepare` with this target "
                 f"(data.stages=[tokenize]) or point to data prepared for it"
             )
+    if verify == "all" and manifest.get("files"):
+        damage = changed_files(path, manifest["files"])
+        if damage:
+            raise DraftsmithError(f"tokenized dataset '{path}' is damaged: {'; '.join(damage)}. Re-run `draftsmith "
+                                  f"prepare` with 'tokenize' in data.stages: it tokenizes again")
     ds = datasets.load_from_disk(path)
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:

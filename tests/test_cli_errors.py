@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -180,6 +181,50 @@ def test_a_read_only_run_dir(capsys, tmp_path, monkeypatch):
                  f"'{run_dir}' is on a read-only file system", "choose a writable folder")
 
 
+def _read_only(folder: pathlib.Path) -> list[str]:
+    """A command prefix that runs a command with ``folder`` bind-mounted read-only over itself, in a mount namespace of
+    its own inside a user namespace (root ignores a chmod, and a user needs no privilege for this); skips the test
+    when the system allows no such namespace, saying why."""
+    import subprocess
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("a read-only folder needs unshare and mount (util-linux), which are not installed")
+    mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"'
+    prefix = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, str(folder)]
+    probe = subprocess.run([*prefix, "touch", str(folder / "probe")], capture_output=True, text=True)
+    if probe.returncode == 0 or "Read-only file system" not in probe.stderr:
+        (folder / "probe").unlink(missing_ok=True)
+        pytest.skip(f"no read-only bind mount in a user + mount namespace here (exit {probe.returncode}): "
+                    f"{probe.stderr.strip() or 'the write was not refused'}")
+    return prefix
+
+
+@pytest.mark.parametrize("read_only", ["run_dir", "checkpoints"])
+def test_train_on_a_read_only_folder_is_one_line_naming_it(tmp_path, tiny_target_dir, tiny_train_data, read_only):
+    """A real read-only mount (no monkeypatch): over the whole run folder, `train` stops before it loads anything; over
+    its checkpoints folder, at the first checkpoint, after a step. Either way one line naming that folder — not
+    a file in it — exit 2, and no file left behind half-written or temporary."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    folder = run_dir if read_only == "run_dir" else run_dir / "checkpoints"
+    folder.mkdir(parents=True)
+    command = [*_read_only(folder), sys.executable, "-m", "draftsmith.cli",
+               *_tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=1")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.splitlines()[-1] == (
+        f"draftsmith: error: '{folder}' is on a read-only file system: choose a writable folder (run_dir, "
+        f"data.out_dir, --out)")
+    assert os.listdir(folder) == []
+    left = sorted(os.path.relpath(os.path.join(d, n), run_dir) for d, _, names in os.walk(run_dir) for n in names)
+    assert not [n for n in left if ".tmp" in n or n.endswith(".partial")], left
+    if read_only == "checkpoints":  # it trained: the step's log line is there, the drafter is not
+        assert any("loss" in json.loads(line) for line in open(run_dir / "logs" / "train.rank0.jsonl"))
+        assert not (run_dir / "drafter").exists()
+
+
 def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_no_temporary_folder(capsys, tmp_path, monkeypatch,
                                                                                 tiny_target_dir, tiny_train_data):
     import torch
@@ -215,3 +260,16 @@ def test_a_library_that_hides_the_errno_of_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(errors.shutil, "disk_usage", lambda path: usage(10 << 30, 1 << 30, 9 << 30))
     assert errors.write_refusal(RuntimeError("basic_ios::clear: iostream error"), str(tmp_path)) is None  # a bug stays one
     assert errors.write_refusal(ValueError("no"), str(tmp_path)) is None
+
+
+def test_a_full_disk_under_an_output_folder_not_created_yet_names_the_folder_that_exists(tmp_path):
+    """`df` on the folder a full-disk line names works: an output folder whose parents are not created yet either is
+    named by the nearest folder above it that exists, as is a file the error names inside a folder already removed."""
+    from draftsmith.errors import write_refusal
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    rest = ": free some space (or write elsewhere: run_dir, --out) and rerun"
+    assert write_refusal(full, str(tmp_path / "runs" / "new" / "data")) == f"no space left on {tmp_path}{rest}"
+    assert write_refusal(full, str(tmp_path)) == f"no space left on {tmp_path}{rest}"
+    gone = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".tmp-tokenized-1" / "data.arrow"))
+    assert write_refusal(gone, str(tmp_path / "tokenized")) == f"no space left on {tmp_path}{rest}"

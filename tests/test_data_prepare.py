@@ -123,10 +123,13 @@ def _tokenize(tmp_path, target_dir: str, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("names_the_file", [False, True], ids=["write", "open"])
 def test_a_full_disk_while_tokenizing_is_one_line_naming_what_the_rerun_keeps(tmp_path, tiny_target_dir, capsys,
-                                                                              monkeypatch):
+                                                                              monkeypatch, names_the_file):
     """The disk fills while the tokenized dataset is saved: one line naming the folder and what the rerun keeps (the
-    conversations read), no temporary folder left; the rerun reuses the conversations and writes the dataset."""
+    conversations read), no temporary folder left; the rerun reuses the conversations and writes the dataset. The
+    folder named exists: when the error carries the file that could not be written (``open`` does), that file's
+    temporary folder is gone by the time the line is written, and the line names the output folder it was in."""
     import errno
 
     import datasets
@@ -134,9 +137,10 @@ def test_a_full_disk_while_tokenizing_is_one_line_naming_what_the_rerun_keeps(tm
     out = tmp_path / "out"
 
     def full(self, path, *args, **kwargs):
-        with open(os.path.join(path, "data-00000-of-00001.arrow"), "wb") as f:
+        file = os.path.join(path, "data-00000-of-00001.arrow")
+        with open(file, "wb") as f:
             f.write(b"half")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device", *([file] if names_the_file else []))
 
     with monkeypatch.context() as m:
         m.setattr(datasets.Dataset, "save_to_disk", full)

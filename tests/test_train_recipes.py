@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,3 +338,35 @@ def test_a_second_train_on_the_same_run_dir_is_refused(tmp_path, tiny_target_dir
 
     with using(str(tmp_path)):  # free again once the holder is gone (killed: nothing stale to delete)
         pass
+
+
+def test_a_tampered_tokenized_file_is_refused_naming_it(tmp_path, tiny_target_dir, tiny_train_data):
+    """train checks the tokenized dataset's files against the sha256 its manifest records: one bit flipped in the Arrow
+    file (its size intact, so it would still read, with one wrong token) is one line naming that file, before a step
+    is taken; a manifest of an older draftsmith, which records no sha256, is read as before."""
+    import shutil
+
+    from draftsmith.data.tokenized import MANIFEST
+    from draftsmith.files import file_digests
+    from draftsmith.train.data import load_rows
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_train_data, data)
+    older = json.loads((data / MANIFEST).read_text())
+    (data / MANIFEST).write_text(json.dumps({**older, "files": file_digests(str(data), skip=(MANIFEST,))}))
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    intact = load_rows(str(data), "", target)[:]["input_ids"]
+    arrow = data / "data-00000-of-00001.arrow"
+    raw = bytearray(arrow.read_bytes())
+    raw[raw.rfind(np.asarray(intact[-1], dtype=np.int32).tobytes())] ^= 1  # the last record's first token id
+    arrow.write_bytes(bytes(raw))
+    run = tmp_path / "run"
+    with pytest.raises(DraftsmithError) as refused:
+        run_training(tiny_recipe(run, tiny_target_dir, str(data), "eagle3", "train.steps=1"))
+    assert str(refused.value) == (f"tokenized dataset '{data}' is damaged: data-00000-of-00001.arrow changed after it "
+                                  f"was written (sha256). Re-run `draftsmith prepare` with 'tokenize' in data.stages: "
+                                  f"it tokenizes again")
+    assert sorted(os.listdir(run)) == [".train.rank0.lock", "config.yaml"]  # refused before a log or a checkpoint
+    (data / MANIFEST).write_text(json.dumps(older))  # no "files": read unchecked, the flipped bit and all
+    tampered = load_rows(str(data), "", target)[:]["input_ids"]
+    assert sum(int((a != b).sum()) for a, b in zip(intact, tampered)) == 1

@@ -64,7 +64,8 @@ def load_rows(dataset: str, features: str, target: Any) -> Sequence[dict[str, An
                               "`draftsmith prepare` (or train.features for an offline feature cache)")
     from ..data.tokenized import load_tokenized
 
-    ds = load_tokenized(dataset, target)  # refuses data rendered with another tokenizer
+    # refuses data rendered with another tokenizer, and files that are not the bytes `prepare` wrote
+    ds = load_tokenized(dataset, target, verify="all")
     return ds.with_format("numpy", columns=["input_ids", "loss_mask"])
 
 
