@@ -174,8 +174,8 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
                  f"decode.k={size.k if size.drafter == 'eagle3' else DFLASH['block_size'] - 1}",
                  f"decode.min_confidence={size.min_confidence}", f"decode.max_new_tokens={size.max_new_tokens}",
-                 # the same drafter served in llama.cpp against llama.cpp's target alone (measure/engine.py); a DFlash
-                 # block is served whole (llama.cpp's block is n_max + 1 rows: n_max = block size - 1)
+                 # the same drafter served in llama.cpp against llama.cpp's target alone (measure/engine_eval.py);
+                 # a DFlash block is served whole (llama.cpp's block is n_max + 1 rows: n_max = block size - 1)
                  "eval.engine=llamacpp",
                  f"eval.engine_k={list(size.engine_k) if size.drafter == 'eagle3' else [DFLASH['block_size'] - 1]}"]
                 + ([] if size.tree is None or size.drafter != "eagle3" else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",

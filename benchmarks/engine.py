@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.engines import llamacpp
     from draftsmith.files import write_json
     from draftsmith.measure.engine import measure, table
-    from draftsmith.export.serve import target_gguf_for
+    from draftsmith.engines.targets import target_gguf_for
     from draftsmith.measure.prompts import load_questions
     from draftsmith.export import export, gguf
     from draftsmith.target import load_target

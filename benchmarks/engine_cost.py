@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.measure.engine import TARGET, Method, measure_methods
     from draftsmith.measure.prompts import load_questions
     from draftsmith.export import export, gguf
-    from draftsmith.export.serve import target_gguf_for
+    from draftsmith.engines.targets import target_gguf_for
     from draftsmith.target import load_target
 
     ks = [int(x) for x in args.k.split(",")]

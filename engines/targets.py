@@ -1,7 +1,8 @@
 """The target as a GGUF file for llama.cpp: the file it was loaded from, or a conversion made once.
 
-Below both ``export/`` (``--to gguf-target``, ``export --check``) and ``data/`` (regeneration through a
-local ``llama-server``), which both serve the target in llama.cpp.
+Below ``data/`` (regeneration through a local ``llama-server``), ``measure/`` (a drafter measured in llama.cpp:
+``eval.engine=llamacpp``), ``export/`` (``--to gguf-target``, ``export --check``) and the benchmarks, which all
+serve the target in llama.cpp.
 """
 
 from __future__ import annotations
@@ -46,3 +47,9 @@ def target_gguf(target: TargetFiles, kind: str) -> str:
         raise DraftsmithError(f"the target '{target.name}' was not loaded from a GGUF file, so it has no as-loaded "
                               f"GGUF; choose a converted one: {', '.join(TARGET_GGUF_TYPES[1:])}")
     return original
+
+
+def target_gguf_for(target_spec: str, kind: str, target: TargetFiles) -> str:
+    """The target's GGUF to serve a drafter on: the file it was loaded from (``as-loaded``; an F32 conversion for a
+    target that came as an HF folder), else a conversion cached once per fingerprint (:func:`target_gguf`)."""
+    return target_gguf(target, "f32" if kind == "as-loaded" and original_gguf(target_spec) is None else kind)

@@ -23,6 +23,8 @@ import torch
 from ..files import atomic_path, write_json
 from ..measure.baselines import baseline_configs, baseline_lines, baseline_rows
 from ..measure.config import EvalRecipe
+from ..measure.engine import table
+from ..measure.engine_eval import evaluate_in_llamacpp
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import fields_note, load_questions
 from ..schema import save_recipe, to_dict
@@ -51,7 +53,7 @@ def write_eval(run_dir: str, target_info: dict[str, Any], result: Evaluation, ex
 def run_eval_recipe(recipe: EvalRecipe) -> dict[str, Any]:
     """``draftsmith eval``: decode the recipe's prompts with its drafter and with the target alone in the
     recipe's dtype (speed), check greedy identity in fp32 (``eval.check_identity``), write and print the metrics,
-    and with ``eval.engine=llamacpp`` measure the same drafter where it is served (``export/serve.py``, written
+    and with ``eval.engine=llamacpp`` measure the same drafter where it is served (:func:`run_engine_eval`, written
     into eval_metrics.json under "engine"). Writes ``<run_dir>/config.yaml`` first; returns the metrics.
 
     When the recipe's dtype is not fp32 the identity audit is a second pass: the target reloaded in fp32,
@@ -99,12 +101,28 @@ def run_eval_recipe(recipe: EvalRecipe) -> dict[str, Any]:
           or "no baselines (eval.baselines=[])")
     print(f"wrote {os.path.join(recipe.run_dir, 'eval_metrics.json')}")
     if recipe.eval.engine == "llamacpp":
-        from ..export.serve import run_engine_eval
-
         target = drafter = None  # freed first: the target is loaded again there (fp32, CPU) to serve it
         gc.collect()
         metrics["engine"] = run_engine_eval(recipe)
     return metrics
+
+
+def run_engine_eval(recipe: EvalRecipe) -> dict[str, Any]:
+    """After ``eval_metrics.json`` is written: the same prompts through llama.cpp (``measure.engine_eval``, the
+    drafter exported to GGUF by ``export.run.export_gguf_draft``), written into it under "engine", and printed."""
+    from ..export.run import export_gguf_draft
+
+    target = load_target(recipe.target.name, "float32", "cpu")
+    questions = load_questions(recipe.eval.prompts, recipe.eval.num_prompts)
+    result = evaluate_in_llamacpp(recipe, [target.render_chat(q.messages()) for q in questions], target,
+                                  export_gguf_draft)
+    path = os.path.join(recipe.run_dir, "eval_metrics.json")
+    with open(path, encoding="utf-8") as f:
+        metrics = json.load(f)
+    metrics["engine"] = result
+    write_json(path, metrics)
+    print(table(result))
+    return result
 
 
 def eval_lines(m: dict[str, Any], width: int = WIDTH) -> list[str]:

@@ -20,6 +20,7 @@ the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -32,10 +33,11 @@ from .. import __version__
 from ..errors import DraftsmithError
 from ..engines import llamacpp
 from ..files import atomic_dir, sha256_file
+from ..measure.engine_eval import DraftGGUF
 from ..target import Target, describe, load_target
 from . import dflash, eagle1, eagle3, gguf, hf, medusa
 from .conventions import engine_layer_ids
-from .served import Sweep, sweep_export
+from .served import Sweep, record_best, sweep_export
 from .source import Source, open_source, source_family
 from .tensors import CheckFailed, read_json, write_json_file
 
@@ -135,6 +137,15 @@ def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bo
         info["gguf"]["sha256"] = sha256_file(os.path.join(tmp, gguf.TARGET_FILE))
         write_json_file(os.path.join(tmp, INFO_FILE), info)
     return info
+
+
+def export_gguf_draft(drafter: str, out: str, target: str, gguf_type: str) -> DraftGGUF:
+    """The drafter folder ``drafter`` exported to GGUF into ``out`` (replaced) for ``eval.engine=llamacpp``
+    (``measure.engine_eval``, a ``WritesDraftGGUF``): the draft's file, family and type, and :func:`record_best`
+    into this export's record for the best setting measured."""
+    info = export(drafter, "gguf", out, target=target, force=True, gguf_type=gguf_type)
+    return DraftGGUF(os.path.join(out, gguf.DRAFT_FILE), info["source"]["family"], info["gguf"]["type"],
+                     functools.partial(record_best, os.path.join(out, INFO_FILE)))
 
 
 def refuse_overlap(source_path: str, out: str) -> None:
@@ -247,7 +258,7 @@ def _source_of(info: dict[str, Any], folder: str, target: Target) -> Source:
 def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[list[int]] | None,
                lines: list[str], sweep: Any = None) -> None:
     """A GGUF export: what llama.cpp reads (static), then the export served in llama.cpp (``gguf.engine_check``),
-    then its fastest k and p-min (``serve.sweep_export``, recorded in the export); each appends its lines to
+    then its fastest k and p-min (``served.sweep_export``, recorded in the export); each appends its lines to
     ``lines`` as it passes."""
     source = _source_of(info, folder, target)
     lines += check_gguf_bytes(folder, gguf.DRAFT_FILE, info)

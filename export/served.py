@@ -1,11 +1,11 @@
 """What a GGUF export is served with in llama.cpp: its best measured setting, recorded in the export.
 
-``export --check`` (``run.check_gguf``) and ``eval.engine=llamacpp`` (``serve.py``) sweep the draft length k and
-``--spec-draft-p-min`` through the same ``measure.engine.measure`` and record its fastest setting
-(``measure.engine.best_setting``) with the target GGUF type it was measured on in the export's
-``draftsmith_export.json``, under ``gguf.served`` (:func:`record_best`); :func:`serve_command` is the
-``llama-server`` command that serves the export with it. Below ``run.py`` (which imports it), so it takes the
-record's path rather than reading ``run.INFO_FILE``.
+``export --check`` (``run.check_gguf``) and ``eval.engine=llamacpp`` (``measure/engine_eval.py``, handed
+:func:`record_best` by ``run.export_gguf_draft``) sweep the draft length k and ``--spec-draft-p-min`` through the
+same ``measure.engine.measure`` and record its fastest setting (``measure.engine.best_setting``) with the target
+GGUF type it was measured on in the export's ``draftsmith_export.json``, under ``gguf.served``
+(:func:`record_best`); :func:`serve_command` is the ``llama-server`` command that serves the export with it. Below
+``run.py`` (which imports it), so it takes the record's path rather than reading ``run.INFO_FILE``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines import llamacpp
-from ..engines.targets import original_gguf, target_gguf
+from ..engines.targets import target_gguf_for
 from ..files import write_json
 from ..measure.engine import command, describe_best, measure
 from . import gguf
 from .tensors import read_json
-
-
-def target_gguf_for(target_spec: str, kind: str, target: Any) -> str:
-    """The target's GGUF to serve: the file it was loaded from (``as-loaded``; an F32 conversion for a target that
-    came as an HF folder), else a conversion cached once per fingerprint."""
-    return target_gguf(target, "f32" if kind == "as-loaded" and original_gguf(target_spec) is None else kind)
 
 
 @dataclass(frozen=True)

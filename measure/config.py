@@ -5,7 +5,7 @@ a seed); this section is where a recipe names them, validated with the key that 
 measurement layer, since every measurement decodes by it (``draftsmith eval``, ``report``, training-time
 evaluation, the benchmarks). ``eval`` says what to measure on and how to time it (the prompt set, repeats,
 baselines, the serving engine): read by ``draftsmith eval``, by ``report`` and ``train``'s decoder evaluation,
-and by ``export/serve.py``, so it lives here below them all.
+and by the served measurement (``engine_eval.py``), so it lives here below them all.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class EvalConfig:
     engine: Launch = "none"
     """llamacpp: also serve the drafter (drafter.type=saved) in llama.cpp, exported to GGUF by llama.cpp's own
     converter, and measure it there against llama.cpp's target alone on the same prompts, beside llama.cpp's
-    n-gram methods (``measure/engine.py``; written under "engine" in eval_metrics.json)."""
+    n-gram methods (``measure/engine_eval.py``; written under "engine" in eval_metrics.json)."""
     engine_threads: int = 0
     """llama.cpp's threads (0 = every core; set 1 on a loaded machine: its spinning threads slow 10-15× there)."""
     engine_target_type: TargetGGUFType = "as-loaded"
@@ -163,7 +163,7 @@ class EvalConfig:
 class EvalRecipe(Protocol):
     """What a stage that measures a drafter reads of the recipe: ``draftsmith eval``'s whole input, and the part
     of it ``report`` (``report.config.ReportRecipe``), ``train`` (``train.config.TrainRecipe``) and the served
-    measurement (``export/serve.py``) read. The top-level ``config.Recipe`` has these sections and satisfies it;
+    measurement (``measure/engine_eval.py``) read. The top-level ``config.Recipe`` has these sections and satisfies it;
     the stages name this protocol because ``config`` lies above them (it imports their sections)."""
 
     run_dir: str

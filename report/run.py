@@ -31,6 +31,7 @@ from ..drafters.checkpoint import SavedDrafterConfig, read_meta
 from ..errors import ConfigError, DraftsmithError
 from ..measure.baselines import baseline_configs
 from ..measure.config import DecodeConfig
+from ..measure.engine_eval import evaluate_in_llamacpp
 from ..measure.evaluate import Evaluation, evaluate
 from ..measure.prompts import Question, load_questions
 from ..decode.reference import target_greedy
@@ -257,11 +258,12 @@ def run_report(recipe: ReportRecipe, compare: list[str] | None = None) -> dict[s
     if recipe.eval.engine == "llamacpp":  # the first drafter served in llama.cpp, chains of decode.k
         name, _ = entries[0]
         print(f"report [{name}]: served in llama.cpp (k = {recipe.decode.k})", flush=True)
-        from ..export.serve import evaluate_in_llamacpp
+        from ..export.run import export_gguf_draft
 
         # chains of decode.k without a gate: the engine's τ is compared with the built-in decoder's chain
         served = replace(recipe, eval=replace(recipe.eval, engine_k=[recipe.decode.k], engine_p_min=[0.0]))
-        measured = evaluate_in_llamacpp(served, [target.render_chat(q.messages()) for q in questions], target)
+        measured = evaluate_in_llamacpp(served, [target.render_chat(q.messages()) for q in questions], target,
+                                        export_gguf_draft)
         results[name]["engine"] = engine_vs_builtin(measured, results[name], recipe.decode.k)
     report = {
         "target": described,

@@ -48,8 +48,10 @@ LAYERS = [
 below its own. ``measure/`` is the measurement layer every stage imports, above the decoder and the drafters it
 measures. The stages above it are stacked, not side by side: ``train/`` (its decoder evaluation goes through
 ``measure/``), ``export/`` (it reads ``train/``'s checkpoints: ``export/source.py``), then ``eval/`` and ``report/``
-(both serve a drafter in llama.cpp through ``export/serve.py``; neither imports the other). ``config`` imports every
-stage's section; no stage imports ``config`` (each types its recipe with a Protocol of its own layer)."""
+(with ``eval.engine=llamacpp`` both export the drafter to GGUF through ``export/run.py`` and hand that writer to the
+served measurement, ``measure/engine_eval.py``, which never imports ``export/``; neither imports the other).
+``config`` imports every stage's section; no stage imports ``config`` (each types its recipe with a Protocol of its
+own layer)."""
 
 
 def package_files(root: str = ROOT) -> list[str]:
@@ -207,12 +209,18 @@ def test_the_layer_check_sees_an_upward_import(monkeypatch):
 
 def test_the_stages_import_what_the_prose_says():
     """The arrows LAYERS' docstring, the README and docs/conventions.md name between the stages: each stage on
-    measure/, export/ on train/, eval/ and report/ on export/, and not on each other."""
+    measure/, export/ on train/, eval/ and report/ on export/, and not on each other; and the served measurement's
+    two arrows from eval/ and report/: the measurement to measure/engine_eval.py, the GGUF writer to export/run.py."""
     graph = import_graph()
     assert all("measure" in graph[stage] for stage in ("train", "export", "eval", "report"))
     assert "train" in graph["export"] and "export" in graph["eval"] and "export" in graph["report"]
     assert "report" not in graph["eval"] and "eval" not in graph["report"]
     assert not any("config" in graph[n] for n in graph if n not in ("demo", "cli"))
+    files = file_graph()
+    served = os.path.join("measure", "engine_eval.py")
+    for stage in ("eval", "report"):
+        assert {served, os.path.join("export", "run.py")} <= files[os.path.join(stage, "run.py")]
+    assert not {node_of(f) for f in files[served]} & {"export", "eval", "report"}  # it is handed the GGUF writer
 
 
 def test_decode_imports_only_what_lies_below_it():

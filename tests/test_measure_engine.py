@@ -1,4 +1,4 @@
-"""The bookkeeping of the llama.cpp sweep (``measure/engine.py``, ``export/serve.py``) without a server: one
+"""The bookkeeping of the llama.cpp sweep (``measure/engine.py``, ``measure/engine_eval.py``) without a server: one
 llama-server per (k, p-min) with the gate on its command line, τ per target forward when the gate drafts nothing,
 the fastest setting chosen by the median per-prompt speedup and called clearly best only when the paired ratios
 say so, and the setting written into the export's metadata and the command printed for it.
@@ -107,6 +107,47 @@ def test_measure_records_the_best_with_the_command_that_serves_it(monkeypatch):
     assert "best served setting (bf16 target): k = 1, p-min 0.5: 0.90x" in printed.replace("\n  ", " ")
     assert printed.splitlines()[-1] == best["command"]
     assert all(len(line) <= 80 for line in printed.splitlines()[:-1])
+
+
+def test_the_served_measurement_gets_its_gguf_from_the_writer_it_is_handed(monkeypatch, tmp_path):
+    """``eval.engine=llamacpp`` (``measure.engine_eval``): the saved drafter is written by the stage's writer into
+    ``<run_dir>/engine/draft`` for the recipe's target, measured at decode.k when eval.engine_k is empty, and the best
+    setting goes back through the GGUF's own ``record``; a drafter that is not saved is refused before anything is
+    written."""
+    from types import SimpleNamespace
+
+    from draftsmith.measure import engine_eval
+    from draftsmith.measure.config import DecodeConfig
+
+    written, measured, recorded = [], {}, []
+
+    def write_gguf(drafter: str, out: str, target: str, gguf_type: str) -> engine_eval.DraftGGUF:
+        written.append((drafter, out, target, gguf_type))
+        return engine_eval.DraftGGUF(f"{out}/draft.gguf", "dflash", "bf16", lambda *a: recorded.append(a))
+
+    def fake_measure(target_file, prompts, max_new_tokens, **kw):
+        measured.update(kw, target_file=target_file, prompts=prompts, max_new_tokens=max_new_tokens)
+        return {"best": {"method": "drafter k=3"}}
+
+    monkeypatch.setattr(engine_eval, "measure", fake_measure)
+    monkeypatch.setattr(engine_eval, "target_gguf_for", lambda spec, kind, target: f"/cache/{spec}-{kind}.gguf")
+    recipe = SimpleNamespace(run_dir=str(tmp_path), target=SimpleNamespace(name="tiny"),
+                             drafter=SimpleNamespace(type="saved", path="/runs/d"),
+                             decode=DecodeConfig(k=3, max_new_tokens=7),
+                             eval=EvalConfig(engine="llamacpp", engine_draft_type="bf16", engine_threads=2))
+    result = engine_eval.evaluate_in_llamacpp(recipe, [[1, 2]], None, write_gguf)
+    assert written == [("/runs/d", f"{tmp_path}/engine/draft", "tiny", "bf16")]
+    assert (measured["target_file"], measured["draft_gguf"], measured["family"]) == (
+        "/cache/tiny-as-loaded.gguf", f"{tmp_path}/engine/draft/draft.gguf", "dflash")
+    assert (measured["ks"], measured["p_mins"], measured["threads"], measured["max_new_tokens"]) == (
+        [3], [0.0, 0.5], 2, 7)
+    assert result["draft_type"] == "bf16"
+    assert recorded == [({"method": "drafter k=3"}, "draftsmith eval (eval.engine=llamacpp)", 7)]
+
+    unsaved = SimpleNamespace(**{**vars(recipe), "drafter": SimpleNamespace(type="prompt_lookup")})
+    with pytest.raises(ConfigError, match="set drafter.type=saved"):
+        engine_eval.evaluate_in_llamacpp(unsaved, [[1, 2]], None, write_gguf)
+    assert len(written) == 1
 
 
 def export_folder(tmp_path, family: str = "eagle3") -> str:
