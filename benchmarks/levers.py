@@ -66,6 +66,10 @@ VARIANTS: dict[str, list[str]] = {
     # combinations of the levers that won alone
     "init_last+frozen_lm_head": ["drafter.init_from_layer=-1", "drafter.freeze_lm_head=true"],
     "init_last+ttt3": ["drafter.init_from_layer=-1", "train.ttt_steps=3"],
+    # EAGLE-1's augmentation: uniform noise U(-0.1, 0.1) on the target features the head reads
+    "init_last+noise": ["drafter.init_from_layer=-1", "train.feature_noise=0.1"],
+    # every token a training target, the prompt's included (held-out figures stay over answer tokens)
+    "init_last+all_tokens": ["drafter.init_from_layer=-1", "train.loss_positions=all"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
