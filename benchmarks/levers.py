@@ -68,11 +68,14 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+ttt3": ["drafter.init_from_layer=-1", "train.ttt_steps=3"],
     # EAGLE-1's augmentation: uniform noise U(-0.1, 0.1) on the target features the head reads
     "init_last+noise": ["drafter.init_from_layer=-1", "train.feature_noise=0.1"],
-    # the high feature taken from the target's last layer (29 of SmolLM2's 30: its output before the final norm)
+    # the high feature from the last layer llama.cpp can capture (28 of SmolLM2's 30: the input of the last layer; the
+    # last layer's own output is no llama.cpp feature, export/conventions.py)
     # instead of EAGLE-3's 26 (drafters/eagle3.py's default_eagle3_layers)
-    "init_last+top_layer": ["drafter.init_from_layer=-1", "drafter.feature_layers=[1,14,29]"],
+    "init_last+top_layer": ["drafter.init_from_layer=-1", "drafter.feature_layers=[1,14,28]"],
     # every token a training target, the prompt's included (held-out figures stay over answer tokens)
     "init_last+all_tokens": ["drafter.init_from_layer=-1", "train.loss_positions=all"],
+    "init_last+all_tokens+top_layer": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                       "drafter.feature_layers=[1,14,28]"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
