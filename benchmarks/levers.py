@@ -79,6 +79,9 @@ VARIANTS: dict[str, list[str]] = {
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
+DECODE_PROMPTS = 20
+"""MT-bench first turns ``decode`` runs by default, the count whose figures the table reads."""
+
 
 def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -> None:
     unknown = sorted(set(only or []) - set(VARIANTS))
@@ -98,8 +101,9 @@ def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -
 
 
 def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int, source: str = "mtbench") -> None:
-    """``levers_decode.json`` on MT-bench; on another prompt set (``--questions``: the training data's own held-out
-    prompts, say) ``levers_decode-<set>.json`` beside it, which the table does not read."""
+    """``levers_decode.json`` on :data:`DECODE_PROMPTS` MT-bench prompts; on another prompt set (``--questions``: the
+    training data's own held-out prompts, say) or count, ``levers_decode-<set>[<count>].json`` beside it, which the
+    table does not read."""
     from dataclasses import replace
 
     from draftsmith.config import load_recipe
@@ -110,8 +114,9 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
     from draftsmith.train.save import BEST
 
     target, questions = None, load_questions(source, prompts)
-    name = "levers_decode.json" if source == "mtbench" else \
-        f"levers_decode-{os.path.splitext(os.path.basename(source))[0]}.json"
+    set_name = os.path.splitext(os.path.basename(source))[0]
+    name = "levers_decode.json" if (source, prompts) == ("mtbench", DECODE_PROMPTS) else \
+        f"levers_decode-{set_name}{'' if prompts == DECODE_PROMPTS else prompts}.json"
     for run_dir in run_dirs:
         recipe = load_recipe(os.path.join(run_dir, "config.yaml"), [
             "drafter.type=saved", f"drafter.path={os.path.join(run_dir, BEST)}", "target.dtype=bfloat16",
@@ -169,7 +174,7 @@ def main() -> None:
     t.add_argument("overrides", nargs="*")
     d = sub.add_parser("decode", help="decode each run's drafter-best as chains")
     d.add_argument("run_dirs", nargs="+")
-    d.add_argument("--prompts", type=int, default=20)
+    d.add_argument("--prompts", type=int, default=DECODE_PROMPTS)
     d.add_argument("--ks", default="3,4")
     d.add_argument("--max-new-tokens", type=int, default=96)
     d.add_argument("--questions", default="mtbench", help="mtbench, copyheavy or a JSONL of prompts (measure/prompts.py)")
