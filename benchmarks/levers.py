@@ -66,8 +66,21 @@ VARIANTS: dict[str, list[str]] = {
     # combinations of the levers that won alone
     "init_last+frozen_lm_head": ["drafter.init_from_layer=-1", "drafter.freeze_lm_head=true"],
     "init_last+ttt3": ["drafter.init_from_layer=-1", "train.ttt_steps=3"],
+    # EAGLE-1's augmentation: uniform noise U(-0.1, 0.1) on the target features the head reads
+    "init_last+noise": ["drafter.init_from_layer=-1", "train.feature_noise=0.1"],
+    # the high feature from the last layer llama.cpp can capture (28 of SmolLM2's 30: the input of the last layer; the
+    # last layer's own output is no llama.cpp feature, export/conventions.py)
+    # instead of EAGLE-3's 26 (drafters/eagle3.py's default_eagle3_layers)
+    "init_last+top_layer": ["drafter.init_from_layer=-1", "drafter.feature_layers=[1,14,28]"],
+    # every token a training target, the prompt's included (held-out figures stay over answer tokens)
+    "init_last+all_tokens": ["drafter.init_from_layer=-1", "train.loss_positions=all"],
+    "init_last+all_tokens+top_layer": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                       "drafter.feature_layers=[1,14,28]"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
+
+DECODE_PROMPTS = 20
+"""MT-bench first turns ``decode`` runs by default, the count whose figures the table reads."""
 
 
 def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -> None:
@@ -88,8 +101,9 @@ def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -
 
 
 def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int, source: str = "mtbench") -> None:
-    """``levers_decode.json`` on MT-bench; on another prompt set (``--questions``: the training data's own held-out
-    prompts, say) ``levers_decode-<set>.json`` beside it, which the table does not read."""
+    """``levers_decode.json`` on :data:`DECODE_PROMPTS` MT-bench prompts; on another prompt set (``--questions``: the
+    training data's own held-out prompts, say) or count, ``levers_decode-<set>[<count>].json`` beside it, which the
+    table does not read."""
     from dataclasses import replace
 
     from draftsmith.config import load_recipe
@@ -100,8 +114,9 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
     from draftsmith.train.save import BEST
 
     target, questions = None, load_questions(source, prompts)
-    name = "levers_decode.json" if source == "mtbench" else \
-        f"levers_decode-{os.path.splitext(os.path.basename(source))[0]}.json"
+    set_name = os.path.splitext(os.path.basename(source))[0]
+    name = "levers_decode.json" if (source, prompts) == ("mtbench", DECODE_PROMPTS) else \
+        f"levers_decode-{set_name}{'' if prompts == DECODE_PROMPTS else prompts}.json"
     for run_dir in run_dirs:
         recipe = load_recipe(os.path.join(run_dir, "config.yaml"), [
             "drafter.type=saved", f"drafter.path={os.path.join(run_dir, BEST)}", "target.dtype=bfloat16",
@@ -159,7 +174,7 @@ def main() -> None:
     t.add_argument("overrides", nargs="*")
     d = sub.add_parser("decode", help="decode each run's drafter-best as chains")
     d.add_argument("run_dirs", nargs="+")
-    d.add_argument("--prompts", type=int, default=20)
+    d.add_argument("--prompts", type=int, default=DECODE_PROMPTS)
     d.add_argument("--ks", default="3,4")
     d.add_argument("--max-new-tokens", type=int, default=96)
     d.add_argument("--questions", default="mtbench", help="mtbench, copyheavy or a JSONL of prompts (measure/prompts.py)")

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from draftsmith.config import load_recipe
+from draftsmith.data.tokenized import load_tokenized
 from draftsmith.train import losses
-from draftsmith.train.data import BatchOrder, split_heldout
+from draftsmith.train.data import BatchOrder, collate, split_heldout
 from draftsmith.train.run import run_training
-from draftsmith.train.setup import lr_lambda
+from draftsmith.train.setup import every_token, lr_lambda
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,3 +198,33 @@ def test_token_alignable_mask_drops_the_rows_a_chain_never_reaches():
     assert still_aligned(alive, rows, logits, draft_ids, target, 3).all()
     dead = torch.tensor([[False, True, True, True]])
     assert still_aligned(dead, rows, logits, draft_ids, target, 3).tolist() == [[False, True, True, True]]
+
+
+def test_every_token_marks_each_real_token_but_the_first():
+    batch = collate([{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
+                     {"input_ids": [5, 6], "loss_mask": [0, 0]}], pad_id=0, max_length=8)
+    widened = every_token(batch)
+    assert widened.loss_mask.tolist() == [[False, True, True, True], [False, True, False, False]]
+    assert widened.empty_rows == 0 and batch.empty_rows == 1  # the prompt-only record now has a target
+    assert batch.loss_mask.tolist() == [[False, False, True, True], [False, False, False, False]]  # not changed
+
+
+def test_training_on_every_token_is_training_on_records_masked_so(tmp_path, monkeypatch, tiny_target_dir, uneven_data,
+                                                                   make_tokenized):
+    """``train.loss_positions=all`` gives the first step's gradient of the same records with every token but the first
+    in their loss mask; the held-out evaluation still reads the records' own (answer) mask."""
+    data, lengths = uneven_data
+    ids = [list(r["input_ids"]) for r in load_tokenized(data)]
+    widened = make_tokenized(tmp_path / "all", ids, [[0] + [1] * (n - 1) for n in lengths])
+    common = ["train.steps=1", "train.batch_size=2", f"train.deepspeed={engine_json(tmp_path, 1)}"]
+    every = first_step_gradients(monkeypatch, lambda: run_training(recipe(
+        tmp_path / "every", tiny_target_dir, data, "train.loss_positions=all", *common)))
+    masked = first_step_gradients(monkeypatch, lambda: run_training(recipe(
+        tmp_path / "masked", tiny_target_dir, widened, *common)))
+    answers = first_step_gradients(monkeypatch, lambda: run_training(recipe(
+        tmp_path / "answers", tiny_target_dir, data, *common)))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(every, masked))
+    assert not all(torch.allclose(a, b) for a, b in zip(every, answers))
+    baseline = [r for r in read_log(tmp_path / "every") if "heldout/loss" in r][0]
+    assert baseline["heldout/loss"] == pytest.approx(
+        [r for r in read_log(tmp_path / "answers") if "heldout/loss" in r][0]["heldout/loss"])

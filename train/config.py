@@ -250,6 +250,11 @@ class TrainConfig:
     0 = every row (EAGLE-3)."""
     feature_noise: float = 0.0
     """EAGLE-1/-3: add uniform noise U(−a, a) to the target features fed to the head (EAGLE: 0.1)."""
+    loss_positions: Literal["answer", "all"] = "answer"
+    """Which tokens a training step learns to predict: ``answer`` (the records' loss mask: the assistant's tokens,
+    as EAGLE and the reference trainers do) or ``all`` (every real token but the first, the prompt's included: the
+    head learns the target's next-token distribution there too, more signal from each record). Held-out figures
+    are over answer tokens either way."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -215,6 +215,8 @@ def identity(run: Run) -> dict[str, Any]:
                      "max_length": cfg.max_length, "seed": cfg.seed, "heldout": cfg.eval.heldout}}
     if cfg.group_by_length:  # another data order; absent = random batches (checkpoints from before it existed)
         out["train"]["group_by_length"] = cfg.group_by_length
+    if cfg.loss_positions != "answer":  # other tokens trained on; absent = answer tokens
+        out["train"]["loss_positions"] = cfg.loss_positions
     return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
 
 
@@ -226,8 +228,17 @@ def micro_batches(run: Run) -> Iterator[Batch]:
         if run.state.step >= run.cfg.steps:
             return
         batch = collate([run.rows[i] for i in ids], pad, run.cfg.max_length)
+        if run.cfg.loss_positions == "all":
+            batch = every_token(batch)
         run.state.micro_step = step + 1
         yield batch.to(run.world.device)
+
+
+def every_token(batch: Batch) -> Batch:
+    """The batch with every real token but each record's first as a training target (``train.loss_positions``)."""
+    mask = batch.attention_mask.bool()
+    mask[:, 0] = False
+    return replace(batch, loss_mask=mask, empty_rows=int((mask.sum(-1) == 0).sum()))
 
 
 def pad_id(target: Target) -> int:
