@@ -24,7 +24,7 @@ import sys
 import textwrap
 from typing import Any
 
-from .demo import SIZES
+from .demo import DRAFTERS, SIZES
 from .errors import DraftsmithError, write_refusal, writing
 
 
@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                              ("steps", int, "EAGLE-3 training steps"), ("prompts", int, "MT-bench prompts decoded"),
                              ("max-new-tokens", int, "tokens decoded per prompt"), ("k", int, "draft tokens per round")):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} (default: the size's)")
-    p.add_argument("--drafter", choices=("eagle3", "dflash"), default=None,
-                   help="what to train on the same data: eagle3 (default) or dflash (a block drafter, k = 7 per forward)")
+    p.add_argument("--drafter", choices=list(DRAFTERS), default=None,
+                   help="what to train on the same data (default: eagle3): "
+                        + "; ".join(f"{name}, {d.what}" for name, d in DRAFTERS.items()))
     p.add_argument("--regenerate", choices=("generate", "server"), default=None,
                    help="who answers the conversations: generate (the target in this process, batched; default) or "
                         "server (a llama-server on the target's BF16 GGUF, 32 slots; demo.REGENERATE_SERVER)")
