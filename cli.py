@@ -24,7 +24,7 @@ import sys
 import textwrap
 from typing import Any
 
-from .demo import SIZES
+from .demo import DRAFTERS, SIZES
 from .errors import DraftsmithError, write_refusal, writing
 
 
@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                              ("steps", int, "EAGLE-3 training steps"), ("prompts", int, "MT-bench prompts decoded"),
                              ("max-new-tokens", int, "tokens decoded per prompt"), ("k", int, "draft tokens per round")):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} (default: the size's)")
-    p.add_argument("--drafter", choices=("eagle3", "dflash"), default=None,
-                   help="what to train on the same data: eagle3 (default) or dflash (a block drafter, k = 7 per forward)")
+    p.add_argument("--drafter", choices=list(DRAFTERS), default=None,
+                   help="what to train on the same data (default: eagle3): "
+                        + "; ".join(f"{name}, {d.what}" for name, d in DRAFTERS.items()))
     p.add_argument("--regenerate", choices=("generate", "server"), default=None,
                    help="who answers the conversations: generate (the target in this process, batched; default) or "
                         "server (a llama-server on the target's BF16 GGUF, 32 slots; demo.REGENERATE_SERVER)")
@@ -153,22 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     from .export.importer import IMPORTS
+    from .export.run import FORMATS
 
     p = sub.add_parser("import", help="a drafter trained elsewhere (speculators, SGLang/EAGLE-3, z-lab DFlash, Medusa, "
                                       "a HF draft LM) as a draftsmith drafter folder",
                        description="Read the drafter in SRC, in the format detected from its files or named by --from, "
                                    "and write it to --out as an ordinary draftsmith drafter folder for --target (eval, "
                                    "report, the tree decoder and export take it). Formats: "
-                                   + "; ".join(f"{name} ({spec.family}: {spec.source})" for name, spec in IMPORTS.items())
+                                   + "; ".join(f"{name} ({', '.join(FORMATS[name].families)}: {source})"
+                                               for name, source in IMPORTS.items())
                                    + ". A checkpoint made for another target (fingerprint, vocabulary, hidden size, "
-                                   "embedding) is refused, and so is an EAGLE-3 head whose layer ids look shifted.")
+                                   "embedding) is refused, and so is an EAGLE-3 or P-EAGLE head whose layer ids look "
+                                   "shifted.")
     p.add_argument("source", help="the folder of the foreign drafter")
     p.add_argument("--out", required=True, help="the drafter folder to write (refused if it exists and is not empty)")
     p.add_argument("--target", required=True, help="the target the drafter was trained for (hub id, folder, .gguf, alias)")
     p.add_argument("--from", dest="fmt", default=None, choices=list(IMPORTS), help="the format (default: detected)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--no-layer-check", action="store_true",
-                   help="skip the check that an EAGLE-3 head drafts best from the layers it names")
+                   help="skip the check that an EAGLE-3 or P-EAGLE head drafts best from the layers it names")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",

@@ -85,8 +85,8 @@ class DemoSize:
     min_tau: float = 0.0
     """The size's bar on τ (bonus counted): at least this."""
     drafter: str = "eagle3"
-    """What the demo trains on the same prepared data: ``eagle3`` (the head above) or ``dflash`` (``DFLASH``: a block
-    drafter whose k = block − 1 drafts cost one forward; chains, no tree). EAGLE-3 is the default by measurement: on
+    """What the demo trains on the same prepared data: one of :data:`DRAFTERS` (``eagle3``, the head above; the block
+    drafters ``dflash`` and ``dflash2``, ``DFLASH``; ``peagle``, ``PEAGLE``). EAGLE-3 is the default by measurement: on
     the default size's data it runs faster than the target alone in the built-in decoder and in llama.cpp than DFlash
     does, trained in less than half the time (benchmarks/RESULTS.md, "dflash")."""
     dtype: str = "auto"
@@ -125,6 +125,36 @@ demo's feature cache holds (training stays offline), 32 blocks per sequence, D-P
 reference's learning rate, the target's full vocabulary unless ``draft_vocab``."""
 
 
+PEAGLE = {"num_depths": 8}
+"""The demo's P-EAGLE head (``drafter=peagle``): the EAGLE-3 head's recipe, data, draft vocabulary and learning rate,
+drafting ``num_depths`` tokens in one forward (the recipe ``smollm2-135m-peagle``'s, the reference's 8)."""
+
+
+@dataclass(frozen=True)
+class DemoDrafter:
+    """A family the demo trains on its prepared data (``--drafter``): its recipe is ``smollm2-135m-<name>``."""
+
+    row: str
+    """Its row in the closing table."""
+    what: str
+    """What it is (the legend, ``--drafter``'s help)."""
+    per_forward: int = 0
+    """Drafts per drafter forward, the evaluation's k (chains, no tree); 0 = chains of the size's k and its dynamic tree
+    (an EAGLE head drafting one token per forward)."""
+
+
+DRAFTERS: dict[str, DemoDrafter] = {
+    "eagle3": DemoDrafter("eagle3 head", "EAGLE-3 head"),
+    "dflash": DemoDrafter("dflash", f"DFlash drafter (block {DFLASH['block_size']})", DFLASH["block_size"] - 1),
+    "dflash2": DemoDrafter("dflash2", f"DFlash2 drafter (block {DFLASH['block_size']}, its candidate selector)",
+                           DFLASH["block_size"] - 1),
+    "peagle": DemoDrafter("peagle head", f"P-EAGLE head ({PEAGLE['num_depths']} drafts per forward)",
+                          PEAGLE["num_depths"]),
+}
+"""What ``--drafter`` chooses from, the one list (the CLI's choices and help are built from it). Each is evaluated in
+llama.cpp too where llama.cpp serves its family (``engines.llamacpp.SPEC_TYPES``)."""
+
+
 REGENERATE_SERVER = {"gguf_type": "bf16", "slots": 32, "threads": 2}
 """The llama-server of ``regenerate_method="server"`` (``data.regenerate.server``): the target's BF16 GGUF (converted
 once by llama.cpp's converter; the demo's pipeline is bf16 where the CPU computes it natively), ``slots`` sequences
@@ -144,9 +174,13 @@ def pipeline_dtype(size: DemoSize) -> str:
 
 def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
     """The recipe overrides of each stage (what ``draftsmith <stage> --config … <overrides>`` would take)."""
+    from .engines.llamacpp import SPEC_TYPES
     from .train.save import BEST  # here: the CLI imports this module on every command
     data = os.path.join(run_dir, "prepare", "data")
     dtype = pipeline_dtype(size)  # the target's, hence regeneration's, feature capture's and the engine's
+    family = demo_drafter(size)
+    k = family.per_forward or size.k
+    tree = family.per_forward == 0 and size.tree is not None
     return {
         "prepare": [f"run_dir={run_dir}/prepare", f"target.dtype={dtype}", f"data.max_conversations={size.conversations}",
                     f"data.render.max_length={size.max_length}", f"data.vocab.size={size.draft_vocab}"]
@@ -172,14 +206,15 @@ def demo_stages(run_dir: str, size: DemoSize) -> dict[str, list[str]]:
                  f"drafter.path={run_dir}/{size.drafter}/{BEST}",
                  "target.dtype=bfloat16",  # speed in bf16; the identity audit reloads the target in fp32
                  "eval.prompts=mtbench", f"eval.num_prompts={size.prompts}", "eval.check_identity=true",
-                 f"decode.k={size.k if size.drafter == 'eagle3' else DFLASH['block_size'] - 1}",
-                 f"decode.min_confidence={size.min_confidence}", f"decode.max_new_tokens={size.max_new_tokens}",
-                 # the same drafter served in llama.cpp against llama.cpp's target alone (measure/engine_eval.py);
-                 # a DFlash block is served whole (llama.cpp's block is n_max + 1 rows: n_max = block size - 1)
-                 "eval.engine=llamacpp",
-                 f"eval.engine_k={list(size.engine_k) if size.drafter == 'eagle3' else [DFLASH['block_size'] - 1]}"]
-                + ([] if size.tree is None or size.drafter != "eagle3" else ["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}",
-                                                 f"decode.tree_top_k={size.tree[1]}", f"decode.tree_budget={size.tree[2]}"]),
+                 f"decode.k={k}",
+                 f"decode.min_confidence={size.min_confidence}", f"decode.max_new_tokens={size.max_new_tokens}"]
+                # the same drafter served in llama.cpp against llama.cpp's target alone (measure/engine_eval.py), where
+                # llama.cpp serves the family; a DFlash block is served whole (llama.cpp's block is n_max + 1 rows:
+                # n_max = block size - 1)
+                + (["eval.engine=llamacpp", f"eval.engine_k={list(size.engine_k) if family.per_forward == 0 else [k]}"]
+                   if size.drafter in SPEC_TYPES else [])
+                + (["decode.tree=dynamic", f"decode.tree_depth={size.tree[0]}", f"decode.tree_top_k={size.tree[1]}",
+                    f"decode.tree_budget={size.tree[2]}"] if tree else []),
     }
 
 
@@ -197,20 +232,27 @@ def _regenerate_overrides(size: DemoSize) -> list[str]:
             f"data.regenerate.server.threads={srv['threads']}", f"data.regenerate.server.concurrency={srv['slots']}"]
 
 
+def demo_drafter(size: DemoSize) -> DemoDrafter:
+    """The size's family (:data:`DRAFTERS`); another name is one line naming the choices."""
+    if size.drafter not in DRAFTERS:
+        from .errors import ConfigError
+
+        raise ConfigError(f"demo drafter '{size.drafter}' is not one of: {', '.join(DRAFTERS)}")
+    return DRAFTERS[size.drafter]
+
+
 def _drafter_overrides(size: DemoSize, data: str) -> list[str]:
     """The train stage's drafter-specific overrides."""
-    if size.drafter == "dflash":
+    vocab = [f"drafter.draft_vocab={data}/draft_vocab.safetensors"]  # prepare's, the EAGLE-3 head's
+    if size.drafter in ("dflash", "dflash2"):
         return [f"drafter.num_layers={DFLASH['num_layers']}", f"drafter.block_size={DFLASH['block_size']}",
                 f"drafter.feature_layers={DFLASH['feature_layers']}".replace(" ", ""),
                 f"train.dflash.anchors={DFLASH['anchors']}", f"train.dflash.weighting={DFLASH['weighting']}",
                 f"train.optimizer.lr={DFLASH['lr']}"] + (
-                    [f"drafter.draft_vocab={data}/draft_vocab.safetensors"] if DFLASH["draft_vocab"] else [])
-    if size.drafter != "eagle3":
-        from .errors import ConfigError
-
-        raise ConfigError(f"demo drafter '{size.drafter}' is not one of: eagle3, dflash")
-    return [f"drafter.draft_vocab={data}/draft_vocab.safetensors", f"train.ttt_steps={size.ttt_steps}",
-            f"train.optimizer.lr={size.lr}"]
+                    vocab if DFLASH["draft_vocab"] and size.drafter == "dflash" else [])  # DFlash2: full vocabulary only
+    if size.drafter == "peagle":
+        return [*vocab, f"drafter.num_depths={PEAGLE['num_depths']}", f"train.optimizer.lr={size.lr}"]
+    return [*vocab, f"train.ttt_steps={size.ttt_steps}", f"train.optimizer.lr={size.lr}"]
 
 
 def stage_recipes(size: DemoSize) -> dict[str, str]:
@@ -257,11 +299,10 @@ def run_demo(run_dir: str = "runs/demo", size: DemoSize | None = None, check: bo
         {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,
          "acceptance_at_position": [], "tokens_per_s": speed["target_tokens_per_s"], "speedup_vs_target": 1.0,
          "predicted_speedup": None, "identical_to_target": None},
-        {"name": "dflash" if size.drafter == "dflash" else "eagle3 head",
-         "drafter": (f"DFlash drafter (block {DFLASH['block_size']}), trained {size.steps} steps"
-                     if size.drafter == "dflash" else f"EAGLE-3 head, trained {size.steps} steps")
+        {"name": DRAFTERS[size.drafter].row,
+         "drafter": f"{DRAFTERS[size.drafter].what}, trained {size.steps} steps"
                     + f", {os.path.basename(recipe.drafter.path)} (step {_best_step(train_summary)})" + (
-            "" if size.tree is None or size.drafter != "eagle3"
+            "" if size.tree is None or DRAFTERS[size.drafter].per_forward
             else f", dynamic tree (depth {size.tree[0]}, top-{size.tree[1]}, {size.tree[2]} nodes)"),
          "k": m["k"], "tau_with_bonus": m["tau_with_bonus"],
          "acceptance_at_position": m["acceptance_at_position"], "tokens_per_s": speed["tokens_per_s"],

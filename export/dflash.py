@@ -261,11 +261,13 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
     need(all(0 <= i < target.num_layers for i in fields["feature_layers"]),
          f"target layers {fields['feature_layers']} (draftsmith: outputs of layers) exist in the target")
     own = dflash_layer_config(target.config)
-    same = all(int(lc[k]) == int(getattr(own, k)) for k in
-               ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"))
-    need(lc.get("model_type") == "qwen3" and same and lc.get("tie_word_embeddings") is False
+    differ = [f"{k} {lc[k]} (the target's {getattr(own, k)})" for k in
+              ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+              if int(lc[k]) != int(getattr(own, k))]
+    need(lc.get("model_type") == "qwen3" and not differ and lc.get("tie_word_embeddings") is False
          and lc.get("attention_bias") is False and not lc.get("use_sliding_window"),
-         "a Qwen3 layer config with the target's dimensions, no bias, no sliding window, untied")
+         "a Qwen3 layer config with the target's dimensions, no bias, no sliding window, untied"
+         + (f": it has {', '.join(differ)}, trained for another target" if differ else ""))
     done += check_tensors(tensors, expected_tensors(cfg, fmt, len(fields["feature_layers"])), folder)
     if "d2t" in tensors:
         from ..data.vocab import check_draft_vocab

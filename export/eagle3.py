@@ -346,7 +346,7 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     if peagle:
         depths = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
         config = PEagleConfig(feature_layers=list(layers), num_depths=depths, mask_token_id=head.mask_token_id,
-                              draft_vocab_size=int(cfg["draft_vocab_size"]))
+                              draft_vocab_size=int(cfg["draft_vocab_size"]), **{f: options[f] for f in NORM_FLAGS})
         return PEagleDrafter(head.eval(), tuple(layers), config)
     return EagleDrafter(head.eval(), tuple(layers), None)
 
@@ -435,8 +435,9 @@ def _checkpoint_layers(cfg: dict[str, Any], fmt: str, num_layers: int) -> list[i
 
 def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
     """A foreign EAGLE-3 checkpoint in ``fmt`` (speculators: ``Eagle3DraftModel.save_pretrained``, what ``speculators
-    train`` writes; eagle3: the original layout, what SpecForge and the EAGLE authors publish) as (config, head, what
-    the drafter folder records of it), for ``target``.
+    train`` writes, or ``PEagleDraftModel``'s, a P-EAGLE head: ``speculators_model_type: peagle``, its ``mask_hidden``,
+    ``mask_token_id`` and depths = ``speculative_tokens``; eagle3: the original layout, what SpecForge and the EAGLE
+    authors publish) as (config, head, what the drafter folder records of it), for ``target``.
 
     The inverse of ``--to`` ``fmt``, through the same name table (``adapters``, read backwards: ``layers.0.* →
     midlayer.*``; fc, norm, lm_head, d2t, t2d as they are; a stored embedding dropped, as the drafter takes the
@@ -454,8 +455,9 @@ def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str,
                               f"t2d tensors: which target ids its rows are is unknown")
     drafter = _load_config(folder, cfg, fmt, target)
     head = drafter.module
-    config = Eagle3Config(feature_layers=list(drafter.feature_layers), draft_vocab_size=int(head.d2t.shape[0]),
-                          **{flag: bool(cfg.get(flag)) for flag in NORM_FLAGS})
+    config = drafter.config or Eagle3Config(feature_layers=list(drafter.feature_layers),  # a P-EAGLE head's is made
+                                            draft_vocab_size=int(head.d2t.shape[0]),
+                                            **{flag: bool(cfg.get(flag)) for flag in NORM_FLAGS})
     verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
     return config, head, {"verifier": verifier.get("name_or_path"),
                           "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}

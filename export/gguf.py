@@ -42,6 +42,12 @@ ARCH = {"eagle3": "eagle3", "draft_lm": "llama", "dflash": "dflash", "dflash2": 
 llama.cpp's ``dflash`` with its conv and selector tensors)."""
 BLOCK_FAMILIES = ("dflash", "dflash2")
 """The families llama.cpp drafts a whole block for in one forward (its block is n_max + 1 rows)."""
+NOT_SERVED = {
+    "peagle": "llama.cpp (11434) serves no P-EAGLE head: its converter registers no PEagleSpeculator or PEagleDraftModel "
+              "architecture nor a mask_hidden tensor (conversion/__init__.py, conversion/llama.py), and its --spec-type "
+              "has no parallel drafter (draft-eagle3 drafts one token per forward; common/speculative.cpp)",
+}
+"""Why llama.cpp cannot serve a family draftsmith trains, read in the pinned source (``export`` says it in its refusal)."""
 
 
 def outtype(gguf_type: str, dtype: Any) -> str:

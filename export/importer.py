@@ -9,45 +9,42 @@ report, the tree decoder and ``export`` (``--to gguf`` included) take it.
 ``detect(folder)`` tells the formats apart from their files (``IMPORTS``, the one list); ``--from`` overrides it.
 Refused in one line, before anything is written: a folder in no known format; an export of draftsmith that records
 another target's fingerprint; a checkpoint whose vocabulary, hidden size, feature layers or embedding are not the
-target's (each format's own refusal); and an EAGLE-3 head whose layer ids look shifted (:func:`check_layers`: it
-drafts the target's next token clearly better from the neighbouring layers than from the ones it names — what a head
-whose ids were written in the other engine's convention does).
+target's (each format's own refusal); and an EAGLE-3 or P-EAGLE head whose layer ids look shifted
+(:func:`check_layers`: it drafts the target's next token clearly better from the neighbouring layers than from the ones
+it names — what a head whose ids were written in the other engine's convention does).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import DraftsmithError
 from ..target import Target, load_target
-from . import dflash, eagle3, hf, medusa
-from .run import INFO_FILE, INFO_FORMAT, refuse_overlap
+from . import medusa
+from .run import FORMATS, INFO_FILE, INFO_FORMAT, refuse_overlap
 from .tensors import read_json
 
 
-@dataclass(frozen=True)
-class Import:
-    family: str
-    """The drafter family the import makes."""
-    source: str
-    """Who writes this format."""
-    module: Any
-    """The format module: ``imported(folder, fmt, target)``."""
-
-
-IMPORTS: dict[str, Import] = {
-    "speculators": Import("eagle3", "vLLM speculators (Eagle3DraftModel.save_pretrained, `speculators train`)", eagle3),
-    "eagle3": Import("eagle3", "the EAGLE-3 layout (LlamaForCausalLMEagle3): SpecForge / SGLang, the EAGLE authors", eagle3),
-    "medusa": Import("medusa", "the Medusa reference code and TGI (medusa_lm_head.safetensors)", medusa),
-    "medusa-vllm": Import("medusa", "vLLM's MedusaModel layout", medusa),
-    "dflash": Import("dflash", "z-lab's DFlashDraftModel layout (z-lab, SpecForge)", dflash),
-    "speculators-dflash": Import("dflash", "vLLM speculators (DFlashDraftModel, speculators_model_type dflash)", dflash),
-    "hf": Import("draft_lm", "a transformers causal LM with the target's tokenizer (a draft model)", hf),
+IMPORTS: dict[str, str] = {
+    "speculators": "vLLM speculators (Eagle3DraftModel / PEagleDraftModel.save_pretrained, `speculators train`)",
+    "eagle3": "the EAGLE-3 layout (LlamaForCausalLMEagle3): SpecForge / SGLang, the EAGLE authors",
+    "medusa": "the Medusa reference code and TGI (medusa_lm_head.safetensors)",
+    "medusa-vllm": "vLLM's MedusaModel layout",
+    "dflash": "z-lab's DFlashDraftModel layout (z-lab, SpecForge)",
+    "speculators-dflash": "vLLM speculators (DFlashDraftModel / DFlash2DraftModel, speculators_model_type dflash or "
+                          "dflash2)",
+    "hf": "a transformers causal LM with the target's tokenizer (a draft model)",
 }
+"""Import format → who writes it. The families each one holds and the module that reads it are the export format's
+(``FORMATS``): one home for both directions."""
+SPECULATORS_KINDS = {kind: fmt for fmt in ("speculators", "speculators-dflash") for kind in FORMATS[fmt].families}
+"""speculators_model_type → the import format that reads it: speculators names its families as draftsmith does
+(eagle3, peagle, dflash, dflash2)."""
+EAGLE_FAMILIES = ("eagle3", "peagle")
+"""The families whose heads :func:`check_layers` probes: P-EAGLE's first draft is an EAGLE-3 head's."""
 PROBE_MARGIN = 0.1
 """A neighbouring layer set must draft the target's next token this much more often (top-1, fraction of positions)
 than the named one before :func:`check_layers` calls the ids shifted."""
@@ -69,11 +66,11 @@ def detect(folder: str) -> str:
     kind = cfg.get("speculators_model_type")
     if cfg.get("format") == "draftsmith-drafter":
         raise DraftsmithError(f"'{folder}' is a draftsmith drafter already: use it as it is")
-    if kind in ("eagle3", "dflash"):
-        return "speculators" if kind == "eagle3" else "speculators-dflash"
+    if kind in SPECULATORS_KINDS:
+        return SPECULATORS_KINDS[kind]
     if kind:
-        raise DraftsmithError(f"'{folder}' is a speculators {kind} checkpoint; draftsmith imports speculators eagle3 and "
-                              f"dflash")
+        raise DraftsmithError(f"'{folder}' is a speculators {kind} checkpoint; draftsmith imports speculators "
+                              f"{', '.join(SPECULATORS_KINDS)}")
     if "DFlashDraftModel" in arch or "dflash_config" in cfg:
         return "dflash"
     if any("Eagle3" in a for a in arch) or "eagle_config" in cfg or "draft_vocab_size" in cfg:
@@ -104,7 +101,7 @@ def import_drafter(folder: str, out: str, target: str | Target, fmt: str | None 
                    check_ids: bool = True) -> dict[str, Any]:
     """Import the foreign drafter in ``folder`` (format ``fmt``, detected when None) for ``target`` (a spec, loaded in
     fp32 on CPU, or a loaded target) into the draftsmith drafter folder ``out`` (written atomically); returns its
-    config.json. check_ids: run :func:`check_layers` on an EAGLE-3 head."""
+    config.json. check_ids: run :func:`check_layers` on an EAGLE-3 or P-EAGLE head."""
     from ..drafters import checkpoint
 
     fmt = fmt or detect(folder)
@@ -116,8 +113,8 @@ def import_drafter(folder: str, out: str, target: str | Target, fmt: str | None 
     if isinstance(target, str):
         target = load_target(target, "float32", "cpu")
     refuse_recorded_target(folder, target)
-    config, module, record = IMPORTS[fmt].module.imported(folder, fmt, target)
-    if check_ids and IMPORTS[fmt].family == "eagle3":
+    config, module, record = FORMATS[fmt].module.imported(folder, fmt, target)
+    if check_ids and config.type in EAGLE_FAMILIES:
         check_layers(config.runtime(module, target), target, folder)
     extra = {"imported": {"from": os.path.abspath(folder), "format": fmt, **record}}
     checkpoint.save(out, config, module, target, extra=extra)  # atomic: replaces --out as a whole once it is written

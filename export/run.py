@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,8 @@ class Format:
     module: Any
     """``write(source, fmt, dir)``, ``load(dir, fmt, target)`` and optionally ``static_check(dir, fmt, target)`` and
     ``as_exported(source, fmt)`` (the source made to hold what the format stores, before the comparison)."""
+    why_not: dict[str, str] = field(default_factory=dict)
+    """family → why the format cannot hold it, where the engine's source says (the refusal's last words)."""
 
 
 FORMATS: dict[str, Format] = {
@@ -74,7 +76,8 @@ FORMATS: dict[str, Format] = {
     "speculators-dflash": Format(("dflash", "dflash2"), "vLLM (speculators format, speculators_model_type dflash or "
                                  "dflash2)", dflash),
     "gguf": Format(("eagle3", "draft_lm", "dflash", "dflash2"), "llama.cpp (llama-server -md draft.gguf --spec-type draft-eagle3 | "
-                   "draft-simple | draft-dflash), converted by llama.cpp's convert_hf_to_gguf.py", gguf),
+                   "draft-simple | draft-dflash), converted by llama.cpp's convert_hf_to_gguf.py", gguf,
+                   gguf.NOT_SERVED),
     "eagle1": Format(("eagle1",), "the original EAGLE-1 layout (refused: the head's semantics differ, see export/eagle1.py)",
                      eagle1),
 }
@@ -103,8 +106,9 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
         fits = [name for name, f in FORMATS.items() if family in f.families and name != "eagle1"]
         hint = f"export it with --to {' or --to '.join(fits)}" if fits else (
             "no format holds it (--to eagle1 says why)" if family == "eagle1" else "no format holds it")
+        why = f" ({spec.why_not[family]})" if family in spec.why_not else ""
         raise DraftsmithError(f"the {fmt} format holds {' and '.join(spec.families)} drafters only, and '{source_path}' "
-                              f"is a {family} drafter; {hint}")
+                              f"is a {family} drafter; {hint}{why}")
     if fmt == "eagle1":
         eagle1.refuse()
     source = open_source(source_path, target)

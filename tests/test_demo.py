@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from draftsmith.config import load_recipe
-from draftsmith.demo import SIZES, STAGE_RECIPES, DemoSize, demo_stages, run_demo
+from draftsmith.demo import DRAFTERS, SIZES, STAGE_RECIPES, DemoSize, demo_stages, run_demo
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
@@ -59,6 +59,35 @@ def test_the_dflash_demo_can_read_prepares_draft_vocabulary(tmp_path, monkeypatc
     dsize = replace(SIZES["default"], drafter="dflash")
     tr = load_recipe("smollm2-135m-dflash", demo_stages(str(tmp_path), dsize)["train"])
     assert tr.drafter.draft_vocab == f"{tmp_path}/prepare/data/draft_vocab.safetensors"
+
+
+@pytest.mark.parametrize("name", [name for name in DRAFTERS if name != "eagle3"])
+def test_every_demo_drafter_is_a_cli_choice_training_its_recipe_on_the_demos_data(tmp_path, monkeypatch, capsys, name):
+    """``demo --drafter`` takes every family of ``demo.DRAFTERS`` (the one list: the CLI's choices and help are built
+    from it): its own recipe, trained offline from the demo's feature cache (the EAGLE-3 layers), evaluated in chains of
+    the drafts one forward makes, and in llama.cpp exactly where llama.cpp serves the family. Nothing runs: run_demo
+    is replaced by a recorder."""
+    from draftsmith import demo
+    from draftsmith.cli import main
+    from draftsmith.engines.llamacpp import SPEC_TYPES
+
+    runs = []
+    monkeypatch.setattr(demo, "run_demo", lambda run_dir, size, check: runs.append((run_dir, size)) or {"passed": True})
+    assert main(["demo", "--drafter", name, "--run-dir", str(tmp_path)]) == 0
+    [(run_dir, size)] = runs
+    stages, recipes = demo_stages(run_dir, size), demo.stage_recipes(size)
+    assert recipes["train"] == recipes["eval"] == f"smollm2-135m-{name}"
+    tr, ev = (load_recipe(recipes[stage], stages[stage]) for stage in ("train", "eval"))
+    assert tr.drafter.type == name and tr.run_dir == f"{tmp_path}/{name}"
+    assert tr.train.features == f"{tmp_path}/prepare/data/features" and tr.drafter.feature_layers == [1, 14, 26]
+    assert ev.drafter.path == f"{tmp_path}/{name}/drafter-best"
+    assert ev.decode.k == DRAFTERS[name].per_forward > 1 and ev.decode.tree == "none"
+    assert (ev.eval.engine == "llamacpp") == (name in SPEC_TYPES) and (ev.eval.engine_k == [ev.decode.k]) == (
+        name in SPEC_TYPES)
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    folded = "".join(capsys.readouterr().out.split())  # argparse wraps anywhere, at hyphens too (P-EAGLE)
+    assert all("".join(f"{other}, {d.what}".split()) in folded for other, d in DRAFTERS.items())
 
 
 def test_the_full_size_is_larger_than_the_default():

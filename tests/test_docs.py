@@ -93,9 +93,10 @@ def test_the_reference_tables_hold_every_format_and_family_of_their_homes():
     """docs/export.md's formats and docs/drafters.md's families describe each one at length, so they are written by
     hand; their rows are held against the home (``export.FORMATS``, the drafter registry) so none goes missing."""
     from draftsmith.drafters.registry import specs
-    from draftsmith.export import FORMATS
+    from draftsmith.export import FORMATS, IMPORTS
 
     assert first_column("docs/export.md", "## Formats") == list(FORMATS)
+    assert first_column("docs/export.md", "## Import: `draftsmith import`") == list(IMPORTS)
     families = first_column("docs/drafters.md", "## Families")
     assert sorted(families) == sorted(specs())
     trained = {m.group(1) for m in re.finditer(r"^\| `([^`]+)` \|.*\| (?!—)[^|]+\|$", read("docs/drafters.md"), re.M)}

@@ -16,6 +16,8 @@ from draftsmith import drafters
 from draftsmith.cli import main
 from draftsmith.drafters import DraftLMConfig, Eagle3Config, MedusaConfig
 from draftsmith.drafters.dflash import DFlashConfig
+from draftsmith.drafters.dflash2 import DFlash2Config
+from draftsmith.drafters.peagle import PEagleConfig
 from draftsmith.drafters.common import shift_left
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import IMPORTS, export, import_drafter
@@ -31,16 +33,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAYERS = [0, 1, 3]
 """Three distinct layers of the 4-layer tiny target."""
+DFLASH2 = {"num_layers": 1, "block_size": 4, "feature_layers": [0, 2], "conv_group_size": 8, "selector_rank": 8,
+           "selector_top_k": 5}
+"""A tiny DFlash2 (its convolutions and selector included) for the 64-wide tiny target."""
 
 
-SOURCES = {  # export format → the drafter it holds
-    "speculators": lambda: Eagle3Config(feature_layers=LAYERS, norm_before_residual=True),
-    "eagle3": lambda: Eagle3Config(feature_layers=LAYERS),
-    "medusa": lambda: MedusaConfig(num_heads=3, num_layers=2),
-    "medusa-vllm": lambda: MedusaConfig(num_heads=2, num_layers=1),
-    "dflash": lambda: DFlashConfig(num_layers=2, block_size=6, feature_layers=[0, 2]),
-    "speculators-dflash": lambda: DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 1], draft_vocab_size=1000),
-    "hf": lambda: DraftLMConfig(num_layers=2),
+SOURCES = {  # case → (export format, the drafter it holds); a case is named by its format, or format-family
+    "speculators": ("speculators", lambda: Eagle3Config(feature_layers=LAYERS, norm_before_residual=True)),
+    "speculators-peagle": ("speculators", lambda: PEagleConfig(feature_layers=LAYERS, num_depths=4, fc_norm=True)),
+    "eagle3": ("eagle3", lambda: Eagle3Config(feature_layers=LAYERS)),
+    "medusa": ("medusa", lambda: MedusaConfig(num_heads=3, num_layers=2)),
+    "medusa-vllm": ("medusa-vllm", lambda: MedusaConfig(num_heads=2, num_layers=1)),
+    "dflash": ("dflash", lambda: DFlashConfig(num_layers=2, block_size=6, feature_layers=[0, 2])),
+    "speculators-dflash": ("speculators-dflash", lambda: DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 1],
+                                                                      draft_vocab_size=1000)),
+    "speculators-dflash2": ("speculators-dflash", lambda: DFlash2Config(**DFLASH2)),
+    "hf": ("hf", lambda: DraftLMConfig(num_layers=2)),
 }
 
 
@@ -49,28 +57,32 @@ def exported(tmp_path_factory, target, vocab):
     """fmt → (saved drafter folder, its export in fmt)."""
     root = tmp_path_factory.mktemp("import")
     out = {}
-    for fmt, make in SOURCES.items():
+    for case, (fmt, make) in SOURCES.items():
         config = make()
         reduced = isinstance(config, Eagle3Config) or getattr(config, "draft_vocab_size", 0)
         module = config.build_module(target, vocab) if reduced else config.build_module(target)
         perturb(module)
-        source, folder = str(root / f"{fmt}-source"), str(root / fmt)
+        source, folder = str(root / f"{case}-source"), str(root / case)
         drafters.save(source, config, module, target)
         export(source, fmt, folder)
-        out[fmt] = (source, folder)
+        out[case] = (source, folder)
     return out
 
 
-def test_every_export_format_is_importable():
+def test_every_export_format_and_family_is_importable():
     from draftsmith.export import FORMATS
 
     assert set(IMPORTS) == set(FORMATS) - {"gguf", "eagle1"}  # GGUF: llama.cpp's own file; eagle1: refused on export
+    held = {(fmt, family) for fmt in IMPORTS for family in FORMATS[fmt].families}
+    cases = {(fmt, make().type) for fmt, make in SOURCES.values()}
+    assert cases == held  # every family of every format goes through the identity below
 
 
-@pytest.mark.parametrize("fmt", list(SOURCES))
-def test_export_then_import_is_an_identity(tmp_path, target, exported, fmt):
+@pytest.mark.parametrize("case", list(SOURCES))
+def test_export_then_import_is_an_identity(tmp_path, target, exported, case):
     """Detected from its files, imported back: the same tensors, the same drafter config, the same proposals."""
-    source, folder = exported[fmt]
+    fmt = SOURCES[case][0]
+    source, folder = exported[case]
     assert detect(folder) == fmt
     out = str(tmp_path / "imported")
     meta = import_drafter(folder, out, target)
@@ -83,25 +95,31 @@ def test_export_then_import_is_an_identity(tmp_path, target, exported, fmt):
     assert "max |Δq| = 0.0e+00" in lines[0]
 
 
-def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3) -> str:
-    """A foreign checkpoint: speculators' own ``Eagle3DraftModel``, built from its config class the way its
-    ``from_training_args`` builds it (the verifier's config as the layer config, norm_before_residual on), weights moved off their init,
-    written by its own ``save_pretrained``."""
+def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3,
+                           depths: int = 0) -> str:
+    """A foreign checkpoint: speculators' own ``Eagle3DraftModel`` (with ``depths``: its ``PEagleDraftModel`` drafting
+    that many tokens per forward, the last id of the vocabulary its mask token), built from its config class the way
+    its ``from_training_args`` builds it (the verifier's config as the layer config, norm_before_residual on), weights
+    moved off their init, written by its own ``save_pretrained``."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import AutoConfig
 
     layer = AutoConfig.from_pretrained(target_dir)
     layer.num_hidden_layers = 1
     layer._attn_implementation = "eager"
-    config = Eagle3SpeculatorConfig(
+    config_class, model_class, extra = (PEagleSpeculatorConfig, PEagleDraftModel, {"mask_token_id": layer.vocab_size - 1}) \
+        if depths else (Eagle3SpeculatorConfig, Eagle3DraftModel, {})
+    config = config_class(
         transformer_layer_config=layer, draft_vocab_size=1000, norm_before_residual=True,
-        eagle_aux_hidden_state_layer_ids=aux_ids,
-        speculators_config=SpeculatorsConfig(algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(
-            speculative_tokens=3)], default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target_dir)))
+        eagle_aux_hidden_state_layer_ids=aux_ids, **extra,
+        speculators_config=SpeculatorsConfig(algorithm="peagle" if depths else "eagle3", proposal_methods=[
+            GreedyTokenProposalConfig(speculative_tokens=depths or 3)], default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(target_dir)))
     torch.manual_seed(seed)
-    model = Eagle3DraftModel(config)
+    model = model_class(config)
     d2t, t2d = vocab
     model.load_vocab_mappings(t2d, d2t)
     model.load_verifier_weights()  # the embedding and the lm_head rows of the draft vocabulary, from the verifier
@@ -163,6 +181,92 @@ def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(tmp_pat
     assert logits_gap(foreign, drafters.load(out, target), target) <= 1
 
 
+@pytest.fixture(scope="module")
+def foreign_peagle(tmp_path_factory, tiny_target_dir, target, vocab):
+    return speculators_checkpoint(str(tmp_path_factory.mktemp("foreign") / "peagle"), tiny_target_dir, target, vocab,
+                                  aux_ids=[1, 2, 4], depths=4)
+
+
+def dflash2_checkpoint(folder: str, target_dir: str, seed: int = 3) -> str:
+    """A foreign DFlash2: speculators' own ``DFlash2DraftModel`` on a Qwen3 layer config of the verifier's dimensions
+    (the reference's layer family), the last id of the vocabulary its mask token, weights moved off their init (the
+    convolutions' and the selector's too), written by its own ``save_pretrained``."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig, Qwen3Config
+
+    v = AutoConfig.from_pretrained(target_dir)
+    layer = Qwen3Config(vocab_size=v.vocab_size, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                        num_attention_heads=v.num_attention_heads, num_key_value_heads=v.num_key_value_heads,
+                        head_dim=v.hidden_size // v.num_attention_heads, num_hidden_layers=DFLASH2["num_layers"],
+                        rms_norm_eps=v.rms_norm_eps, max_position_embeddings=v.max_position_embeddings,
+                        rope_parameters=v.rope_parameters, tie_word_embeddings=False)
+    layer._attn_implementation = "eager"
+    bs = DFLASH2["block_size"]
+    config = DFlash2SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=v.vocab_size, block_size=bs,
+        aux_hidden_state_layer_ids=[i + 1 for i in DFLASH2["feature_layers"]], mask_token_id=v.vocab_size - 1,
+        conv_kernel_size=2, **{k: DFLASH2[k] for k in ("conv_group_size", "selector_rank", "selector_top_k")},
+        speculators_config=SpeculatorsConfig(algorithm="dflash2", proposal_methods=[GreedyTokenProposalConfig(
+            speculative_tokens=bs - 1)], default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target_dir)))
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(("embed_tokens.", "lm_head.", "verifier_")):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def foreign_dflash2(tmp_path_factory, tiny_target_dir):
+    return dflash2_checkpoint(str(tmp_path_factory.mktemp("foreign") / "dflash2"), tiny_target_dir)
+
+
+def test_a_speculators_peagle_checkpoint_imports_with_its_own_classes_logits(tmp_path, target, foreign_peagle):
+    """speculators' PEagleDraftModel and the imported head, its training forward (its own COD draw) on the same hidden
+    states; the learned mask hidden state is what makes the masked rows equal."""
+    from draftsmith.export.run import compare_speculators
+
+    out = str(tmp_path / "imported")
+    meta = import_drafter(foreign_peagle, out, target)
+    assert meta["imported"]["format"] == "speculators" and meta["feature_layers"] == LAYERS  # vLLM ids [1, 2, 4]
+    spec = meta["drafter"]
+    assert (spec["type"], spec["num_depths"], spec["mask_token_id"], spec["norm_before_residual"]) == (
+        "peagle", 4, target.vocab_size - 1, True)
+    drafter = drafters.load(out, target)
+    ids = default_prompts(target)[0]
+    assert "= draftsmith's logits" in compare_speculators(foreign_peagle, target, drafter, ids)[-1]
+    with torch.no_grad():
+        drafter.module.mask_hidden.add_(1.0)
+    with pytest.raises(DraftsmithError, match="speculators' logits differ"):
+        compare_speculators(foreign_peagle, target, drafter, ids)
+
+
+def test_a_speculators_dflash2_checkpoint_imports_with_its_own_classes_logits(tmp_path, target, foreign_dflash2):
+    """speculators' DFlash2DraftModel and the imported drafter, the same block on the same target hidden states: the
+    logits and the selector's scores; its convolutions are what make them equal."""
+    from types import SimpleNamespace
+
+    from draftsmith.export.dflash import compare_reference
+
+    out = str(tmp_path / "imported")
+    meta = import_drafter(foreign_dflash2, out, target)
+    assert meta["imported"]["format"] == "speculators-dflash" and meta["feature_layers"] == DFLASH2["feature_layers"]
+    assert {k: meta["drafter"][k] for k in DFLASH2} == DFLASH2 and meta["drafter"]["type"] == "dflash2"
+    drafter = drafters.load(out, target)
+    ids = default_prompts(target)[0]
+    lines = compare_reference(foreign_dflash2, "speculators-dflash", target, SimpleNamespace(drafter=drafter), ids)
+    assert "= draftsmith's logits and selector scores" in lines[-1]
+    with torch.no_grad():
+        drafter.module.layers[0].attention_conv.base_kernel.add_(0.5)
+    with pytest.raises(DraftsmithError, match="(differ from|picks other candidates than) draftsmith's drafter"):
+        compare_reference(foreign_dflash2, "speculators-dflash", target, SimpleNamespace(drafter=drafter), ids)
+
+
 def _copy(src: str, dst: str, config: dict | None = None, tensors=None) -> str:
     os.makedirs(dst)
     for name in os.listdir(src):
@@ -187,17 +291,36 @@ def other_target(tmp_path_factory, smollm2_tokenizer):
     return load_target(path, "float32", "cpu")
 
 
-def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target, other_target, exported, foreign):
+def _layer_config(folder: str, **change) -> dict:
+    """The change of a speculators config.json that sets ``change`` in its transformer_layer_config."""
+    return {"transformer_layer_config": {**json.load(open(os.path.join(folder, "config.json")))["transformer_layer_config"],
+                                         **change}}
+
+
+def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target, other_target, exported, foreign,
+                                                                foreign_peagle, foreign_dflash2):
     spec = exported["speculators"][1]
     other_embedding = lambda s: {**s, "embed_tokens.weight": s["embed_tokens.weight"] + 0.5}  # noqa: E731
+    d2 = foreign_dflash2
     cases = {  # name: (folder, target, config changes, tensor changes, message)
         "fingerprint": (spec, other_target, None, None, "exported for target fingerprint .* pass that one with --target"),
         "embedding": (foreign, target, None, other_embedding, "is not .*'s: it was trained for another target"),
-        "vocabulary": (foreign, target, {"transformer_layer_config": {**json.load(open(os.path.join(
-            foreign, "config.json")))["transformer_layer_config"], "vocab_size": 32000}}, None, "vocabulary 32000"),
+        "vocabulary": (foreign, target, _layer_config(foreign, vocab_size=32000), None, "vocabulary 32000"),
         "hidden": (foreign, target, {"target_hidden_size": 32}, None, "hidden size 32"),
         "layers": (foreign, target, {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, None, "names no decoder output"),
         "medusa": (exported["medusa"][1], other_target, None, None, "exported for target fingerprint"),
+        "peagle-fingerprint": (exported["speculators-peagle"][1], other_target, None, None, "exported for target fingerprint"),
+        "peagle-embedding": (foreign_peagle, target, None, other_embedding, "trained for another target"),
+        "peagle-vocabulary": (foreign_peagle, target, _layer_config(foreign_peagle, vocab_size=32000), None,
+                              "vocabulary 32000"),
+        "peagle-layers": (foreign_peagle, target, {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, None,
+                          "names no decoder output"),
+        "dflash2-fingerprint": (exported["speculators-dflash2"][1], other_target, None, None, "exported for target "
+                                                                                               "fingerprint"),
+        "dflash2-hidden": (d2, target, _layer_config(d2, hidden_size=32), None, "hidden_size 32 .* another target"),
+        "dflash2-vocabulary": (d2, target, {**_layer_config(d2, vocab_size=32000), "draft_vocab_size": 32000}, None,
+                               "vocab_size 32000 .* another target"),
+        "dflash2-layers": (d2, target, {"aux_hidden_state_layer_ids": [1, 9]}, None, "layer id 9 names no decoder output"),
     }
     for name, (src, tgt, config, tensors, match) in cases.items():
         folder = _copy(src, str(tmp_path / name), config, tensors) if (config or tensors) else src

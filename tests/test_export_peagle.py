@@ -55,4 +55,20 @@ def test_formats_that_do_not_hold_peagle_refuse_it_in_one_line(tmp_path, source,
     assert main(["export", source, "--to", fmt, "--out", str(tmp_path / fmt)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a peagle drafter; export it with --to speculators" in err[0]
+    assert ("converter registers no PEagleSpeculator" in err[0]) == (fmt == "gguf")  # why, read in llama.cpp's source
     assert not os.path.exists(tmp_path / fmt)
+
+
+def test_the_pinned_llama_cpp_converter_knows_no_peagle_architecture():
+    """What the gguf refusal says, held against the converter it names: the architectures it registers (its
+    conversion package, where the sdist has been unpacked) hold EAGLE-3's and DFlash2's and no P-EAGLE's."""
+    import re
+
+    from draftsmith.engines import llamacpp
+
+    registry = os.path.join(llamacpp.home(), "src", "conversion", "__init__.py")
+    if not os.path.isfile(registry):
+        pytest.skip(f"the pinned llama.cpp source is not unpacked at {registry} (draftsmith engine build)")
+    names = set(re.findall(r'"(\w+)":\s*"\w+"', open(registry).read()))
+    assert {"Eagle3Speculator", "Eagle3DraftModel", "DFlash2DraftModel"} <= names
+    assert not {name for name in names if "peagle" in name.lower()}

@@ -48,6 +48,34 @@ def test_candidate_agreement_is_the_overlap_of_q_over_the_candidates_with_p():
     assert candidate_agreement(scores.flip(-1), candidates, p)[1].tolist() == [True, False]
 
 
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_the_selector_loss_is_the_references_under_either_position_weighting(weighting):
+    """``train.dflash.weighting``: the selector's CE weighed as speculators' ``compute_selector_loss`` weighs it (per
+    valid row, over the valid rows): the unary weights under decay, D-PACE from the selector's own confidence under
+    dpace. Blocks of 4 (the anchor and one more row out), scores wide enough for the two weightings to differ."""
+    from speculators.models.dflash2.metrics import compute_selector_loss
+
+    from draftsmith.train.dflash import position_weights
+    from draftsmith.train.dflash2 import selector_loss
+
+    gen = torch.Generator().manual_seed(0)
+    blocks, bs, top_k = 3, 4, 5
+    scores = torch.randn(blocks * bs, top_k, generator=gen) * 3  # [N·Bs, K]
+    place = torch.randint(0, top_k, (blocks * bs,), generator=gen)
+    valid = torch.ones(1, blocks, bs, dtype=torch.bool)
+    valid[..., 0] = False  # the anchors
+    valid[0, 1, 2] = False  # a row past the answer
+    rows = valid.flatten()
+    w = torch.tensor(position_weights(bs, 4.0))[torch.arange(bs).repeat(blocks)][rows]  # the decay's (unary) weights
+    ours, ce = selector_loss(scores[rows], place[rows], valid, w, weighting, 0.3)
+    theirs = compute_selector_loss(scores[None], place[None], rows[None].float(), bs, gamma=4.0, dpace_alpha=0.3,
+                                   per_position_loss_weight="dpace" if weighting == "dpace" else "fixed-exp-decay")
+    torch.testing.assert_close(ours / rows.sum(), theirs)
+    other = selector_loss(scores[rows], place[rows], valid, w, "decay" if weighting == "dpace" else "dpace", 0.3)[0]
+    assert abs(float(other - ours)) > 0.1 * float(ours)  # the branch is what makes it equal
+    assert ce.shape == (int(rows.sum()),)
+
+
 def test_dflash2_learns_and_saves_a_drafter_that_decodes_like_the_target(tmp_path, tiny_target_dir, tiny_train_data):
     summary = run_training(tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "dflash2", "train.steps=10",
                                        "train.eval.every=5", "train.optimizer.lr=0.003", *ARGS))

@@ -70,6 +70,20 @@ def candidate_agreement(scores: Tensor, candidates: Tensor, p: Tensor, chunk_row
     return (torch.cat(accept) if accept else empty.float()), (torch.cat(top1) if top1 else empty.bool())
 
 
+def selector_loss(scores: Tensor, place: Tensor, valid: Tensor, w: Tensor, weighting: str, alpha: float
+                  ) -> tuple[Tensor, Tensor]:
+    """The selector's loss over the valid block rows: (Σ w' · CE, CE [M]). scores [M, K]: its scores of the training
+    classes; place [M]: the target's class; valid [B, N, Bs]: where the M rows sit in their blocks; w [M]: the unary
+    loss's row weights. w' = w under ``train.dflash.weighting`` decay; under ``dpace``, D-PACE from the selector's own
+    confidence exp(−CE), as the reference weighs it (``compute_selector_loss``), not the unary head's."""
+    ce = F.cross_entropy(scores.float(), place, reduction="none")  # [M]
+    if weighting == "dpace":
+        confidence = torch.zeros(valid.shape, device=ce.device)
+        confidence[valid] = (-ce.detach()).exp()
+        w = dpace_weights(confidence, valid, alpha)[valid]
+    return (w * ce).sum(), ce
+
+
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
     run = setup.start(recipe, world)
@@ -108,14 +122,8 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
         """Σ_rows w · unary loss + α · Σ_rows w' · selector CE (module docstring); parts: each position's unweighted
         (sum, rows) of both."""
         row, w, ok = row_losses(run, unary, p, k, valid, decay, None)  # [M] each
-        ce = F.cross_entropy(scores.float(), place, reduction="none")  # [M]
-        if cfg.dflash.weighting == "dpace":  # the selector's own confidence, as the reference's
-            confidence = torch.zeros(valid.shape, device=ce.device)
-            confidence[valid] = (-ce.detach()).exp()
-            w_selector = dpace_weights(confidence, valid, cfg.dflash.dpace_alpha)[valid]
-        else:
-            w_selector = w
-        loss = (w * row).sum() + cfg.dflash2.selector_alpha * (w_selector * ce).sum()
+        selector, ce = selector_loss(scores, place, valid, w, cfg.dflash.weighting, cfg.dflash.dpace_alpha)
+        loss = (w * row).sum() + cfg.dflash2.selector_alpha * selector
         return loss, {**position_parts("loss", row, ok, k, bs), **position_parts("selector_loss", ce, ok, k, bs)}
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:
