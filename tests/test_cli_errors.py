@@ -199,30 +199,78 @@ def _read_only(folder: pathlib.Path) -> list[str]:
     return prefix
 
 
+def _run_read_only(folder: pathlib.Path, args: list[str]):
+    """``draftsmith <args>`` in a subprocess with ``folder`` mounted read-only; the finished process."""
+    import subprocess
+    import sys
+
+    return subprocess.run([*_read_only(folder), sys.executable, "-m", "draftsmith.cli", *args],
+                          capture_output=True, text=True, timeout=1800)
+
+
+def _is_one_line_naming(done, folder: pathlib.Path) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.splitlines()[-1] == (
+        f"draftsmith: error: '{folder}' is on a read-only file system: choose a writable folder (run_dir, "
+        f"data.out_dir, --out)")
+
+
+def _partial(root: pathlib.Path) -> list[str]:
+    """Temporary or half-written files and folders under ``root``."""
+    names = [os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files]
+    return [n for n in names if ".tmp" in n or n.endswith(".partial")]
+
+
 @pytest.mark.parametrize("read_only", ["run_dir", "checkpoints"])
 def test_train_on_a_read_only_folder_is_one_line_naming_it(tmp_path, tiny_target_dir, tiny_train_data, read_only):
     """A real read-only mount (no monkeypatch): over the whole run folder, `train` stops before it loads anything; over
     its checkpoints folder, at the first checkpoint, after a step. Either way one line naming that folder — not
     a file in it — exit 2, and no file left behind half-written or temporary."""
-    import subprocess
-    import sys
-
     run_dir = tmp_path / "run"
     folder = run_dir if read_only == "run_dir" else run_dir / "checkpoints"
     folder.mkdir(parents=True)
-    command = [*_read_only(folder), sys.executable, "-m", "draftsmith.cli",
-               *_tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=1")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr and done.stderr.splitlines()[-1] == (
-        f"draftsmith: error: '{folder}' is on a read-only file system: choose a writable folder (run_dir, "
-        f"data.out_dir, --out)")
+    done = _run_read_only(folder, _tiny_train_args(run_dir, tiny_target_dir, tiny_train_data, "train.steps=1"))
+    _is_one_line_naming(done, folder)
     assert os.listdir(folder) == []
-    left = sorted(os.path.relpath(os.path.join(d, n), run_dir) for d, _, names in os.walk(run_dir) for n in names)
-    assert not [n for n in left if ".tmp" in n or n.endswith(".partial")], left
+    assert not _partial(run_dir), _partial(run_dir)
     if read_only == "checkpoints":  # it trained: the step's log line is there, the drafter is not
         assert any("loss" in json.loads(line) for line in open(run_dir / "logs" / "train.rank0.jsonl"))
         assert not (run_dir / "drafter").exists()
+
+
+def test_prepare_on_a_read_only_run_folder_is_one_line_naming_it(tmp_path, tiny_target_dir):
+    """A real read-only mount over the run folder (the prepared data goes to <run_dir>/data): `prepare` writes nothing,
+    says so in one line naming the run folder, exit 2."""
+    source = tmp_path / "convs.jsonl"
+    source.write_text("".join(json.dumps({"id": f"q{i}", "messages": [
+        {"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+        for i in range(3)))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    done = _run_read_only(run_dir, ["prepare", f"target.name={tiny_target_dir}", f"data.sources=[{{path: {source}}}]",
+                                    "data.stages=[tokenize]", "data.render.num_proc=1", f"run_dir={run_dir}"])
+    _is_one_line_naming(done, run_dir)
+    assert os.listdir(run_dir) == []
+
+
+def test_export_into_a_read_only_folder_is_one_line_naming_it(tmp_path, tiny_target_dir):
+    """A real read-only mount over the folder ``--out`` goes in: `export` writes nothing, says so in one line naming
+    that folder, exit 2; the drafter is untouched."""
+    from draftsmith import drafters
+    from draftsmith.drafters import Eagle3Config
+    from draftsmith.target import load_target
+
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    config = Eagle3Config(feature_layers=[0, 1, 3])
+    source = tmp_path / "drafter"
+    drafters.save(str(source), config, config.build_module(target), target)
+    before = sorted(os.listdir(source))
+    parent = tmp_path / "exports"
+    parent.mkdir()
+    done = _run_read_only(parent, ["export", str(source), "--to", "eagle3", "--out", str(parent / "eagle3")])
+    _is_one_line_naming(done, parent)
+    assert os.listdir(parent) == [] and sorted(os.listdir(source)) == before
+    assert not _partial(tmp_path), _partial(tmp_path)
 
 
 def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_no_temporary_folder(capsys, tmp_path, monkeypatch,
