@@ -220,9 +220,9 @@ def test_training_on_every_token_is_training_on_records_masked_so(tmp_path, monk
     every = first_step_gradients(monkeypatch, lambda: run_training(recipe(
         tmp_path / "every", tiny_target_dir, data, "train.loss_positions=all", *common)))
     masked = first_step_gradients(monkeypatch, lambda: run_training(recipe(
-        tmp_path / "masked", tiny_target_dir, widened, *common)))
+        tmp_path / "masked", tiny_target_dir, widened, "train.loss_positions=answer", *common)))
     answers = first_step_gradients(monkeypatch, lambda: run_training(recipe(
-        tmp_path / "answers", tiny_target_dir, data, *common)))
+        tmp_path / "answers", tiny_target_dir, data, "train.loss_positions=answer", *common)))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(every, masked))
     assert not all(torch.allclose(a, b) for a, b in zip(every, answers))
     baseline = [r for r in read_log(tmp_path / "every") if "heldout/loss" in r][0]
