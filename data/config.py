@@ -148,6 +148,12 @@ class RegenerateConfig:
     """Longest regenerated turn; a turn cut here is kept (finish_reason 'length')."""
     max_turns: int = 0
     """Regenerate only the first N assistant turns and cut the conversation after them; 0 = all turns."""
+    max_conversations: int = 0
+    """Regenerate only the first N conversations; the others keep their source's own answers (cut after
+    ``max_turns`` assistant turns, as a regenerated one is): more data at the cost of the feature cache alone,
+    where regenerating is the bottleneck (a CPU). The head is still trained on the target's own distribution at
+    every position (its features and logits); only the context of the kept answers is not the target's.
+    0 = regenerate all. Measured: benchmarks/RESULTS.md, "levers"."""
     temperature: float = 0.0
     """0 = greedy; otherwise sampled at this temperature (seeded per shard, so a resumed run matches)."""
     top_p: float = 1.0
@@ -171,6 +177,9 @@ class RegenerateConfig:
     def validate(self) -> None:
         if self.max_turns < 0:
             raise ConfigError(f"data.regenerate.max_turns = {self.max_turns} must be ≥ 0 (0 = all turns)")
+        if self.max_conversations < 0:
+            raise ConfigError(f"data.regenerate.max_conversations = {self.max_conversations} must be ≥ 0 "
+                              f"(0 = regenerate every conversation)")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1 or self.k < 1:
             raise ConfigError("data.regenerate.max_new_tokens, batch_size, shard_size and k must be at least 1")
         if self.temperature < 0:

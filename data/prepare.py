@@ -3,7 +3,8 @@
 Stages run in pipeline order, each reading what the previous one wrote:
 
 1. read      sources → ``<out>/conversations/`` (always, when regenerate or tokenize is asked)
-2. regenerate  → ``<out>/regenerate/`` shards → ``<out>/conversations_regenerated/``
+2. regenerate  → ``<out>/regenerate/`` shards → ``<out>/conversations_regenerated/`` (with
+   ``data.regenerate.max_conversations`` N, the first N answered by the target, the rest with their own answers)
 3. tokenize  conversations (regenerated ones when 'regenerate' is in the stages) → ``<out>/tokenized/``
 4. features  tokenized → ``<out>/features/``
 5. vocab     tokenized → ``<out>/draft_vocab.safetensors``
@@ -30,6 +31,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from itertools import chain
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -266,7 +268,7 @@ def _read_stage(cfg: DataConfig, paths: PreparedPaths, summary: PrepareSummary) 
 
 def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_config: BuildsDrafter, conv_folder: str,
                       summary: PrepareSummary, progress: bool, workers: Workers, restart: bool) -> tuple[str, str]:
-    from .regenerate import METHODS, regenerate_conversations, regenerated_records
+    from .regenerate import METHODS, own_answers, regenerate_conversations, regenerated_records
 
     from ..target import load_target
 
@@ -282,11 +284,19 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_
         spec = env.target_config
         target = load_target(spec.name, r.dtype, str(target.device), spec.chat_template)  # this stage only
     drafter = drafter_config.build(target) if method.drafter else None
-    report = regenerate_conversations(load_conversations(conv_folder), paths.regenerate, target, r,
+    conversations = load_conversations(conv_folder)
+    own = None  # data.regenerate.max_conversations: the rest keep their own answers
+    if r.max_conversations and r.max_conversations < len(conversations):
+        own = conversations.select(range(r.max_conversations, len(conversations)))
+        conversations = conversations.select(range(r.max_conversations))
+    report = regenerate_conversations(conversations, paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, drafter=drafter, restart=restart,
                                       progress=progress, workers=workers)
     start = time.perf_counter()
-    job_digest = _digest(read_json(os.path.join(paths.regenerate, MANIFEST)))
+    job = read_json(os.path.join(paths.regenerate, MANIFEST))
+    if own is not None:
+        job = {"job": job, "own_answers": [conversations_manifest(conv_folder)["hash"], r.max_conversations, r.max_turns]}
+    job_digest = _digest(job)
     with _main_first(workers):
         manifest = conversations_manifest(paths.regenerated)
         damage = _damage(paths.regenerated, manifest, job_digest)
@@ -294,8 +304,13 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_
             report.note += f"; {damage}: written again from the shards" if damage else ""
             with writing(paths.regenerated, kept=lambda: f"every shard in {paths.regenerate} (all finished); "
                                                          f"{paths.regenerated} is written whole or not at all"):
-                manifest = write_conversations(paths.regenerated, regenerated_records(paths.regenerate), spec=job_digest)
+                records = regenerated_records(paths.regenerate)
+                manifest = write_conversations(paths.regenerated, records if own is None else
+                                               chain(records, own_answers(own, r.max_turns)), spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
+    if own is not None:
+        report.note = "; ".join(x for x in (report.note, f"{manifest['num_conversations'] - report.kept} more keep "
+                                            f"their own answers (data.regenerate.max_conversations)") if x)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     if report.render_back.get("differs"):
         finish += f"; {report.render_back['differs']} answer(s) do not render back to their ids"

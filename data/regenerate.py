@@ -190,6 +190,20 @@ def regenerated_records(folder: str) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
+def own_answers(conversations: Any, max_turns: int) -> Iterator[dict[str, Any]]:
+    """The conversations ``data.regenerate.max_conversations`` leaves unanswered, as regenerated records: their
+    source's own answers, cut after ``max_turns`` assistant turns (0 = all) as a regenerated conversation is."""
+    for conv_id, source, messages in zip(conversations["conv_id"], conversations["source"], conversations["messages"]):
+        kept, answers = [], 0
+        for m in messages:
+            if max_turns and answers == max_turns:
+                break
+            kept.append(m)
+            answers += m["role"] == "assistant"
+        if answers:
+            yield {"conv_id": conv_id, "source": source, "messages": kept, "truncated_turns": []}
+
+
 def _report_from(shards: list[dict[str, Any]], report: RegenReport, note: str) -> RegenReport:
     report.note = note
     for m in shards:

@@ -327,3 +327,41 @@ def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
     assert got == want
     ended = [len(t) < 20 and t[-1] in smollm2.eos_token_ids for t in got]
     assert any(ended) and not all(ended), [len(t) for t in got]  # rows left the batch while others ran on
+
+
+def test_regenerate_max_conversations_keeps_the_rest_with_their_own_answers(tmp_path, tiny_target_dir):
+    """data.regenerate.max_conversations=1 of 3: the first conversation is the target's (the same shard, reused, as a
+    run of that one conversation alone), the other two keep their source's answers, cut after max_turns as a
+    regenerated one is; the summary says how many kept their own."""
+    from draftsmith.cli import main
+    from draftsmith.data.conversations import load_conversations
+
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [m for u in turns for m in (
+        {"role": "user", "content": u}, {"role": "assistant", "content": f"own {i}"})]}) + "\n"
+        for i, turns in enumerate(USERS)))
+    out = tmp_path / "out"
+
+    def prepare(*extra: str) -> tuple[list[dict], str]:
+        assert main(["prepare", f"target.name={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
+                     f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", f"data.out_dir={out}",
+                     f"data.regenerate.max_new_tokens={NEW}", "data.regenerate.shard_size=1",
+                     "data.regenerate.max_turns=1", f"run_dir={tmp_path / 'run'}", *extra]) == 0
+        note = json.loads((out / "summary.json").read_text())["stages"][1]["note"]
+        return load_conversations(str(out / "conversations_regenerated")).to_list(), note
+
+    alone, _ = prepare("data.max_conversations=1")
+    mixed, note = prepare("data.regenerate.max_conversations=1")
+    assert note.startswith("up to date (reused)") and "2 more keep their own answers" in note
+    assert mixed[0] == alone[0] and alone[0]["messages"][1]["content"] != "own 0"
+    assert [r["messages"] for r in mixed[1:]] == [[{"role": "user", "content": USERS[i][0]},
+                                                   {"role": "assistant", "content": f"own {i}"}] for i in (1, 2)]
+    assert [r["truncated_turns"] for r in mixed[1:]] == [[], []]
+    everything, _ = prepare()  # back to regenerating all three: the target answers the other two as well
+    assert everything[0] == alone[0] and all(r["messages"][1]["content"] != f"own {i}"
+                                             for i, r in enumerate(everything))
+
+
+def test_regenerate_max_conversations_below_zero_is_refused():
+    with pytest.raises(Exception, match="data.regenerate.max_conversations = -1 must be ≥ 0"):
+        RegenerateConfig(max_conversations=-1).validate()
