@@ -2,7 +2,8 @@
 
 Learning rate, schedule and losses live here; engine settings (ZeRO stage, bf16/fp32,
 gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, named by
-``train.deepspeed``. The method is the drafter's ``type`` (draft_lm, eagle1, eagle3, medusa, dflash, dflash2, peagle).
+``train.deepspeed``. The method is the drafter's ``type``; ``draftsmith drafters`` lists the trainable ones
+(their one home: ``drafters/registry.py``).
 """
 
 from __future__ import annotations
