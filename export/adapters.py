@@ -85,8 +85,10 @@ class StateDictAdapter:
 # layers.0., Eagle3LlamaForCausalLM.load_weights renames d2t → draft_id_to_target_id and skips t2d);
 # SGLang: python/sglang/srt/models/llama_eagle3.py (model.midlayer, model.fc, model.norm, lm_head,
 # hot_token_id = d2t + arange). Both take the embedding from the target when the file has none.
-EAGLE3 = [Rule("fc.{p}", "fc.{p}"), Rule("midlayer.{p}", "midlayer.{p}"), Rule("norm.{p}", "norm.{p}"),
-          Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+# input_norm (norm_before_fc) is for llama.cpp's converter, which reads this layout too (conversion/llama.py: input_norm
+# → enc.output_norm); the engines above have no such tensor, and export/eagle3.py refuses such a head --to eagle3.
+EAGLE3 = [Rule("fc.{p}", "fc.{p}"), Rule("input_norm.{p}", "input_norm.{p}"), Rule("midlayer.{p}", "midlayer.{p}"),
+          Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
 # speculators 0.9.0 Eagle3DraftModel: embed_tokens, fc, layers.0 (LlamaDecoderEagle3FirstLayer), norm,
 # lm_head, d2t, t2d, and with the EAGLE-3.1 flags input_norm (norm_before_fc) and fc_norm.{0,1,2};
 # verifier_norm / verifier_lm_head are training-only and not stored.

@@ -49,12 +49,19 @@ from .tensors import DTYPES, loaded_mismatch, CheckFailed, TensorSpec, check_ten
 WEIGHTS = "model.safetensors"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 """The head's norm options (``drafters/eagle3.py``), under the names every format's config uses."""
-EAGLE31_FLAGS = NORM_FLAGS[1:]
-"""The EAGLE-3.1 options among them."""
-UNREAD_FLAGS = {"eagle3": NORM_FLAGS, "llamacpp": EAGLE31_FLAGS, "speculators": ()}
+LLAMACPP_CANNOT = {
+    "fc_norm": "its converter and eagle3 graph have no per-layer norm of the fused features (conversion/llama.py, "
+               "src/models/eagle3.cpp)",
+    "norm_output": "its eagle3 graph passes the pre-norm state on to the next draft (src/models/eagle3.cpp: "
+                   "t_h_nextn is eagle3_prenorm), where the head was trained on the normed one",
+}
+"""The flags llama.cpp (the pinned 11434) cannot compute, and why. It reads the other two: ``norm_before_residual``
+(the residual is ``hidden_norm``'s output) and ``norm_before_fc`` (``input_norm.weight`` converted to
+``enc.output_norm``, an RMSNorm over the fused features before fc), both from the config the converter reads."""
+UNREAD_FLAGS = {"eagle3": NORM_FLAGS, "llamacpp": tuple(LLAMACPP_CANNOT), "speculators": ()}
 """Flags a reader of the eagle3 HF layout does not have (SGLang's and vLLM's ``LlamaForCausalLMEagle3`` for
-``eagle3``, llama.cpp's converter and ``eagle3`` runtime for ``llamacpp``, which read ``norm_before_residual``): a head
-that sets one is refused in that format."""
+``eagle3``, llama.cpp's converter and ``eagle3`` runtime for ``llamacpp``: :data:`LLAMACPP_CANNOT`): a head that sets
+one is refused in that format, in one line."""
 SPECULATIVE_TOKENS = 3
 """speculators_config.proposal_methods[0].speculative_tokens: vLLM's default num_speculative_tokens."""
 
@@ -120,9 +127,20 @@ def verifier_path(target: Target) -> str:
     return os.path.abspath(folder) if os.path.isdir(folder) else folder
 
 
-PEAGLE = {"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle"}
-"""What names a P-EAGLE head in the speculators format (speculators 0.9.0's ``PEagleSpeculatorConfig``); its config
-also holds ``mask_token_id`` and ``speculative_tokens`` = the head's depths, and its file ``mask_hidden``."""
+PEAGLE = {"architectures": ["PEagleDraftModel"], "speculators_model_type": "peagle"}
+"""What names a P-EAGLE head in the speculators format; its config also holds ``mask_token_id`` and
+``speculative_tokens`` = the head's depths, and its file ``mask_hidden``.
+
+``architectures`` is what speculators 0.9.0's own ``PEagleDraftModel.save_pretrained`` writes (transformers writes the
+model class's name; ``PEagleSpeculatorConfig``'s default ``PEagleSpeculator`` never reaches a saved checkpoint), so an
+export reads as a checkpoint speculators trained. No engine routes a speculators-format P-EAGLE by it: speculators
+loads by ``speculators_model_type`` (``SpeculatorModel.register("peagle")``, ``speculators/models/peagle/core.py``),
+and vLLM reads a config.json that has ``speculators_config`` and no ``model_type`` as its ``SpeculatorsConfig``
+(``vllm/transformers_utils/config.py``), whose ``update_peagle`` (``vllm/transformers_utils/configs/speculators/
+algos.py``) replaces ``architectures`` with its own ``PeagleLlamaForCausalLM`` / ``PeagleQwen3ForCausalLM`` by the
+layer's model_type; where vLLM's model registry names the checkpoint's class (``vllm/model_executor/models/
+registry.py``, ``_SPECULATIVE_DECODING_MODELS``), it lists ``PEagleDraftModel``, never ``PEagleSpeculator``.
+``draftsmith import`` takes either name."""
 
 
 def speculators_config(source: Any) -> dict[str, Any]:
@@ -164,10 +182,13 @@ def write(source: Any, fmt: str, out: str, reader: str = "") -> None:
         raise DraftsmithError(f"this head has {layers} decoder layers; the {fmt} export writes one-layer EAGLE-3 heads only "
                               f"(a multi-layer head decodes in draftsmith; its export is not written yet)")
     used = [flag for flag in UNREAD_FLAGS[reader or fmt] if norm_flags(source.drafter.module)[flag]]
+    if used and reader == "llamacpp":
+        raise DraftsmithError(f"this head uses {', '.join(used)}, which llama.cpp cannot compute: "
+                              + "; ".join(f"{flag}: {LLAMACPP_CANNOT[flag]}" for flag in used)
+                              + "; export it with --to speculators (vLLM)")
     if used:
-        who = "llama.cpp" if reader == "llamacpp" else "the original eagle3 layout's loaders (SGLang's LlamaForCausalLMEagle3)"
-        raise DraftsmithError(f"this head uses {', '.join(used)} (EAGLE-3.1 / speculators options), which {who} do not "
-                              f"have: export it with "
+        raise DraftsmithError(f"this head uses {', '.join(used)} (EAGLE-3.1 / speculators options), which the original "
+                              f"eagle3 layout's loaders (SGLang's LlamaForCausalLMEagle3) do not have: export it with "
                               f"--to speculators (vLLM)")
     state = {k: v for k, v in source.drafter.module.state_dict().items() if not k.startswith("rotary_emb.")}
     if fmt == "speculators" and not _reduced(source.drafter.module.d2t.shape[0], source.target.vocab_size):

@@ -10,7 +10,8 @@ reads (its source, ``conversion/llama.py`` and ``src/models/eagle3.cpp``):
 * ``eagle3.target_layers``: the top-level ``eagle_aux_hidden_state_layer_ids``, input-of-layer
   ids (``conventions.engine_layer_ids(…, "llamacpp")`` = ours + 1); exactly three.
 * ``eagle3.target_hidden_size``, ``eagle3.norm_before_residual`` and ``eagle3.norm_before_fc``
-  (the head's; a head with norm_before_fc, fc_norm or norm_output is refused, ``eagle3.UNREAD_FLAGS``).
+  (the head's; ``norm_before_fc``'s ``input_norm.weight`` becomes ``enc.output_norm``); a head with fc_norm or
+  norm_output is refused, as llama.cpp cannot compute them (``eagle3.LLAMACPP_CANNOT``).
 * ``d2t`` (a reduced draft vocabulary; without it the head drafts over the target's vocabulary);
   ``t2d`` is dropped; the token embedding is the target's.
 

@@ -50,17 +50,35 @@ PROBE_MARGIN = 0.1
 than the named one before :func:`check_layers` calls the ids shifted."""
 
 
+PICKLED = (".pt", ".bin", ".pth")
+"""Pickled weight files (torch.save): the EAGLE authors' ``pytorch_model.bin``, early Medusa's ``medusa_lm_head.pt``."""
+WEIGHT_NAMES = f"model.safetensors; the Medusa reference layout's {medusa.FILES['medusa']}"
+"""The weight files the import formats read, as a refusal names them."""
+
+
+def refuse_pickled(folder: str) -> None:
+    """A folder whose weights are pickled only (no .safetensors beside them) is refused in one line that names the files
+    and the conversion: draftsmith reads safetensors, which hold tensors and nothing else; a pickle can run code."""
+    files = os.listdir(folder)
+    pickled = sorted(f for f in files if f.endswith(PICKLED))
+    if pickled and not any(f.endswith(".safetensors") for f in files):
+        raise DraftsmithError(
+            f"'{folder}' holds its weights pickled ({', '.join(pickled[:3])}) and no .safetensors: draftsmith does not "
+            f"unpickle them (a pickle can run code). Convert them under the name the format reads ({WEIGHT_NAMES}), "
+            f"e.g. python -c \"import torch; from safetensors.torch import save_file; "
+            f"save_file(torch.load('{pickled[0]}', weights_only=True), 'model.safetensors')\"")
+
+
 def detect(folder: str) -> str:
-    """The import format of ``folder`` from its files (config.json's keys, the Medusa file name); one line if none."""
+    """The import format of ``folder`` from its files (config.json's keys, the Medusa file name); one line if none,
+    or if its weights are pickled only (:func:`refuse_pickled`)."""
     if not os.path.isdir(folder):
         raise DraftsmithError(f"import source '{folder}' is not a folder")
+    refuse_pickled(folder)
     if os.path.isfile(os.path.join(folder, medusa.FILES["medusa"])):
         return "medusa"
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        pickled = [f for f in os.listdir(folder) if f.endswith((".pt", ".bin", ".pth"))]
-        raise DraftsmithError(f"'{folder}' has no config.json" + (
-            f" and holds pickled weights ({', '.join(sorted(pickled)[:3])}), which draftsmith does not load (it would run "
-            f"code from the file): convert them to safetensors first" if pickled else ""))
+        raise DraftsmithError(f"'{folder}' has no config.json")
     cfg = read_json(os.path.join(folder, "config.json"))
     arch = list(cfg.get("architectures") or [])
     kind = cfg.get("speculators_model_type")
@@ -104,6 +122,8 @@ def import_drafter(folder: str, out: str, target: str | Target, fmt: str | None 
     config.json. check_ids: run :func:`check_layers` on an EAGLE-3 or P-EAGLE head."""
     from ..drafters import checkpoint
 
+    if fmt and os.path.isdir(folder):
+        refuse_pickled(folder)  # detect() refuses them when it runs
     fmt = fmt or detect(folder)
     if fmt not in IMPORTS:
         raise DraftsmithError(f"unknown import format '{fmt}'; formats: {', '.join(IMPORTS)}")

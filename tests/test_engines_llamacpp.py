@@ -215,6 +215,42 @@ def test_an_eagle3_head_in_gguf_carries_the_engines_layer_ids_and_passes_the_che
     assert "eagle3.target_layers = [1, 2, 3]" in capsys.readouterr().out
 
 
+def test_a_speculators_head_with_its_norm_flags_is_served_in_gguf_or_refused_in_one_line(llama, tmp_path, target,
+                                                                                          tiny_target_dir, capsys):
+    """speculators' own Eagle3DraftModel with norm_before_residual and norm_before_fc (its EAGLE-3.1 defaults but
+    norm_output), written by its save_pretrained, imported, then exported --to gguf: the GGUF carries both flags and the
+    fused-feature norm, and llama.cpp serves it as draftsmith's decoder does (``export --check``). With norm_output too,
+    which llama.cpp cannot compute, export refuses it in one line that says why, and writes nothing."""
+    from .test_export_import import speculators_checkpoint
+
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:1000].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    vocab = (ids - torch.arange(1000), t2d)
+    aux = [i + 1 for i in LAYERS]  # speculators' ids: inputs of layers
+    served = speculators_checkpoint(str(tmp_path / "spec"), tiny_target_dir, target, vocab, aux, norm_before_fc=True)
+    head = str(tmp_path / "head")
+    assert main(["import", served, "--out", head, "--target", tiny_target_dir]) == 0
+    out = tmp_path / "gguf"
+    assert main(["export", head, "--to", "gguf", "--out", str(out)]) == 0
+    meta = gguf.read_metadata(str(out / gguf.DRAFT_FILE))
+    assert meta["eagle3.norm_before_residual"] and meta["eagle3.norm_before_fc"]
+    assert meta["__tensors__"]["enc.output_norm.weight"] == (3 * target.hidden_size,)
+    capsys.readouterr()
+    assert main(["export", "--check", str(out), "--k", "2", "--p-min", "0", "--threads", "1"]) == 0
+    assert "llama.cpp with the export = llama.cpp's F32 target alone" in capsys.readouterr().out
+
+    refused = speculators_checkpoint(str(tmp_path / "spec-out"), tiny_target_dir, target, vocab, aux,
+                                     norm_before_fc=True, norm_output=True)
+    head = str(tmp_path / "head-out")
+    assert main(["import", refused, "--out", head, "--target", tiny_target_dir]) == 0
+    capsys.readouterr()
+    assert main(["export", head, "--to", "gguf", "--out", str(tmp_path / "gguf-out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "uses norm_output, which llama.cpp cannot compute" in err[0] and "pre-norm state" in err[0]
+    assert not (tmp_path / "gguf-out").exists()
+
+
 def test_a_shifted_layer_id_fails_the_check(llama, random_head, tmp_path, monkeypatch):
     from draftsmith.export import eagle3 as eagle3_export
 

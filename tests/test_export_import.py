@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -96,11 +97,11 @@ def test_export_then_import_is_an_identity(tmp_path, target, exported, case):
 
 
 def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3,
-                           depths: int = 0) -> str:
+                           depths: int = 0, **flags: bool) -> str:
     """A foreign checkpoint: speculators' own ``Eagle3DraftModel`` (with ``depths``: its ``PEagleDraftModel`` drafting
     that many tokens per forward, the last id of the vocabulary its mask token), built from its config class the way
-    its ``from_training_args`` builds it (the verifier's config as the layer config, norm_before_residual on), weights
-    moved off their init, written by its own ``save_pretrained``."""
+    its ``from_training_args`` builds it (the verifier's config as the layer config, norm_before_residual on, and the
+    norm ``flags`` given), weights moved off their init, written by its own ``save_pretrained``."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -113,7 +114,7 @@ def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids:
     config_class, model_class, extra = (PEagleSpeculatorConfig, PEagleDraftModel, {"mask_token_id": layer.vocab_size - 1}) \
         if depths else (Eagle3SpeculatorConfig, Eagle3DraftModel, {})
     config = config_class(
-        transformer_layer_config=layer, draft_vocab_size=1000, norm_before_residual=True,
+        transformer_layer_config=layer, draft_vocab_size=1000, **{"norm_before_residual": True, **flags},
         eagle_aux_hidden_state_layer_ids=aux_ids, **extra,
         speculators_config=SpeculatorsConfig(algorithm="peagle" if depths else "eagle3", proposal_methods=[
             GreedyTokenProposalConfig(speculative_tokens=depths or 3)], default_proposal_method="greedy",
@@ -368,6 +369,26 @@ def test_a_head_whose_layer_ids_are_shifted_is_refused(target):
                                               r"\(ours \[1, 2, 3\]\) and at 100% from \[0, 1, 2\]") as e:
         check_layers(SimpleNamespace(module=head, feature_layers=(1, 2, 3)), target, "head")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("files", [("config.json", "pytorch_model.bin"), ("config.json", "medusa_lm_head.pt"),
+                                   ("model.pth",)])
+def test_a_folder_of_pickled_weights_is_refused_in_one_line_naming_them(tmp_path, target, files):
+    """The EAGLE authors publish pytorch_model.bin and early Medusa heads medusa_lm_head.pt: refused before anything is
+    read, detected or with --from, naming the file and the conversion (a pickle can run code; safetensors cannot)."""
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    for name in files:
+        if name == "config.json":
+            (folder / name).write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 1000}))
+        else:
+            torch.save({"w": torch.zeros(2)}, folder / name)
+    pickled = next(name for name in files if name != "config.json")
+    for fmt in (None, "eagle3"):
+        with pytest.raises(DraftsmithError, match=rf"holds its weights pickled \({re.escape(pickled)}\) and no "
+                                                  rf"\.safetensors: .*weights_only=True") as e:
+            import_drafter(str(folder), str(tmp_path / "out"), target, fmt=fmt)
+        assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "out")
 
 
 def test_cli_import_detects_the_format_and_writes_a_drafter(tmp_path, tiny_target_dir, target, exported, capsys):

@@ -34,7 +34,7 @@ def test_export_to_speculators_loads_in_the_reference_class_and_passes_its_check
     out = str(tmp_path / "spec")
     assert main(["export", source, "--to", "speculators", "--out", out]) == 0
     cfg = json.load(open(os.path.join(out, "config.json")))
-    assert (cfg["architectures"], cfg["speculators_model_type"]) == (["PEagleSpeculator"], "peagle")
+    assert (cfg["architectures"], cfg["speculators_model_type"]) == (["PEagleDraftModel"], "peagle")
     assert cfg["mask_token_id"] == target.vocab_size - 1 and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
     assert cfg["speculators_config"]["algorithm"] == "peagle"
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
@@ -42,6 +42,8 @@ def test_export_to_speculators_loads_in_the_reference_class_and_passes_its_check
     assert type(model).__name__ == "PEagleDraftModel" and model.mask_token_id == target.vocab_size - 1
     saved = drafters.load(source, target).module
     assert torch.equal(model.mask_hidden, saved.mask_hidden) and "loads all 17 tensors" in lines[0]
+    model.save_pretrained(str(tmp_path / "resaved"))  # what speculators itself writes of the same head
+    assert json.load(open(tmp_path / "resaved" / "config.json"))["architectures"] == cfg["architectures"]
     capsys.readouterr()
     assert main(["export", "--check", out]) == 0
     ok = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ok  ")]
