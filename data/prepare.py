@@ -31,9 +31,9 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from itertools import chain
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from typing import Any
 
 from ..decode.protocol import BuildsDrafter
