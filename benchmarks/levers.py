@@ -76,6 +76,11 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+all_tokens": ["drafter.init_from_layer=-1", "train.loss_positions=all"],
     "init_last+all_tokens+top_layer": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                        "drafter.feature_layers=[1,14,28]"],
+    # the best head at the full budget with each of the two levers that were level or a little ahead alone
+    "init_last+all_tokens+top_layer+noise": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                             "drafter.feature_layers=[1,14,28]", "train.feature_noise=0.1"],
+    "init_last+all_tokens+top_layer+ttt3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                            "drafter.feature_layers=[1,14,28]", "train.ttt_steps=3"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
