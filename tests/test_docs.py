@@ -3,6 +3,7 @@ link (file and #anchor, GitHub's heading slugs) resolves, and the README stays s
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -56,6 +57,21 @@ def test_relative_links_resolve(page):
         elif anchor and rel.endswith(".md") and anchor not in anchors(rel):
             bad.append(f"{target}: no heading #{anchor} in {rel}")
     assert not bad, bad
+
+
+def missing_tests(text: str) -> list[str]:
+    """The test files, globs and folders (``tests/…``) that ``text`` names and the tree lacks."""
+    named = sorted(set(re.findall(r"tests/[\w*./-]*\w[\w*./-]*", text)))
+    return [m for m in named if not glob.glob(os.path.join(ROOT, m.rstrip(".")))]
+
+
+def test_the_tests_the_pages_name_exist():
+    """The README's guarantees and the rules in docs/ name the tests that hold them: every test file, glob or folder a
+    page names is in the tree, so a renamed test cannot leave a guarantee pointing at nothing."""
+    assert "`tests/test_files.py`" in read("README.md") and "`tests/test_data_*`" in read("README.md")
+    assert {p: missing_tests(read(p)) for p in PAGES if missing_tests(read(p))} == {}
+    assert missing_tests("held (`tests/test_data_*`, `tests/test_files.py`, `tests/test_fils.py`, tests/archs/).") == \
+        ["tests/test_fils.py"]
 
 
 def test_the_readme_is_short_and_the_serving_sections_are_written():
