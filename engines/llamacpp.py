@@ -18,7 +18,7 @@ delete. Build time: benchmarks/RESULTS.md "llama.cpp".
 
 **Serve.** :class:`Server` starts ``llama-server`` on a free loopback port with the threads it is
 given (never llama.cpp's default: with OpenMP spinning on a loaded 2-core machine the default
-ran 10-15× slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
+ran many times slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
 by its own PID: on leaving the ``with`` block (errors and Ctrl-C included), at interpreter exit,
 and, through ``PR_SET_PDEATHSIG``, when the Python process itself is killed. Its log goes to the
 ``log_dir`` the caller names (kept), else to a temporary folder that a clean stop removes: it is

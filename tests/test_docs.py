@@ -98,6 +98,33 @@ def test_the_readme_and_docs_leave_figures_to_results():
     assert [(p, f) for p in PAGES if p.startswith("docs/") for f in dated_figures(read(p), hashes=False)] == []
 
 
+MEASURED = re.compile(r"\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?[x×](?![\w\d])|τ (?:of )?\d+\.\d+|\bc = \d+\.\d+|\d+ tok/s")
+"""What in a docstring, comment or recipe reads as a measured figure: a ratio, a τ, a draft cost, a speed."""
+NOT_MEASURED = ("about 4× the conversations", "4× the steps", "~5× the memory", "expected 3×{", "above 1×",
+                "f\"{r['speedup']:.2f}x\"", "~2.8× the EAGLE-3 head's", "~2.5× the EAGLE-3 head's")
+"""Ratios of design, not of a run: a size's multiple, a shape, an arithmetic estimate, a printed format."""
+
+
+def measured_figures(text: str) -> list[str]:
+    return [m.group() for line in text.splitlines() if not any(n in line for n in NOT_MEASURED)
+            for m in MEASURED.finditer(line)]
+
+
+def test_the_code_and_recipes_leave_figures_to_results():
+    """Docstrings, comments and recipes name the RESULTS section, never its number, which a rerun would leave stale
+    there (two docstrings gave different figures of one measurement)."""
+    assert measured_figures("a block costs c = 0.136 and trains 3x faster, 10-15× slower, sim τ 1.10, 49 tok/s;\n"
+                            "about 4× the conversations") == ["c = 0.136", "3x", "10-15×", "τ 1.10", "49 tok/s"]
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in ("tests", "benchmarks", "docs") and not d.startswith((".", "_"))]
+        for name in files:
+            if name.endswith((".py", ".yaml", ".sh", ".toml")) or name == "Makefile":
+                rel = os.path.relpath(os.path.join(folder, name), ROOT)
+                found += [(rel, f) for f in measured_figures(read(rel))]
+    assert found == []
+
+
 def first_column(page: str, heading: str) -> list[str]:
     """The names in the first column of the first table under ``heading`` (backticks dropped)."""
     section = read(page).split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
