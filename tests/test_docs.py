@@ -125,6 +125,27 @@ def test_the_code_and_recipes_leave_figures_to_results():
     assert found == []
 
 
+UPSTREAM = re.compile(r"(?:[\w.-]+/[\w.-]+|SpecForge|llama\.cpp|vLLM|SGLang|transformers|speculators)$")
+"""A name an issue number may follow when the issue is another project's (ggml-org/llama.cpp issues 25618 …)."""
+
+
+def project_issues(text: str) -> list[str]:
+    """The references to this project's own issues ("issue 9's bar") in ``text``."""
+    return [m.group() for m in re.finditer(r"(?i)\bissues? \d+", text)
+            if not UPSTREAM.search(text[max(0, m.start() - 40):m.start()].rstrip())]
+
+
+def test_results_docs_and_benchmarks_speak_of_the_project_not_of_its_issues():
+    """RESULTS, its history, docs/ and the benchmark scripts (whose docstrings are their --help) name the bar or the
+    lever, not the issue that asked for it: a reader has the repository, not the tracker."""
+    assert project_issues("under issue 9's bar; ggml-org/llama.cpp issues 25618 and 27407; SpecForge issue 828; "
+                          "Issue 12 asks") == ["issue 9", "Issue 12"]
+    bench = os.path.join(ROOT, "benchmarks")
+    pages = [*PAGES, "benchmarks/history/2026.md",
+             *(f"benchmarks/{n}" for n in sorted(os.listdir(bench)) if n.endswith((".py", ".sh")))]
+    assert {p: project_issues(read(p)) for p in pages if project_issues(read(p))} == {}
+
+
 def first_column(page: str, heading: str) -> list[str]:
     """The names in the first column of the first table under ``heading`` (backticks dropped)."""
     section = read(page).split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
