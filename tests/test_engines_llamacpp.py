@@ -205,6 +205,44 @@ def test_the_check_of_a_target_gguf_says_its_bytes_were_checked_and_fails_altere
         check(str(out))
 
 
+def test_a_full_disk_during_the_gguf_conversion_is_one_line_and_leaves_nothing(random_head, tmp_path):
+    """A real 16 MB disk under --out: the HF layout fits, llama.cpp's converter then fails to write the GGUF and
+    printed its traceback (numpy's "3145728 requested and 423728 written") under "convert_hf_to_gguf.py failed";
+    now the one line every full disk gets, naming the folder, with nothing left in it."""
+    import subprocess
+    import sys
+
+    from .test_cli_errors import small_disk
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run([*small_disk(disk, "16m"), sys.executable, "-m", "draftsmith.cli", "export", random_head,
+                           "--to", "gguf", "--out", str(disk / "gguf")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (f"draftsmith: error: no space left on {disk}: free some space (or write "
+                                            f"elsewhere: run_dir, --out) and rerun")
+    assert os.listdir(disk) == []
+
+
+def test_a_converter_that_fails_for_want_of_space_raises_that_oserror(tmp_path, monkeypatch):
+    """What the converter prints when its write is refused becomes the OSError the stages turn into their one line; any
+    other failure of it stays the tool's own tail."""
+    import errno
+
+    found = _stand_in(tmp_path / "home")
+    for printed, raised in (("OSError: 3145728 requested and 423728 written", OSError),
+                            ("OSError: [Errno 28] No space left on device", OSError),
+                            ("KeyError: 'model.embed_tokens.weight'", DraftsmithError)):
+        with open(found.converter, "w") as f:
+            f.write(f"import sys\nprint({printed!r}, file=sys.stderr)\nsys.exit(1)\n")
+        with pytest.raises(raised) as e:
+            llamacpp.convert(str(tmp_path), str(tmp_path / "out" / "draft.gguf"), llama=found)
+        if raised is OSError:
+            assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "out" / "draft.gguf"))
+        else:
+            assert "convert_hf_to_gguf.py on" in str(e.value) and printed in str(e.value)
+
+
 def test_an_eagle3_head_in_gguf_carries_the_engines_layer_ids_and_passes_the_check(llama, random_head, tmp_path, capsys):
     out = tmp_path / "gguf"
     assert main(["export", random_head, "--to", "gguf", "--out", str(out)]) == 0
