@@ -38,17 +38,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DraftsmithError as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return int(getattr(e, "exit_code", 2))
     except OSError as e:  # a write the system refused outside a stage's run folder (each stage names its own)
         message = write_refusal(e, None) if e.errno is not None else None
         if message is None:
             raise
-        print(f"draftsmith: error: {message}", file=sys.stderr)
+        _say(f"error: {message}")
         return 2
     except KeyboardInterrupt:
-        print("draftsmith: interrupted", file=sys.stderr)
+        _say("interrupted")
         return 130
+
+
+def _say(message: str) -> None:
+    """``message`` on stderr as the last line a user sees. A stage stopped by an error leaves its progress bar open
+    (train's, prepare's regenerate and features, datasets'): the message was written into the bar's line, and the
+    bar drawn again below it when it was collected. The open bars are ended first (tqdm keeps them in one set)."""
+    bars = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    for bar in list(getattr(bars, "_instances", ())):
+        bar.close()
+    print(f"draftsmith: {message}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

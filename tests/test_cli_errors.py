@@ -337,3 +337,22 @@ def test_a_full_disk_under_an_output_folder_not_created_yet_names_the_folder_tha
     gone = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".tmp-tokenized-1" / "data.arrow"))
     assert write_refusal(gone, str(tmp_path / "tokenized")) == f"no space left on {tmp_path}{rest}"
 
+
+def test_an_error_while_a_progress_bar_is_open_is_the_last_line_and_a_line_of_its_own(capsys, monkeypatch):
+    """A stage stopped by an error (a full disk, a server that fails, SIGTERM) has its progress bar open: the message
+    was written into the bar's line (``…| 1/3 [00:00<…]draftsmith: error: …``) and the bar drawn again below it."""
+    from tqdm import tqdm
+
+    from draftsmith import cli
+    from draftsmith.cli import main
+
+    def stage(args):
+        bar = tqdm(total=3, desc="features", unit="sample")
+        bar.update(1)
+        raise DraftsmithError("no space left on /data: free some space and rerun")
+
+    monkeypatch.setattr(cli, "cmd_configs", stage)
+    assert main(["configs"]) == 2
+    err = capsys.readouterr().err
+    assert "features:  33%" in err
+    assert err.endswith("\ndraftsmith: error: no space left on /data: free some space and rerun\n"), err[-300:]
