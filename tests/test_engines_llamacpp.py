@@ -184,7 +184,7 @@ def test_a_gguf_whose_tensor_data_was_altered_fails_the_check(llama, draft_lm, t
 
 def test_the_check_of_a_target_gguf_says_its_bytes_were_checked_and_fails_altered_ones(target_gguf, tmp_path):
     """``export --check`` of a ``--to gguf-target`` export prints the byte check first (size, sha256), and a target
-    GGUF altered in place (size intact) fails it."""
+    GGUF altered in place (size intact) fails it; a record without the sha256 is said not to be checked."""
     import hashlib
     import shutil
 
@@ -203,6 +203,14 @@ def test_the_check_of_a_target_gguf_says_its_bytes_were_checked_and_fails_altere
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(DraftsmithError, match="target.gguf is not the file that was exported"):
         check(str(out))
+    with open(path, "r+b") as f:  # the exported bytes again
+        f.seek(size - 8)
+        f.write(byte)
+    info = json.loads((out / "draftsmith_export.json").read_text())
+    del info["gguf"]["sha256"]  # as an older draftsmith wrote the record: the check says it cannot tell
+    (out / "draftsmith_export.json").write_text(json.dumps(info))
+    assert check(str(out))[0] == "target.gguf: its bytes are not checked: draftsmith_export.json records no sha256 " \
+                                 "(an older draftsmith exported it; export it again to have them checked)"
 
 
 def test_a_full_disk_during_the_gguf_conversion_is_one_line_and_leaves_nothing(random_head, tmp_path):
