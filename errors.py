@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 
@@ -45,6 +46,19 @@ def write_refusal(e: BaseException, folder: str | None) -> str | None:
         return f"'{where}' is on a read-only file system: choose a writable folder (run_dir, data.out_dir, --out)"
     if code in (errno.EACCES, errno.EPERM):
         return f"permission denied on '{folder}': choose a folder you can write (run_dir, data.out_dir, --out)"
+    return None
+
+
+def refused_errno(path: str, output: str = "") -> int | None:
+    """The errno of a write the system refused another program at ``path`` (llama.cpp's converter, llama-quantize),
+    which reaches us as an exit code and some text, not an ``OSError``: ENOSPC or EROFS from what it printed ("No
+    space left on device", numpy's short write "N requested and M written") or, where it printed nothing that tells,
+    from the folder itself (nearly full, mounted read-only); None when the failure is something else."""
+    where = _existing(path)
+    if re.search(r"No space left on device|\[Errno 28\]|requested and \d+ written", output) or _nearly_full(where):
+        return errno.ENOSPC
+    if "Read-only file system" in output or _read_only(where):
+        return errno.EROFS
     return None
 
 

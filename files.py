@@ -24,6 +24,7 @@ from typing import Any
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds."""
+    path = _resolved(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = _create_unique(directory, path, lambda p: os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)))
@@ -54,6 +55,7 @@ def atomic_dir(path: str) -> Iterator[str]:
 
     An existing ``path`` is replaced as a whole, never merged.
     """
+    path = _resolved(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = _create_unique(parent, path, lambda p: os.mkdir(p, 0o777))
@@ -63,6 +65,13 @@ def atomic_dir(path: str) -> Iterator[str]:
         swap_dir(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resolved(path: str) -> str:
+    """``path``, or where it points when it is a symbolic link (dangling or not): a write replaces what the link names
+    and keeps the link. Replacing the link itself put the new files beside it instead of on the disk the user
+    linked, and left the link, moved aside by the exchange, as a temporary name no one removes."""
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 def swap_dir(new: str, path: str) -> None:

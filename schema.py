@@ -21,7 +21,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Protocol, TypeVar, Union, get_args, get_origin
 
 import yaml
 
@@ -180,8 +180,16 @@ def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False)
 
 
-def save_recipe(recipe: Any, run_dir: str | None = None) -> str:
-    """Write a resolved recipe (any config with a ``run_dir``) to ``<run_dir>/config.yaml``
+class SavedRecipe(Protocol):
+    """What :func:`save_recipe` reads of a recipe: its run folder (and its fields, through :func:`to_dict`). Every
+    stage's recipe Protocol (``PrepareRecipe``, ``EvalRecipe``, ``TrainRecipe``, ``ReportRecipe``) and the top-level
+    ``config.Recipe`` satisfy it; it is written here because every stage that saves a recipe lies above."""
+
+    run_dir: str
+
+
+def save_recipe(recipe: SavedRecipe, run_dir: str | None = None) -> str:
+    """Write a resolved recipe (a config dataclass with a ``run_dir``) to ``<run_dir>/config.yaml``
     atomically; return its path. Here, below every stage that writes one, not in ``config.py``,
     which imports the stages' sections."""
     path = os.path.join(run_dir or recipe.run_dir, "config.yaml")

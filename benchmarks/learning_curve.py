@@ -1,4 +1,4 @@
-"""τ and speedup against training tokens: what more training buys an EAGLE-3 head (issue 9's plot).
+"""τ and speedup against training tokens: what more training buys an EAGLE-3 head.
 
     python benchmarks/learning_curve.py RUN_DIR [RUN_DIR ...] --prompts 5 --max-new-tokens 64 \\
         --k 1 --min-confidence 0.4 --png benchmarks/out/learning_curve.png

@@ -30,7 +30,6 @@ Three parts, all in one process:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -59,7 +58,7 @@ from draftsmith.cpu_kernels import cpu_linear
 from draftsmith.target import Target, load_target
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import first_turns  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import first_turns, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 def prompts_of(target: Target, name: str, n: int) -> list[list[int]]:
@@ -300,8 +299,7 @@ def suffix_cost(target: Target, lengths: list[int], window: int = 2000, proposal
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap = script_parser(__doc__, target=True)
     ap.add_argument("--sets", default="mtbench,copyheavy")
     ap.add_argument("--prompts", type=int, default=6, help="timed prompts per set (one more is the warm-up)")
     ap.add_argument("--max-new-tokens", type=int, default=96)

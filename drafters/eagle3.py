@@ -49,7 +49,7 @@ other); ``norm_output`` — the hidden state a step passes on (to the next unrol
 draft) is ``norm(out)``, the same tensor the lm_head reads, instead of the pre-norm ``out``. They are
 for targets whose features reach the head unnormalized at a large scale (Gemma-3's RMS ~850 against
 SmolLM2's ~50): a norm makes fc see features of one scale whatever the layer. Measured here, ``fc_norm`` did not
-pay: no clear gain on SmolLM2, held-out sim τ 1.14 against 1.23 without it on Gemma-3 (benchmarks/RESULTS.md,
+pay: no clear gain on SmolLM2, a lower held-out sim τ than without it on Gemma-3 (benchmarks/RESULTS.md,
 "EAGLE-3.1 norms"), so no recipe sets them; they load and export checkpoints trained with them elsewhere.
 
 ``norm_before_residual`` (speculators' and vLLM's flag, read by llama.cpp too): the first layer's residual is

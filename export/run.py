@@ -273,12 +273,13 @@ def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[
 
 
 def check_gguf_bytes(folder: str, name: str, info: dict[str, Any]) -> list[str]:
-    """The GGUF's bytes are those exported (the sha256 in the export record; an export from before it is not
-    checked): tensor data altered in place keeps a valid header and size, and a small change may not move a
-    proposal, so only the bytes can tell."""
+    """The GGUF's bytes are those exported (the sha256 in the export record; an export from before it is said not to
+    be checked, not passed in silence): tensor data altered in place keeps a valid header and size, and a small
+    change may not move a proposal, so only the bytes can tell."""
     recorded = info.get("gguf", {}).get("sha256")
     if recorded is None:
-        return []
+        return [f"{name}: its bytes are not checked: {INFO_FILE} records no sha256 (an older draftsmith exported it; "
+                f"export it again to have them checked)"]
     path = os.path.join(folder, name)
     if sha256_file(path) != recorded:
         raise DraftsmithError(f"{folder}/{name} is not the file that was exported: its sha256 differs from the one "

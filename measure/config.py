@@ -130,7 +130,7 @@ class EvalConfig:
     converter, and measure it there against llama.cpp's target alone on the same prompts, beside llama.cpp's
     n-gram methods (``measure/engine_eval.py``; written under "engine" in eval_metrics.json)."""
     engine_threads: int = 0
-    """llama.cpp's threads (0 = every core; set 1 on a loaded machine: its spinning threads slow 10-15× there)."""
+    """llama.cpp's threads (0 = every core; set 1 on a loaded machine: its spinning threads slow it many times there)."""
     engine_target_type: TargetGGUFType = "as-loaded"
     """The target's GGUF in llama.cpp: as-loaded (the GGUF it came from, e.g. the builtin's Q4_1) or a converted one."""
     engine_draft_type: DraftGGUFType = "auto"

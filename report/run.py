@@ -28,6 +28,7 @@ import torch
 from ..decode.protocol import BindsTargetCache, common_prefix
 from ..devices import detect_device, resolve_dtype
 from ..drafters.checkpoint import SavedDrafterConfig, read_meta
+from ..drafters.registry import DrafterConfig
 from ..errors import ConfigError, DraftsmithError
 from ..measure.baselines import baseline_configs
 from ..measure.config import DecodeConfig
@@ -42,12 +43,13 @@ from .config import ReportConfig, ReportRecipe
 from .alignment import AnswerAlignment, align_answer
 
 
-def drafter_entries(drafter: Any, compare: list[str], baselines: list[str] = ()) -> list[tuple[str, Any]]:
+def drafter_entries(drafter: DrafterConfig, compare: list[str],
+                    baselines: list[str] = ()) -> list[tuple[str, DrafterConfig]]:
     """(label, drafter config) for the recipe's drafter, each ``--compare`` folder (each checked: config.json +
     model.safetensors, draftsmith's format, before anything is loaded) and each model-free baseline of
     ``eval.baselines`` (default settings; prompt lookup by default, so every report shows the free floor
     beside the trained drafters) that is not the recipe's drafter already."""
-    def label(cfg: Any) -> str:
+    def label(cfg: DrafterConfig) -> str:
         return os.path.basename(os.path.normpath(cfg.path)) if cfg.type == "saved" else cfg.type
 
     entries = [drafter] + [SavedDrafterConfig(path=p) for p in compare]
@@ -68,7 +70,7 @@ def drafter_entries(drafter: Any, compare: list[str], baselines: list[str] = ())
     return out
 
 
-def training_curve(cfg: Any) -> dict[str, Any] | None:
+def training_curve(cfg: DrafterConfig) -> dict[str, Any] | None:
     """For a saved drafter whose folder sits in a training run (``<run_dir>/drafter`` or ``drafter-best``):
     the run's sim_tau curve over training and the step drafter-best was picked at (train_summary.json)."""
     import json
@@ -131,8 +133,8 @@ def reference_answers(target: Target, questions: list[Question], max_new_tokens:
     return asked, turn_of, answers
 
 
-def alignment_pass(target: Target, cfg: Any, asked: list[Question], turn_of: list[int], answers: list[list[int]],
-                   decode: DecodeConfig, report: ReportConfig) -> dict[str, Any]:
+def alignment_pass(target: Target, cfg: DrafterConfig, asked: list[Question], turn_of: list[int],
+                   answers: list[list[int]], decode: DecodeConfig, report: ReportConfig) -> dict[str, Any]:
     """The offline alignment of one drafter (two instances: teacher-forced and rollout) at ``decode.k`` and
     ``report.temperature``."""
     teacher, rollout = cfg.build(target), cfg.build(target)

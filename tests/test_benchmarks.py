@@ -107,3 +107,21 @@ def test_every_lever_is_a_valid_override_of_the_eagle3_recipe():
                 assert recipe.train.loss.kind == "lk_alpha"
     finally:
         del sys.modules["draftsmith_bench_levers"]
+
+
+# ---------------------------------------------------------------- the scripts' shared preamble
+
+
+def test_the_scripts_take_the_target_option_from_their_shared_preamble():
+    """``bench_common.script_parser(doc, target=True)`` is the one ``--target`` whose default is the builtin SmolLM2:
+    a script that writes its own (``model_free.py`` did) drifts from it the day the default target changes."""
+    import os
+    import re
+
+    import draftsmith
+
+    folder = os.path.join(os.path.dirname(os.path.abspath(draftsmith.__file__)), "benchmarks")
+    own = re.compile(r"add_argument\(\s*\"--target\",\s*default=(?!\"tiny\")")  # host_syncs' tiny stand-in is its own
+    scripts = sorted(n for n in os.listdir(folder) if n.endswith(".py") and n != "bench_common.py")
+    assert len(scripts) > 15 and "model_free.py" in scripts
+    assert [n for n in scripts if own.search(open(os.path.join(folder, n), encoding="utf-8").read())] == []

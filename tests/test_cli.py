@@ -73,6 +73,9 @@ def test_the_help_lists_every_format_family_and_gguf_type_of_their_homes(capsys,
     train = help_of(capsys, monkeypatch, "train")
     assert re.search(r"Train the recipe's drafter \(([\w, ]+);", train).group(1).split(", ") == [
         name for name, s in specs().items() if s.trainable]
+    monkeypatch.setattr("draftsmith.engines.llamacpp.BUILD_TIME", "about 7 minutes on 3 cores")
+    assert "builds it if needed (about 7 minutes on 3 cores; needs cmake" in " ".join(
+        help_of(capsys, monkeypatch, "engine").split())  # the time the build's own messages say
 
 
 def test_drafters_lists_every_family_of_the_registry(capsys):

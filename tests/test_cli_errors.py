@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from draftsmith.config import load_recipe
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DraftsmithError
 
 from .test_cli import expect_error
 
@@ -199,6 +199,21 @@ def _read_only(folder: pathlib.Path) -> list[str]:
     return prefix
 
 
+def small_disk(folder: pathlib.Path, size: str) -> list[str]:
+    """A command prefix that runs a command with a ``size`` tmpfs mounted on ``folder`` (a real disk that fills up),
+    in a mount namespace of its own inside a user namespace; skips the test when the system allows none."""
+    import subprocess
+
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("a small disk needs unshare and mount (util-linux), which are not installed")
+    prefix = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+              'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"', str(folder), size]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no tmpfs in a user + mount namespace here (exit {probe.returncode}): {probe.stderr.strip()}")
+    return prefix
+
+
 def _run_read_only(folder: pathlib.Path, args: list[str]):
     """``draftsmith <args>`` in a subprocess with ``folder`` mounted read-only; the finished process."""
     import subprocess
@@ -321,3 +336,23 @@ def test_a_full_disk_under_an_output_folder_not_created_yet_names_the_folder_tha
     assert write_refusal(full, str(tmp_path)) == f"no space left on {tmp_path}{rest}"
     gone = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".tmp-tokenized-1" / "data.arrow"))
     assert write_refusal(gone, str(tmp_path / "tokenized")) == f"no space left on {tmp_path}{rest}"
+
+
+def test_an_error_while_a_progress_bar_is_open_is_the_last_line_and_a_line_of_its_own(capsys, monkeypatch):
+    """A stage stopped by an error (a full disk, a server that fails, SIGTERM) has its progress bar open: the message
+    was written into the bar's line (``…| 1/3 [00:00<…]draftsmith: error: …``) and the bar drawn again below it."""
+    from tqdm import tqdm
+
+    from draftsmith import cli
+    from draftsmith.cli import main
+
+    def stage(args):
+        bar = tqdm(total=3, desc="features", unit="sample")
+        bar.update(1)
+        raise DraftsmithError("no space left on /data: free some space and rerun")
+
+    monkeypatch.setattr(cli, "cmd_configs", stage)
+    assert main(["configs"]) == 2
+    err = capsys.readouterr().err
+    assert "features:  33%" in err
+    assert err.endswith("\ndraftsmith: error: no space left on /data: free some space and rerun\n"), err[-300:]

@@ -3,6 +3,7 @@ link (file and #anchor, GitHub's heading slugs) resolves, and the README stays s
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -58,6 +59,21 @@ def test_relative_links_resolve(page):
     assert not bad, bad
 
 
+def missing_tests(text: str) -> list[str]:
+    """The test files, globs and folders (``tests/…``) that ``text`` names and the tree lacks."""
+    named = sorted(set(re.findall(r"tests/[\w*./-]*\w[\w*./-]*", text)))
+    return [m for m in named if not glob.glob(os.path.join(ROOT, m.rstrip(".")))]
+
+
+def test_the_tests_the_pages_name_exist():
+    """The README's guarantees and the rules in docs/ name the tests that hold them: every test file, glob or folder a
+    page names is in the tree, so a renamed test cannot leave a guarantee pointing at nothing."""
+    assert "`tests/test_files.py`" in read("README.md") and "`tests/test_data_*`" in read("README.md")
+    assert {p: missing_tests(read(p)) for p in PAGES if missing_tests(read(p))} == {}
+    assert missing_tests("held (`tests/test_data_*`, `tests/test_files.py`, `tests/test_fils.py`, tests/archs/).") == \
+        ["tests/test_fils.py"]
+
+
 def test_the_readme_is_short_and_the_serving_sections_are_written():
     assert len(read("README.md").splitlines()) <= 200
     for page, heading in (("docs/export.md", "## Serving in llama.cpp"), ("docs/prepare.md", "## Regeneration through a server")):
@@ -80,6 +96,54 @@ def test_the_readme_and_docs_leave_figures_to_results():
     assert dated_figures(example, hashes=False) == ["1.09×", "2026-12-03", "5×"]
     assert dated_figures(read("README.md")) == []
     assert [(p, f) for p in PAGES if p.startswith("docs/") for f in dated_figures(read(p), hashes=False)] == []
+
+
+MEASURED = re.compile(r"\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?[x×](?![\w\d])|τ (?:of )?\d+\.\d+|\bc = \d+\.\d+|\d+ tok/s")
+"""What in a docstring, comment or recipe reads as a measured figure: a ratio, a τ, a draft cost, a speed."""
+NOT_MEASURED = ("about 4× the conversations", "4× the steps", "~5× the memory", "expected 3×{", "above 1×",
+                "f\"{r['speedup']:.2f}x\"", "~2.8× the EAGLE-3 head's", "~2.5× the EAGLE-3 head's")
+"""Ratios of design, not of a run: a size's multiple, a shape, an arithmetic estimate, a printed format."""
+
+
+def measured_figures(text: str) -> list[str]:
+    return [m.group() for line in text.splitlines() if not any(n in line for n in NOT_MEASURED)
+            for m in MEASURED.finditer(line)]
+
+
+def test_the_code_and_recipes_leave_figures_to_results():
+    """Docstrings, comments and recipes name the RESULTS section, never its number, which a rerun would leave stale
+    there (two docstrings gave different figures of one measurement)."""
+    assert measured_figures("a block costs c = 0.136 and trains 3x faster, 10-15× slower, sim τ 1.10, 49 tok/s;\n"
+                            "about 4× the conversations") == ["c = 0.136", "3x", "10-15×", "τ 1.10", "49 tok/s"]
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in ("tests", "benchmarks", "docs") and not d.startswith((".", "_"))]
+        for name in files:
+            if name.endswith((".py", ".yaml", ".sh", ".toml")) or name == "Makefile":
+                rel = os.path.relpath(os.path.join(folder, name), ROOT)
+                found += [(rel, f) for f in measured_figures(read(rel))]
+    assert found == []
+
+
+UPSTREAM = re.compile(r"(?:[\w.-]+/[\w.-]+|SpecForge|llama\.cpp|vLLM|SGLang|transformers|speculators)$")
+"""A name an issue number may follow when the issue is another project's (ggml-org/llama.cpp issues 25618 …)."""
+
+
+def project_issues(text: str) -> list[str]:
+    """The references to this project's own issues ("issue 9's bar") in ``text``."""
+    return [m.group() for m in re.finditer(r"(?i)\bissues? \d+", text)
+            if not UPSTREAM.search(text[max(0, m.start() - 40):m.start()].rstrip())]
+
+
+def test_results_docs_and_benchmarks_speak_of_the_project_not_of_its_issues():
+    """RESULTS, its history, docs/ and the benchmark scripts (whose docstrings are their --help) name the bar or the
+    lever, not the issue that asked for it: a reader has the repository, not the tracker."""
+    assert project_issues("under issue 9's bar; ggml-org/llama.cpp issues 25618 and 27407; SpecForge issue 828; "
+                          "Issue 12 asks") == ["issue 9", "Issue 12"]
+    bench = os.path.join(ROOT, "benchmarks")
+    pages = [*PAGES, "benchmarks/history/2026.md",
+             *(f"benchmarks/{n}" for n in sorted(os.listdir(bench)) if n.endswith((".py", ".sh")))]
+    assert {p: project_issues(read(p)) for p in pages if project_issues(read(p))} == {}
 
 
 def first_column(page: str, heading: str) -> list[str]:

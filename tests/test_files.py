@@ -85,3 +85,23 @@ def test_a_folder_replaced_is_the_new_one_and_a_failed_write_keeps_the_old_one(t
             raise OSError("disk gone")
     assert os.listdir(tmp_path) == ["drafter"] and os.listdir(path) == ["config.json"]
     assert open(os.path.join(path, "config.json")).read() == '"new"\n'
+
+
+def test_a_path_that_is_a_symbolic_link_is_written_where_it_points(tmp_path):
+    """`export --out LINK --force` with LINK a link to a folder on another disk replaced the link by a folder beside it
+    and left the link as `.LINK.<hex>.tmp`; a folder, a file and a dangling link are now written where they point."""
+    disk, run = tmp_path / "disk", tmp_path / "run"
+    (disk / "exports").mkdir(parents=True)
+    (disk / "exports" / "old.txt").write_text("old")
+    (disk / "config.json").write_text("old")
+    run.mkdir()
+    for name, to in (("export", disk / "exports"), ("config.json", disk / "config.json"), ("best", disk / "best")):
+        (run / name).symlink_to(to)
+    for name in ("export", "best"):
+        with atomic_dir(str(run / name)) as tmp:
+            write_json(os.path.join(tmp, "config.json"), name)
+    write_json(str(run / "config.json"), "new")
+    assert sorted(os.listdir(run)) == ["best", "config.json", "export"] and all(p.is_symlink() for p in run.iterdir())
+    assert sorted(os.listdir(disk)) == ["best", "config.json", "exports"]
+    assert os.listdir(disk / "exports") == ["config.json"] and (run / "export" / "config.json").read_text() == '"export"\n'
+    assert (run / "best" / "config.json").read_text() == '"best"\n' and (run / "config.json").read_text() == '"new"\n'

@@ -228,3 +228,18 @@ def test_training_on_every_token_is_training_on_records_masked_so(tmp_path, monk
     baseline = [r for r in read_log(tmp_path / "every") if "heldout/loss" in r][0]
     assert baseline["heldout/loss"] == pytest.approx(
         [r for r in read_log(tmp_path / "answers") if "heldout/loss" in r][0]["heldout/loss"])
+
+
+@pytest.mark.parametrize("every, logged, saved", [(0, [3], ["step_00000003"]),
+                                                  (2, [2, 3], ["step_00000002", "step_00000003"])])
+def test_logging_and_checkpoint_cadence_and_0_for_only_the_last_step(tmp_path, tiny_target_dir, uneven_data, every,
+                                                                     logged, saved):
+    """``train.logging.every`` and ``train.checkpoint.every``: every that many steps and at the end; 0 (documented in
+    the fields and their errors) is the last step's log line and checkpoint only, not every step nor none."""
+    data, _ = uneven_data
+    run_training(recipe(tmp_path, tiny_target_dir, data, "train.steps=3", "train.batch_size=2",
+                        "train.deepspeed=zero0", f"train.logging.every={every}", f"train.checkpoint.every={every}",
+                        "train.checkpoint.keep=3"))
+    lines = [r for r in read_log(tmp_path) if "lr" in r]  # the training lines (held-out ones carry no lr)
+    assert [r["step"] for r in lines] == logged
+    assert sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.startswith("step_")) == saved
