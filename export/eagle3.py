@@ -127,6 +127,15 @@ def verifier_path(target: Target) -> str:
     return os.path.abspath(folder) if os.path.isdir(folder) else folder
 
 
+EAGLE3_SPECULATORS = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3"}
+"""What names an EAGLE-3 head in the speculators format: what speculators 0.9.0's own ``Eagle3DraftModel.save_pretrained``
+writes (transformers writes the model class's name; ``Eagle3SpeculatorConfig``'s default ``Eagle3Speculator`` never
+reaches a saved checkpoint). Engines route by ``speculators_model_type`` (vLLM's ``SpeculatorsConfig``), and llama.cpp's
+converter registers both names (``conversion/__init__.py``); an export of an earlier draftsmith wrote
+``Eagle3Speculator``, which ``--check`` and ``draftsmith import`` still take (``SPECULATORS_EAGLE3_NAMES``)."""
+SPECULATORS_EAGLE3_NAMES = (EAGLE3_SPECULATORS["architectures"], ["Eagle3Speculator"])
+"""The ``architectures`` a speculators-format EAGLE-3 head is read with: speculators' own, and what draftsmith wrote
+before it wrote speculators' own."""
 PEAGLE = {"architectures": ["PEagleDraftModel"], "speculators_model_type": "peagle"}
 """What names a P-EAGLE head in the speculators format; its config also holds ``mask_token_id`` and
 ``speculative_tokens`` = the head's depths, and its file ``mask_hidden``.
@@ -148,11 +157,9 @@ def speculators_config(source: Any) -> dict[str, Any]:
     head = source.drafter.module
     vllm_ids, _ = _ids(source)
     peagle = source.family == "peagle"
-    extra = {**PEAGLE, "mask_token_id": int(head.mask_token_id)} if peagle else {}
+    names = {**PEAGLE, "mask_token_id": int(head.mask_token_id)} if peagle else EAGLE3_SPECULATORS
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        **extra,
+        **names,
         "transformer_layer_config": layer_fields(head.layer_config),
         "draft_vocab_size": int(head.d2t.shape[0]),
         "target_hidden_size": int(source.target.hidden_size),
@@ -284,9 +291,10 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
         done.append(what)
 
     kind = "peagle" if _is_peagle(cfg) else "eagle3"
-    arch = (PEAGLE["architectures"] if kind == "peagle" else ["Eagle3Speculator"]) if fmt == "speculators" \
-        else ["LlamaForCausalLMEagle3"]
-    need(cfg.get("architectures") == arch, f"architectures = {arch}")
+    names = ([PEAGLE["architectures"]] if kind == "peagle" else list(SPECULATORS_EAGLE3_NAMES)) \
+        if fmt == "speculators" else [["LlamaForCausalLMEagle3"]]
+    arch = cfg.get("architectures")
+    need(arch in names, f"architectures = {arch if arch in names else names[0]}")
     if fmt == "speculators":
         need(cfg.get("speculators_model_type") == kind, f"speculators_model_type = {kind}")
         spec = cfg.get("speculators_config") or {}

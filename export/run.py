@@ -69,7 +69,7 @@ class Format:
 FORMATS: dict[str, Format] = {
     "hf": Format(("draft_lm",), "transformers (generate(assistant_model=…)), vLLM/SGLang draft-model speculation", hf),
     "eagle3": Format(("eagle3",), "SGLang and vLLM (LlamaForCausalLMEagle3, the original EAGLE-3 layout)", eagle3),
-    "speculators": Format(("eagle3", "peagle"), "vLLM (speculators format, Eagle3Speculator / PEagleDraftModel)", eagle3),
+    "speculators": Format(("eagle3", "peagle"), "vLLM (speculators format, Eagle3DraftModel / PEagleDraftModel)", eagle3),
     "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
     "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
     "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),

@@ -148,6 +148,7 @@ def test_export_then_check_proves_every_format(tmp_path, sources, target, fmt, c
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == EAGLE3_LAYERS  # SGLang adds 1
     if fmt == "speculators":
+        assert cfg["architectures"] == ["Eagle3DraftModel"]  # what speculators' own save_pretrained writes
         assert any("speculators' forward on the same hidden states" in line for line in lines)
         assert any("loads all 16 tensors" in line for line in lines)
     if fmt == "medusa-vllm":

@@ -154,7 +154,11 @@ def logits_gap(folder: str, drafter, target) -> float:
 
 
 def test_a_speculators_checkpoint_imports_with_its_own_classes_logits(tmp_path, target, foreign):
-    assert json.load(open(os.path.join(foreign, "config.json")))["norm_before_residual"] is True
+    from draftsmith.export.eagle3 import EAGLE3_SPECULATORS
+
+    cfg = json.load(open(os.path.join(foreign, "config.json")))
+    assert cfg["norm_before_residual"] is True
+    assert {k: cfg[k] for k in EAGLE3_SPECULATORS} == EAGLE3_SPECULATORS  # what --to speculators names a head
     out = str(tmp_path / "imported")
     meta = import_drafter(foreign, out, target)
     assert meta["feature_layers"] == LAYERS and meta["drafter"]["norm_before_residual"] is True  # vLLM ids [1, 2, 4]
@@ -180,6 +184,20 @@ def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(tmp_pat
     meta = import_drafter(str(folder), out, target)
     assert meta["imported"]["format"] == "eagle3" and meta["feature_layers"] == LAYERS
     assert logits_gap(foreign, drafters.load(out, target), target) <= 1
+
+
+def test_a_speculators_export_naming_eagle3speculator_still_checks_and_imports(tmp_path, target, exported):
+    """An export of an earlier draftsmith named the head Eagle3Speculator (speculators' config default, which its
+    save_pretrained never writes): --check and import still take it; another name is refused by the check."""
+    from draftsmith.export import check
+
+    old = _copy(exported["speculators"][1], str(tmp_path / "old"), {"architectures": ["Eagle3Speculator"]})
+    assert "architectures = ['Eagle3Speculator']" in check(old)
+    meta = import_drafter(old, str(tmp_path / "imported"), target)
+    assert meta["imported"]["format"] == "speculators"
+    wrong = _copy(exported["speculators"][1], str(tmp_path / "wrong"), {"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(DraftsmithError, match=r"architectures = \['Eagle3DraftModel'\]"):
+        check(wrong)
 
 
 @pytest.fixture(scope="module")
