@@ -268,8 +268,9 @@ def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[
     lines += check_gguf_bytes(folder, gguf.DRAFT_FILE, info)
     prompts = prompts or default_prompts(target)
     lines += gguf.static_check(folder, "gguf", target, source)
-    lines += gguf.engine_check(folder, target, source, prompts)
-    lines += sweep_export(folder, INFO_FILE, target, source, prompts, sweep or Sweep())
+    sweep = sweep or Sweep()
+    lines += gguf.engine_check(folder, target, source, prompts, k=sweep.check_k)
+    lines += sweep_export(folder, INFO_FILE, target, source, prompts, sweep)
 
 
 def check_gguf_bytes(folder: str, name: str, info: dict[str, Any]) -> list[str]:
