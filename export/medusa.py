@@ -108,17 +108,23 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
 
 
 def load(folder: str, fmt: str, target: Target) -> Any:
+    c = read_config(folder, fmt)
+    return drafter_of(read_safetensors(os.path.join(folder, FILES[fmt])), c, fmt, target, folder)
+
+
+def drafter_of(tensors: dict[str, Any], c: dict[str, Any], fmt: str, target: Target, where: str) -> Any:
+    """The heads stored as ``tensors`` (``fmt``'s names; ``c``: :func:`read_config`'s fields) as a draftsmith
+    Medusa drafter on ``target``."""
     from ..drafters.common import frozen_copy, target_parts
     from ..drafters.medusa import MedusaDrafter, MedusaHeads
 
-    c = read_config(folder, fmt)
-    native = adapter("medusa", fmt, c["layers"]).from_engine(read_safetensors(os.path.join(folder, FILES[fmt])))
+    native = adapter("medusa", fmt, c["layers"]).from_engine(tensors)
     heads = MedusaHeads(frozen_copy(target_parts(target.model).norm), c["hidden"], c["vocab"], c["heads"], c["layers"])
     heads.to(device=target.device, dtype=target.dtype)
     missing, unexpected = heads.load_state_dict(native, strict=False)
     missing = [k for k in missing if not k.startswith("feature_norm.")]
     if missing or unexpected:
-        raise DraftsmithError(f"{folder} does not load back into draftsmith: missing {missing[:5]}, unexpected "
+        raise DraftsmithError(f"{where} does not load back into draftsmith: missing {missing[:5]}, unexpected "
                               f"{list(unexpected)[:5]}")
     return MedusaDrafter(heads.eval(), target.num_layers - 1, None)
 
@@ -126,7 +132,8 @@ def load(folder: str, fmt: str, target: Target) -> Any:
 def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
     """Medusa heads trained elsewhere (either layout) as (config, heads, record) for ``target`` (``export/importer.py``);
     the static checks of ``--check`` refuse another hidden size or vocabulary, or a tensor the layout lacks, in one
-    line. Medusa-2 checkpoints (heads fine-tuned together with the target) are not heads alone and are not read."""
+    line. A Medusa-2 checkpoint (heads fine-tuned together with the backbone, saved with it) is read by
+    ``export/medusa2.py``."""
     from ..drafters.medusa import MedusaConfig
 
     static_check(folder, fmt, target)
@@ -136,4 +143,4 @@ def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str,
         "base_model_name_or_path": c["raw"].get("base_model_name_or_path")}
 
 
-__all__ = ["FILES", "imported", "load", "static_check", "write"]
+__all__ = ["FILES", "drafter_of", "expected_tensors", "imported", "load", "static_check", "write"]

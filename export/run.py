@@ -35,7 +35,7 @@ from ..engines import llamacpp
 from ..files import atomic_dir, sha256_file
 from ..measure.engine_eval import DraftGGUF
 from ..target import Target, describe, load_target
-from . import dflash, eagle1, eagle3, gguf, hf, medusa
+from . import dflash, eagle1, eagle3, gguf, hf, medusa, medusa2
 from .conventions import engine_layer_ids
 from .served import Sweep, record_best, sweep_export
 from .source import Source, open_source, source_family
@@ -72,6 +72,8 @@ FORMATS: dict[str, Format] = {
     "speculators": Format(("eagle3", "peagle"), "vLLM (speculators format, Eagle3DraftModel / PEagleDraftModel)", eagle3),
     "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
     "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
+    "medusa2": Format(("medusa",), "the Medusa code (MedusaModel.from_pretrained): the target's weights and the heads "
+                      "in one folder, the Medusa-2 layout", medusa2),
     "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),
     "speculators-dflash": Format(("dflash", "dflash2"), "vLLM (speculators format, speculators_model_type dflash or "
                                  "dflash2)", dflash),

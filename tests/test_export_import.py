@@ -45,6 +45,7 @@ SOURCES = {  # case → (export format, the drafter it holds); a case is named b
     "eagle3": ("eagle3", lambda: Eagle3Config(feature_layers=LAYERS)),
     "medusa": ("medusa", lambda: MedusaConfig(num_heads=3, num_layers=2)),
     "medusa-vllm": ("medusa-vllm", lambda: MedusaConfig(num_heads=2, num_layers=1)),
+    "medusa2": ("medusa2", lambda: MedusaConfig(num_heads=2, num_layers=1)),
     "dflash": ("dflash", lambda: DFlashConfig(num_layers=2, block_size=6, feature_layers=[0, 2])),
     "speculators-dflash": ("speculators-dflash", lambda: DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 1],
                                                                       draft_vocab_size=1000)),
