@@ -55,8 +55,9 @@ def write(source: Any, fmt: str, out: str) -> None:
     write_json_file(os.path.join(out, "config.json"), cfg)
 
 
-def read_config(folder: str, fmt: str) -> dict[str, int]:
-    """(heads, layers, hidden, vocab) as the engine's config reader sees them (vLLM's renaming applied)."""
+def read_config(folder: str, fmt: str) -> dict[str, Any]:
+    """(heads, layers, hidden, vocab, dtype) as the engine's config reader sees them (vLLM's renaming applied; the
+    reference layout's dimensions off its tensors where its config names none: :func:`_projection_fields`)."""
     cfg = read_json(os.path.join(folder, "config.json"))
     if fmt == "medusa":
         keys = {"heads": "medusa_num_heads", "layers": "medusa_num_layers"}
@@ -71,11 +72,36 @@ def read_config(folder: str, fmt: str) -> dict[str, int]:
                 renamed["num_hidden_layers"] = value
         cfg = {**cfg, **renamed}
         keys = {"heads": "num_heads", "layers": "num_hidden_layers"}
+    if fmt == "medusa" and not {"hidden_size", "vocab_size", "torch_dtype"} <= set(cfg):
+        cfg = {**_projection_fields(folder, cfg.get("medusa_num_layers")), **cfg}
     try:
-        return {"heads": int(cfg[keys["heads"]]), "layers": int(cfg[keys["layers"]]), "hidden": int(cfg["hidden_size"]),
-                "vocab": int(cfg["vocab_size"]), "dtype": cfg.get("torch_dtype", "float32"), "raw": cfg}
+        out = {"heads": int(cfg[keys["heads"]]), "layers": int(cfg[keys["layers"]]), "hidden": int(cfg["hidden_size"]),
+               "vocab": int(cfg["vocab_size"]), "dtype": cfg.get("torch_dtype", "float32"), "raw": cfg}
     except (KeyError, TypeError, ValueError) as e:
         raise DraftsmithError(f"{folder}/config.json lacks a field the {fmt} loader reads: {e}") from e
+    if out["dtype"] not in DTYPES:
+        raise DraftsmithError(f"{folder}: the heads are stored as {out['dtype']}; draftsmith reads {', '.join(DTYPES)}")
+    return out
+
+
+def _projection_fields(folder: str, layers: Any) -> dict[str, Any]:
+    """hidden_size, vocab_size and torch_dtype of the reference layout read off head 0's projection ``0.{L}.weight``
+    [V, H]: the Medusa code's own training (``medusa/train/train_legacy.py``) writes a config of
+    ``medusa_num_heads``, ``medusa_num_layers`` and ``base_model_name_or_path`` only, and its loaders (and TGI's)
+    take the dimensions from the base model."""
+    from safetensors import SafetensorError, safe_open
+
+    path, name = os.path.join(folder, FILES["medusa"]), f"0.{layers}.weight"
+    try:
+        with safe_open(path, "pt") as f:
+            if name not in f.keys():
+                return {}
+            view = f.get_slice(name)
+            (vocab, hidden), dtype = view.get_shape(), view.get_dtype()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DraftsmithError(f"{path}: its {name} cannot be read as a [V, H] projection ({e})") from e
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    return {"hidden_size": hidden, "vocab_size": vocab, "torch_dtype": names.get(dtype, dtype)}
 
 
 def expected_tensors(c: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:

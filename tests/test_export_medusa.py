@@ -1,8 +1,10 @@
-"""Medusa-2: a checkpoint of heads fine-tuned together with their backbone, built in the test the way the Medusa code
-builds and saves one (a tiny random Llama, its ``medusa_head`` of ``[ResBlock] * L`` blocks, save_pretrained in
-shards, the blocks' aliases dropped as transformers 4.x drops them), imports with the logits of Medusa's own forward,
-decodes against that backbone exactly as the backbone alone does (fp32 greedy), and is refused in one line with any
-other target, blocks that differ, or a missing or misshapen head tensor."""
+"""Medusa checkpoints as the Medusa code writes them, built in the test from its published classes: a Medusa-2
+model (a tiny random Llama, its ``medusa_head`` of ``[ResBlock] * L`` blocks, save_pretrained in shards, the blocks'
+aliases dropped as transformers 4.x drops them) imports with the logits of Medusa's own forward, decodes against its
+own backbone exactly as the backbone alone does (fp32 greedy), exports back, and is refused in one line with any
+other target, blocks that differ, or a missing or misshapen head tensor; the same heads as a Medusa-1 checkpoint of
+the Medusa code's training (``medusa_lm_head.safetensors`` and a config that names no dimension) import with the
+same logits."""
 
 from __future__ import annotations
 
@@ -202,6 +204,47 @@ def test_an_imported_medusa2_exports_back_to_medusa2_and_passes_its_check(tmp_pa
     state = model.state_dict()
     assert {k for k in written if k.startswith("medusa_head.")} == {k for k in state if k.startswith("medusa_head.")}
     assert all(torch.equal(written[k], state[k]) for k in written)  # the backbone too, tensor for tensor
+
+
+def save_medusa1(model: nn.Module, folder: str, base: str, dtype: torch.dtype = torch.float32) -> str:
+    """What the Medusa code's own Medusa-1 training writes (``medusa/train/train_legacy.py``): its ``MedusaConfig``
+    (the two keys, the base model, ``version``: no dimension, no dtype) and the heads' state dict by safetensors'
+    ``save_file`` (a repeated block's names cloned apart: save_file stores no tensor twice)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder)
+    config = {"medusa_num_heads": HEADS, "medusa_num_layers": model.config.medusa_num_layers,
+              "base_model_name_or_path": base, "version": "2", "transformers_version": "4.35.2"}
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    heads = {k: v.detach().to(dtype).clone() for k, v in model.medusa_head.state_dict().items()}
+    save_file(heads, os.path.join(folder, "medusa_lm_head.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_same_heads_as_a_medusa1_checkpoint_import_with_the_medusa_codes_logits(tmp_path, checkpoint, backbone,
+                                                                                     dtype):
+    """Medusa-1 keeps the backbone frozen: the checkpoint is the heads alone, for its base model (here the Medusa-2
+    model's backbone); their dimensions and dtype are read off the projection, as the Medusa code takes them from the
+    base model. bf16 heads (a bf16 run's) give the logits of the same heads rounded to bf16."""
+    import copy
+
+    model, folder = checkpoint
+    heads = save_medusa1(model, str(tmp_path / "medusa1"), folder, dtype)
+    assert detect(heads) == "medusa"
+    out = str(tmp_path / "imported")
+    meta = import_drafter(heads, out, backbone)
+    assert (meta["drafter"]["num_heads"], meta["drafter"]["num_layers"]) == (HEADS, model.config.medusa_num_layers)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.medusa_head.parameters():
+            p.copy_(p.to(dtype))
+    x = torch.tensor([default_prompts(backbone)[0]])
+    drafter = drafters.load(out, backbone)
+    with torch.no_grad():
+        ours = drafter.module(backbone.forward(x, feature_layers=drafter.feature_layers).features)
+        theirs = medusa_logits(rounded, x)
+    assert float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
 
 
 def test_a_head_with_different_blocks_is_refused_for_medusa2_in_one_line(tmp_path, target):
