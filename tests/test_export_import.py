@@ -23,6 +23,7 @@ from draftsmith.drafters.common import shift_left
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import IMPORTS, export, import_drafter
 from draftsmith.export.eagle3 import speculators_logits
+from draftsmith.export.conventions import native_layer_ids
 from draftsmith.export.importer import detect
 from draftsmith.export.run import LOGIT_TOLERANCE, compare_proposals, default_prompts
 from draftsmith.target import load_target
@@ -199,6 +200,88 @@ def test_a_speculators_export_naming_eagle3speculator_still_checks_and_imports(t
     wrong = _copy(exported["speculators"][1], str(tmp_path / "wrong"), {"architectures": ["LlamaForCausalLM"]})
     with pytest.raises(DraftsmithError, match=r"architectures = \['Eagle3DraftModel'\]"):
         check(wrong)
+
+
+def sglang_eagle3_drafts(folder: str, target, ids: list[int], steps: int = 2) -> tuple[torch.Tensor, list[int]]:
+    """SGLang's EAGLE-3 draft model on an eagle3-layout folder (its tensors, the target's embedding), written from
+    ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``) in plain torch: the draft extend over
+    ``ids`` (row t: the token ids[t + 1], the target's fused features of position t through ``fc``), then
+    ``steps`` - 1 draft decode steps, each reading the previous step's pre-norm state (``hidden_states_to_aux``) and
+    token and attending to the rows before it. Returns the extend's logits [S - 1, Vd] and the greedy drafts (target
+    ids: ``hot_token_id = d2t + arange``)."""
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    layers = native_layer_ids(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers, "sglang")
+    embed = target.model.get_input_embeddings().weight
+    hot = w["d2t"] + torch.arange(w["d2t"].shape[0])
+
+    def rms(x, name):  # RMSNorm
+        return w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # [S, n, d] at positions [S] (neox style: rotate_half)
+        inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angle = torch.cat([pos[:, None] * inv[None]] * 2, -1)[:, None]  # [S, 1, d]
+        half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+        return x * angle.cos() + half * angle.sin()
+
+    cache_k, cache_v = [], []
+
+    def midlayer(embeds, hidden, pos):  # LlamaDecoderLayer.forward of llama_eagle3.py, then LlamaModel's norm
+        residual = hidden
+        x = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(hidden, "midlayer.hidden_norm.weight")], -1)
+        q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, d), pos)
+        cache_k.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, nkv, d), pos))
+        cache_v.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, nkv, d))
+        k, v = (torch.cat(c).repeat_interleave(nh // nkv, dim=1) for c in (cache_k, cache_v))  # [T, nh, d]
+        scores = torch.einsum("snd,tnd->nst", q, k) / d ** 0.5
+        past = k.shape[0] - q.shape[0]
+        scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(past + 1), float("-inf"))
+        attn = torch.einsum("nst,tnd->snd", scores.softmax(-1), v).reshape(q.shape[0], nh * d)
+        residual = attn @ w["midlayer.self_attn.o_proj.weight"].T + residual  # post_attention_layernorm(h, residual)
+        x = rms(residual, "midlayer.post_attention_layernorm.weight")
+        x = (torch.nn.functional.silu(x @ w["midlayer.mlp.gate_proj.weight"].T) * (x @ w["midlayer.mlp.up_proj.weight"].T)
+             ) @ w["midlayer.mlp.down_proj.weight"].T
+        aux = x + residual  # norm(hidden_states, residual): the sum, then the norm
+        return aux, rms(aux, "norm.weight") @ w["lm_head.weight"].T
+
+    with torch.no_grad():
+        feats = target.forward(torch.tensor([ids[:-1]]), feature_layers=tuple(layers)).features[0]  # [S - 1, 3H]
+        n = feats.shape[0]
+        aux, logits = midlayer(embed[ids[1:]], feats @ w["fc.weight"].T, torch.arange(n, dtype=torch.float32))
+        extend, drafts = logits, [int(hot[logits[-1].argmax()])]
+        for step in range(1, steps):
+            aux, logits = midlayer(embed[drafts[-1:]], aux[-1:], torch.tensor([n - 1.0 + step]))
+            drafts.append(int(hot[logits[-1].argmax()]))
+    return extend, drafts
+
+
+def test_the_eagle3_layout_computes_what_sglangs_forward_computes(tmp_path, target, exported):
+    """The eagle3-layout head, imported, against SGLang's own draft model on the same folder (a reference forward
+    written from its code): the draft extend's logits over a prompt and the drafts of two chain steps, which the
+    runtime proposes; the same head on the features one layer up is not equal."""
+    from draftsmith.decode.sampling import Warp
+
+    folder = exported["eagle3"][1]
+    out = str(tmp_path / "imported")
+    import_drafter(folder, out, target)
+    drafter = drafters.load(out, target)
+    prompt = default_prompts(target)[0]
+    with torch.no_grad():
+        out_t = target.forward(torch.tensor([prompt]), feature_layers=tuple(drafter.feature_layers))
+    ids = prompt + [int(out_t.logits[0, -1].argmax())]  # the prefill commits the target's first token
+    theirs, their_drafts = sglang_eagle3_drafts(folder, target, ids)
+    with torch.no_grad():
+        _, ours = drafter.module(torch.tensor([ids[1:]]), out_t.features)
+    assert float((ours[0] - theirs).abs().max()) <= LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max()))
+    drafter.reset()
+    drafter.update(torch.tensor(ids), out_t.features[0])
+    assert drafter.propose(2, Warp(), None).tokens.tolist() == their_drafts
+    shifted = [min(i + 1, target.num_layers - 1) for i in drafter.feature_layers]  # the features one layer up
+    with torch.no_grad():
+        _, off = drafter.module(torch.tensor([ids[1:]]), target.forward(torch.tensor([prompt]),
+                                                                         feature_layers=tuple(shifted)).features)
+    assert float((off[0] - theirs).abs().max()) > 100 * LOGIT_TOLERANCE
 
 
 @pytest.fixture(scope="module")
