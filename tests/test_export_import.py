@@ -284,6 +284,83 @@ def test_the_eagle3_layout_computes_what_sglangs_forward_computes(tmp_path, targ
     assert float((off[0] - theirs).abs().max()) > 100 * LOGIT_TOLERANCE
 
 
+def zlab_dflash_block(folder: str, target, ids: list[int]) -> torch.Tensor:
+    """z-lab's DFlashDraftModel on a z-lab folder (its tensors; the target's embedding and lm_head, as its
+    ``dflash_generate`` passes them), written from z-lab/dflash ``dflash/model.py`` in plain torch: the first block
+    after the prefill of ``ids[:-1]`` — context = the target's ``hidden_states[id + 1]`` of every prompt position
+    through ``hidden_norm(fc(·))``, the block = [ids[-1], mask × (Bs − 1)] at the positions after them, each layer's
+    queries from the block, keys/values from [context ; block] (q/k norms, RoPE, no mask: its attention is not causal
+    on full-attention layers), the final norm and the target's lm_head. Returns the logits of the Bs − 1 masked rows
+    (``[:, 1 - verify_size:]``)."""
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    draft = cfg["dflash_config"]
+    bs, theta = draft["block_size"], (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+
+    def rms(x, weight):  # Qwen3RMSNorm
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    with torch.no_grad():
+        prompt = torch.tensor([ids[:-1]])
+        ctx = target.forward(prompt, feature_layers=tuple(draft["target_layer_ids"])).features[0]  # [n, L·H]
+        ctx = rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"])
+        n = ctx.shape[0]
+        h = target.model.get_input_embeddings().weight[[ids[-1]] + [draft["mask_token_id"]] * (bs - 1)]  # raw, ×1.0
+        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angle = torch.cat([torch.arange(n + bs, dtype=torch.float32)[:, None] * inv] * 2, -1)[:, None]  # [n+Bs, 1, d]
+        rope = lambda x, a: x * a.cos() + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * a.sin()  # noqa: E731
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            residual, x = h, rms(h, w[p + "input_layernorm.weight"])
+            q = rms((x @ w[p + "self_attn.q_proj.weight"].T).view(bs, nh, d), w[p + "self_attn.q_norm.weight"])
+            k = torch.cat([ctx, x]) @ w[p + "self_attn.k_proj.weight"].T
+            k = rms(k.view(n + bs, nkv, d), w[p + "self_attn.k_norm.weight"])
+            v = (torch.cat([ctx, x]) @ w[p + "self_attn.v_proj.weight"].T).view(n + bs, nkv, d)
+            q, k = rope(q, angle[-bs:]), rope(k, angle)  # the queries take the last q_len positions
+            k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
+            attn = torch.einsum("snd,tnd->nst", q, k).mul(d ** -0.5).softmax(-1)
+            h = residual + torch.einsum("nst,tnd->snd", attn, v).reshape(bs, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+            residual, x = h, rms(h, w[p + "post_attention_layernorm.weight"])
+            h = residual + (torch.nn.functional.silu(x @ w[p + "mlp.gate_proj.weight"].T)
+                            * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        return rms(h, w["norm.weight"])[1:] @ target.model.get_output_embeddings().weight.T  # [Bs - 1, V]
+
+
+def test_the_zlab_dflash_layout_computes_what_zlabs_forward_computes(tmp_path, target, exported):
+    """The z-lab-layout drafter, imported, against z-lab's own DFlashDraftModel on the same folder (a reference forward
+    written from its code): the first block's logits after a prompt, and the drafts the runtime proposes are its
+    argmax; the same drafter on the features one layer up is not equal."""
+    from draftsmith.decode.sampling import Warp
+
+    folder = exported["dflash"][1]
+    out = str(tmp_path / "imported")
+    import_drafter(folder, out, target)
+    drafter = drafters.load(out, target)
+    m = drafter.module
+    prompt = default_prompts(target)[0]
+    with torch.no_grad():
+        out_t = target.forward(torch.tensor([prompt]), feature_layers=tuple(m.feature_layers))
+    ids = prompt + [int(out_t.logits[0, -1].argmax())]  # the prefill commits the target's first token
+    theirs = zlab_dflash_block(folder, target, ids)
+
+    def ours(features):
+        n, positions = len(prompt), torch.arange(len(prompt) + m.block_size)[None]
+        block = torch.tensor([[ids[-1]] + [m.mask_token_id] * (m.block_size - 1)])
+        with torch.no_grad():
+            return m.lm_head(m(block, positions[:, n:], m.context(features, positions[:, :n]))[0])[1:]  # [Bs - 1, V]
+
+    scale = max(1.0, float(theirs.abs().max()))
+    assert float((ours(out_t.features) - theirs).abs().max()) <= LOGIT_TOLERANCE * scale
+    drafter.reset()
+    drafter.update(torch.tensor(ids), out_t.features[0])
+    assert drafter.propose(m.block_size - 1, Warp(), None).tokens.tolist() == theirs.argmax(-1).tolist()
+    shifted = [min(i + 1, target.num_layers - 1) for i in m.feature_layers]
+    with torch.no_grad():
+        off = ours(target.forward(torch.tensor([prompt]), feature_layers=tuple(shifted)).features)
+    assert float((off - theirs).abs().max()) > 100 * LOGIT_TOLERANCE * scale
+
+
 @pytest.fixture(scope="module")
 def foreign_peagle(tmp_path_factory, tiny_target_dir, target, vocab):
     return speculators_checkpoint(str(tmp_path_factory.mktemp("foreign") / "peagle"), tiny_target_dir, target, vocab,
