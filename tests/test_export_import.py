@@ -286,12 +286,14 @@ def test_the_eagle3_layout_computes_what_sglangs_forward_computes(tmp_path, targ
 
 def zlab_dflash_block(folder: str, target, ids: list[int]) -> torch.Tensor:
     """z-lab's DFlashDraftModel on a z-lab folder (its tensors; the target's embedding and lm_head, as its
-    ``dflash_generate`` passes them), written from z-lab/dflash ``dflash/model.py`` in plain torch: the first block
-    after the prefill of ``ids[:-1]`` — context = the target's ``hidden_states[id + 1]`` of every prompt position
+    ``dflash_generate`` passes them: the raw embedding rows × ``input_embedding_scale``), written from z-lab/dflash
+    ``dflash/model.py`` in plain torch: the first block after the prefill of ``ids[:-1]`` — context = the target's ``hidden_states[id + 1]`` of every prompt position
     through ``hidden_norm(fc(·))``, the block = [ids[-1], mask × (Bs − 1)] at the positions after them, each layer's
     queries from the block, keys/values from [context ; block] (q/k norms, RoPE, no mask: its attention is not causal
     on full-attention layers), the final norm and the target's lm_head. Returns the logits of the Bs − 1 masked rows
     (``[:, 1 - verify_size:]``)."""
+    from transformers.activations import ACT2FN
+
     cfg = json.load(open(os.path.join(folder, "config.json")))
     w = load_file(os.path.join(folder, "model.safetensors"))
     eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -301,12 +303,14 @@ def zlab_dflash_block(folder: str, target, ids: list[int]) -> torch.Tensor:
     def rms(x, weight):  # Qwen3RMSNorm
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
+    act = ACT2FN[cfg["hidden_act"]]  # Qwen3MLP's
     with torch.no_grad():
         prompt = torch.tensor([ids[:-1]])
         ctx = target.forward(prompt, feature_layers=tuple(draft["target_layer_ids"])).features[0]  # [n, L·H]
         ctx = rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"])
         n = ctx.shape[0]
-        h = target.model.get_input_embeddings().weight[[ids[-1]] + [draft["mask_token_id"]] * (bs - 1)]  # raw, ×1.0
+        h = target.model.get_input_embeddings().weight[[ids[-1]] + [draft["mask_token_id"]] * (bs - 1)]  # raw rows
+        h = h * float(draft.get("input_embedding_scale", cfg.get("input_embedding_scale", 1.0)))  # _draft_value
         inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         angle = torch.cat([torch.arange(n + bs, dtype=torch.float32)[:, None] * inv] * 2, -1)[:, None]  # [n+Bs, 1, d]
         rope = lambda x, a: x * a.cos() + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * a.sin()  # noqa: E731
@@ -322,7 +326,7 @@ def zlab_dflash_block(folder: str, target, ids: list[int]) -> torch.Tensor:
             attn = torch.einsum("snd,tnd->nst", q, k).mul(d ** -0.5).softmax(-1)
             h = residual + torch.einsum("nst,tnd->snd", attn, v).reshape(bs, nh * d) @ w[p + "self_attn.o_proj.weight"].T
             residual, x = h, rms(h, w[p + "post_attention_layernorm.weight"])
-            h = residual + (torch.nn.functional.silu(x @ w[p + "mlp.gate_proj.weight"].T)
+            h = residual + (act(x @ w[p + "mlp.gate_proj.weight"].T)
                             * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
         return rms(h, w["norm.weight"])[1:] @ target.model.get_output_embeddings().weight.T  # [Bs - 1, V]
 
@@ -359,6 +363,45 @@ def test_the_zlab_dflash_layout_computes_what_zlabs_forward_computes(tmp_path, t
     with torch.no_grad():
         off = ours(target.forward(torch.tensor([prompt]), feature_layers=tuple(shifted)).features)
     assert float((off - theirs).abs().max()) > 100 * LOGIT_TOLERANCE * scale
+
+
+def test_a_gemma_targets_zlab_export_carries_its_embedding_scale(tmp_path, smollm2_tokenizer):
+    """Gemma's embedding module scales its rows by √H, which draftsmith's drafter reads as the target's embedding; z-lab's
+    code reads the raw rows × input_embedding_scale: the export writes it, z-lab's forward then computes the drafter's
+    logits, and the import takes it back; a folder without it (× 1) is refused in one line."""
+    from draftsmith.export.dflash import embedding_scale
+
+    from .test_architectures import tiny_gemma3
+
+    folder = str(tmp_path / "gemma3")
+    tiny_gemma3().save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    gemma = load_target(folder, "float32", "cpu")
+    assert embedding_scale(gemma) == pytest.approx(32 ** 0.5)
+    config = DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 2])
+    module = config.build_module(gemma)
+    perturb(module)
+    source, zlab = str(tmp_path / "drafter"), str(tmp_path / "zlab")
+    drafters.save(source, config, module, gemma)
+    export(source, "dflash", zlab)
+    cfg = json.load(open(os.path.join(zlab, "config.json")))
+    assert cfg["dflash_config"]["input_embedding_scale"] == embedding_scale(gemma)
+    m = drafters.load(source, gemma).module
+    prompt = torch.randint(100, 2000, (12,), generator=torch.Generator().manual_seed(0)).tolist()  # its 2,048 ids
+    with torch.no_grad():
+        out = gemma.forward(torch.tensor([prompt]), feature_layers=tuple(m.feature_layers))
+        ids = prompt + [int(out.logits[0, -1].argmax())]
+        n, positions = len(prompt), torch.arange(len(prompt) + m.block_size)[None]
+        block = torch.tensor([[ids[-1]] + [m.mask_token_id] * (m.block_size - 1)])
+        ours = m.lm_head(m(block, positions[:, n:], m.context(out.features, positions[:, :n]))[0])[1:]
+    theirs = zlab_dflash_block(zlab, gemma, ids)
+    assert float((ours - theirs).abs().max()) <= LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max()))
+    assert import_drafter(zlab, str(tmp_path / "imported"), gemma)["drafter"]["type"] == "dflash"
+    del cfg["dflash_config"]["input_embedding_scale"]
+    json.dump(cfg, open(os.path.join(zlab, "config.json"), "w"))
+    with pytest.raises(DraftsmithError, match=r"input_embedding_scale 1 .* the target embedding's own 5.65685") as e:
+        import_drafter(zlab, str(tmp_path / "unscaled"), gemma)
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -455,8 +498,10 @@ def _copy(src: str, dst: str, config: dict | None = None, tensors=None) -> str:
     cfg = json.load(open(os.path.join(src, "config.json")))
     cfg.update(config or {})
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
-    state = load_file(os.path.join(src, "model.safetensors"))
-    save_file(tensors(state) if tensors else state, os.path.join(dst, "model.safetensors"))
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            state = load_file(os.path.join(src, name))
+            save_file(tensors(state) if tensors else state, os.path.join(dst, name))
     return dst
 
 
@@ -471,6 +516,11 @@ def other_target(tmp_path_factory, smollm2_tokenizer):
     return load_target(path, "float32", "cpu")
 
 
+def _dflash_config(folder: str, **change) -> dict:
+    """The change of a z-lab config.json that sets ``change`` in its dflash_config."""
+    return {"dflash_config": {**json.load(open(os.path.join(folder, "config.json")))["dflash_config"], **change}}
+
+
 def _layer_config(folder: str, **change) -> dict:
     """The change of a speculators config.json that sets ``change`` in its transformer_layer_config."""
     return {"transformer_layer_config": {**json.load(open(os.path.join(folder, "config.json")))["transformer_layer_config"],
@@ -481,7 +531,7 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target
                                                                 foreign_peagle, foreign_dflash2):
     spec = exported["speculators"][1]
     other_embedding = lambda s: {**s, "embed_tokens.weight": s["embed_tokens.weight"] + 0.5}  # noqa: E731
-    d2 = foreign_dflash2
+    d2, sg, zl = foreign_dflash2, exported["eagle3"][1], exported["dflash"][1]
     cases = {  # name: (folder, target, config changes, tensor changes, message)
         "fingerprint": (spec, other_target, None, None, "exported for target fingerprint .* pass that one with --target"),
         "embedding": (foreign, target, None, other_embedding, "is not .*'s: it was trained for another target"),
@@ -501,6 +551,26 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target
         "dflash2-vocabulary": (d2, target, {**_layer_config(d2, vocab_size=32000), "draft_vocab_size": 32000}, None,
                                "vocab_size 32000 .* another target"),
         "dflash2-layers": (d2, target, {"aux_hidden_state_layer_ids": [1, 9]}, None, "layer id 9 names no decoder output"),
+        # the layouts whose foreign checkpoints are read by a reference forward above (SGLang's, z-lab's) and Medusa's
+        "eagle3-vocabulary": (sg, target, {"vocab_size": 32000}, None, "vocabulary 32000"),
+        "eagle3-hidden": (sg, target, {"target_hidden_size": 32}, None, "hidden size 32"),
+        "eagle3-layers": (sg, target, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9],
+                                                        "use_aux_hidden_state": True}}, None, "sglang layer id 9 names no decoder"),
+        "eagle3-rope": (sg, target, {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                        None, "rope_theta 500000.0 is not the 10000.0"),
+        "dflash-vocabulary": (zl, target, {"vocab_size": 32000}, None, "vocab_size 32000 .* another target"),
+        "dflash-layers": (zl, target, _dflash_config(zl, target_layer_ids=[0, 9]), None, "layer id 9 names no decoder"),
+        "dflash-rope": (zl, target, {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                        None, "rope_theta 500000.0 is not the 10000.0"),
+        "dflash-eps": (zl, target, {"rms_norm_eps": 1e-3}, None, r"rms_norm_eps \(0.001 vs 1e-06\)"),
+        "dflash-embedding-scale": (zl, target, _dflash_config(zl, input_embedding_scale=8.0), None,
+                                   "input_embedding_scale 8 .* the target embedding's own 1"),
+        "dflash-softcap": (zl, target, {"final_logit_softcapping": 30.0}, None, "no output_multiplier or final_logit"),
+        "dflash-causal": (zl, target, _dflash_config(zl, is_causal=True), None, "no is_causal"),
+        "dflash-sliding": (zl, target, {"layer_types": ["sliding_attention", "full_attention"]}, None,
+                           "no sliding_attention layer_types"),
+        "medusa-vocabulary": (exported["medusa"][1], target, {"vocab_size": 32000}, None, "64 / 32000 are not the "
+                                                                                         "target's 64 / 49152"),
     }
     for name, (src, tgt, config, tensors, match) in cases.items():
         folder = _copy(src, str(tmp_path / name), config, tensors) if (config or tensors) else src
