@@ -98,6 +98,43 @@ def test_export_then_import_is_an_identity(tmp_path, target, exported, case):
     assert "max |Δq| = 0.0e+00" in lines[0]
 
 
+def test_every_imported_drafter_decodes_trees_as_the_target_alone(tmp_path, target, exported):
+    """An imported folder is an ordinary drafter for the tree decoder: each family's import, greedy fp32 with a dynamic
+    tree (EAGLE-2's) and a static one (Medusa's kind), gives the target's own greedy output."""
+    from draftsmith.decode.reference import target_greedy
+    from draftsmith.decode.tree import DynamicTree, StaticTree, tree_decode
+
+    prompt = default_prompts(target)[1]
+    expected = target_greedy(target, prompt, 12)
+    for case in SOURCES:
+        out = str(tmp_path / case)
+        import_drafter(exported[case][1], out, target)
+        drafter = drafters.load(out, target)
+        for shape in (DynamicTree(depth=3, top_k=2, budget=6), StaticTree.named_or_given([[0], [1], [0, 0]])):
+            assert tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=12).tokens == expected, (case, shape)
+
+
+def test_an_imported_checkpoint_goes_through_eval_and_report(tmp_path, tiny_target_dir, target, foreign):
+    """speculators' own checkpoint, imported, is a saved drafter to ``eval`` (with dynamic trees, fp32: every output
+    identical to the target alone's) and to ``report`` (which measures chains)."""
+    from draftsmith.config import load_recipe
+    from draftsmith.eval.run import run_eval_recipe
+    from draftsmith.report.run import run_report
+
+    out = str(tmp_path / "imported")
+    import_drafter(foreign, out, target)
+    common = [f"target.name={tiny_target_dir}", "target.dtype=float32", "drafter.type=saved", f"drafter.path={out}",
+              "eval.prompts=copyheavy", "eval.num_prompts=2", "eval.baselines=[]", "eval.repeats=1",
+              "eval.check_identity=true", "decode.max_new_tokens=6"]
+    metrics = run_eval_recipe(load_recipe("smollm2-135m-eagle3", [*common, "decode.tree=dynamic",
+                                                                   f"run_dir={tmp_path / 'eval'}"]))
+    assert metrics["identity"] == {"dtype": "float32", "identical": 2, "prompts": 2} and metrics["new_tokens"] == 12
+    assert max(int(n) for n in metrics["tree_size_histogram"]) > metrics["k"]  # trees, wider than a chain
+    report = run_report(load_recipe("smollm2-135m-eagle3", [
+        *common, f"run_dir={tmp_path / 'report'}", "report.seeds=[]", "report.turns=1", "report.per_category=0"]))
+    assert os.path.isfile(os.path.join(tmp_path, "report", "report", "report.json")) and report
+
+
 def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3,
                            depths: int = 0, **flags: bool) -> str:
     """A foreign checkpoint: speculators' own ``Eagle3DraftModel`` (with ``depths``: its ``PEagleDraftModel`` drafting
