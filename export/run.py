@@ -15,7 +15,8 @@ speculative decode with it accepts the source's drafts round for round, and per 
 ``speculators`` — speculators' own ``Eagle3DraftModel`` (``PEagleDraftModel`` for P-EAGLE) loads every tensor and its logits on
 the same hidden states equal draftsmith's head's (fp32 tolerance); ``dflash`` / ``speculators-dflash`` —
 the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its ``DFlashConverter``), and
-``DFlash2DraftModel`` for a DFlash2 drafter (its selector scores too).
+``DFlash2DraftModel`` for a DFlash2 drafter (its selector scores too); ``medusa2`` — the backbone saved beside the
+heads is the target (its fingerprint, the heads' tensors left out).
 """
 
 from __future__ import annotations
