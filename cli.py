@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None,
                    help="target to check the drafter against (default: the one the drafter or its run records)")
     p.add_argument("--check", metavar="DIR", default=None, help="prove the export in DIR instead of exporting")
-    p.add_argument("--k", default=None, help="with --check of a gguf export: the draft lengths served (default 1,2)")
+    p.add_argument("--k", default=None, help="with --check of a gguf export: the draft lengths served (default 1,2); "
+                                            "the engine check compares acceptance at the largest (default 3)")
     p.add_argument("--p-min", default=None, help="with --check of a gguf export: llama.cpp's --spec-draft-p-min "
                                                   "gates served at each k (default 0,0.5)")
     p.add_argument("--target-type", default=None, help="with --check of a gguf export: the target GGUF it is served "
@@ -393,6 +394,7 @@ def sweep_of(given: dict[str, Any]) -> Any:
     try:
         if given["ks"] is not None:
             fields["ks"] = tuple(int(x) for x in given["ks"].split(","))
+            fields["check_k"] = max(fields["ks"])
         if given["p_mins"] is not None:
             fields["p_mins"] = tuple(float(x) for x in given["p_mins"].split(","))
     except ValueError as e:

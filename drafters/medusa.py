@@ -172,7 +172,7 @@ class MedusaConfig:
     num_heads: int = 4
     """K: heads, i.e. the most tokens proposed per round (head k predicts k+1 tokens past the target's next)."""
     num_layers: int = 1
-    """Residual SiLU blocks per head."""
+    """Residual SiLU blocks per head (0: the projection alone, the default of Medusa-2's training code)."""
     seed: int = 0
     """Seed of the random initialization of the block biases."""
 
@@ -182,8 +182,8 @@ class MedusaConfig:
     def validate(self) -> None:
         if self.num_heads < 1:
             raise ConfigError(f"drafter.num_heads = {self.num_heads}: Medusa needs at least 1 head")
-        if self.num_layers < 1:
-            raise ConfigError(f"drafter.num_layers = {self.num_layers}: each Medusa head needs at least 1 residual block")
+        if self.num_layers < 0:
+            raise ConfigError(f"drafter.num_layers = {self.num_layers}: a Medusa head has 0 or more residual blocks")
 
     def build(self, target: Target) -> MedusaDrafter:
         return self.runtime(self.build_module(target), target)

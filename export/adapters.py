@@ -103,6 +103,10 @@ MEDUSA = [Rule("heads.{h}.{l}.linear.{p}", "{h}.{l}.linear.{p}"), Rule("heads.{h
 # vLLM vllm/model_executor/models/medusa.py: blocks.{h}.layers.{l}.{weight,bias} (bias iff
 # medusa_fc_bias), lm_heads.{h}.weight; names it does not know are dropped silently.
 MEDUSA_VLLM = [Rule("heads.{h}.{l}.linear.{p}", "blocks.{h}.layers.{l}.{p}"), Rule("heads.{h}.{L}.weight", "lm_heads.{h}.weight")]
+# Medusa-2 (FasterDecoding/Medusa medusa_model.py, ctlllll/axolotl monkeypatch/medusa_utils.py): the heads are the
+# model's medusa_head module, saved with the backbone by save_pretrained: the reference layout's names (that module's
+# state dict) under medusa_head.; the backbone's tensors are not the drafter's (export/medusa2.py keeps them apart).
+MEDUSA2 = [Rule(rule.native, "medusa_head." + rule.engine) for rule in MEDUSA]
 # DFlash: z-lab's DFlashDraftModel, speculators' DFlashDraftModel (its converter copies the z-lab body
 # as is) and llama.cpp's converter read the same body names; the embedding and lm_head are the target's.
 DFLASH = [Rule("fc.{p}", "fc.{p}"), Rule("hidden_norm.{p}", "hidden_norm.{p}"), Rule("layers.{l}.{p}", "layers.{l}.{p}"),
@@ -131,6 +135,7 @@ def adapter(family: str, fmt: str, num_layers: int = 1, reduced_vocab: bool = Fa
         ("peagle", "speculators"): lambda: StateDictAdapter(family, fmt, SPECULATORS + [Rule("mask_hidden", "mask_hidden")]),
         ("medusa", "medusa"): lambda: StateDictAdapter(family, fmt, MEDUSA, ("feature_norm.",), {"L": num_layers}),
         ("medusa", "medusa-vllm"): lambda: StateDictAdapter(family, fmt, MEDUSA_VLLM, ("feature_norm.",), {"L": num_layers}),
+        ("medusa", "medusa2"): lambda: StateDictAdapter(family, fmt, MEDUSA2, ("feature_norm.",), {"L": num_layers}),
         ("draft_lm", "hf"): lambda: StateDictAdapter(family, fmt, HF),
         ("dflash", "dflash"): lambda: StateDictAdapter(family, fmt, DFLASH, skip=("embed_tokens.", "lm_head.")),
         ("dflash", "speculators-dflash"): lambda: StateDictAdapter(

@@ -70,7 +70,7 @@ from ..errors import DraftsmithError
 from ..target import Target
 from .adapters import adapter
 from .conventions import engine_layer_ids, native_layer_ids
-from .eagle3 import layer_fields, verifier_path
+from .eagle3 import layer_fields, refuse_layer_config, verifier_path
 from .tensors import DTYPES, loaded_mismatch, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
     write_safetensors
 
@@ -90,8 +90,9 @@ def qwen3_fields(module: Any) -> dict[str, Any]:
 
 def zlab_config(source: Any) -> dict[str, Any]:
     """z-lab's config; a DFlash2's (``DFlash2DraftModel``, for llama.cpp's converter only) adds its conv and selector
-    sizes to ``dflash_config``, where the converter reads them."""
-    m = source.drafter.module
+    sizes to ``dflash_config``, where the converter reads them; a target whose embedding scales its rows (Gemma) adds
+    ``input_embedding_scale``, which z-lab's code applies to the raw embedding."""
+    m, scale = source.drafter.module, embedding_scale(source.target)
     extra = {name: int(getattr(source.drafter.config, name)) for name in DFLASH2_FIELDS} if source.family == "dflash2" else {}
     return {
         "architectures": ["DFlash2DraftModel" if extra else "DFlashDraftModel"],
@@ -100,7 +101,7 @@ def zlab_config(source: Any) -> dict[str, Any]:
         "block_size": int(m.block_size),
         "dflash_config": {"block_size": int(m.block_size), "mask_token_id": int(m.mask_token_id),
                           "target_layer_ids": engine_layer_ids(m.feature_layers, source.target.num_layers, "zlab"),
-                          **extra},
+                          **extra, **({"input_embedding_scale": scale} if scale != 1.0 else {})},
         "torch_dtype": dtype_name(source.dtype),
         "dtype": dtype_name(source.dtype),
     }
@@ -166,6 +167,19 @@ def refuse_draft_vocab(source: Any, fmt: str) -> None:
 
 
 # ---------------------------------------------------------------- reading back
+
+
+def _zlab_value(cfg: dict[str, Any], name: str, default: Any = None) -> Any:
+    """A draft option as z-lab's code reads it (``_draft_value``): ``dflash_config``'s, else the config's own."""
+    return (cfg.get("dflash_config") or {}).get(name, cfg.get(name, default))
+
+
+def embedding_scale(target: Target) -> float:
+    """What the target's embedding module multiplies its rows by (Gemma's ``embed_scale``, √H; 1 for most): the
+    scale draftsmith's DFlash applies, as it reads the target's embedding module."""
+    from ..drafters.common import target_parts
+
+    return float(getattr(target_parts(target.model).embed, "embed_scale", 1.0))
 
 
 def _layers(cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
@@ -268,6 +282,17 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
          and lc.get("attention_bias") is False and not lc.get("use_sliding_window"),
          "a Qwen3 layer config with the target's dimensions, no bias, no sliding window, untied"
          + (f": it has {', '.join(differ)}, trained for another target" if differ else ""))
+    refuse_layer_config(lc, target, folder, ("hidden_act", "rms_norm_eps"))
+    done.append("hidden_act, rms_norm_eps and RoPE are those the draft layers are built with for the target")
+    if fmt == "dflash":
+        scale, own = float(_zlab_value(cfg, "input_embedding_scale", 1.0)), embedding_scale(target)
+        need(abs(scale - own) <= 1e-3 * own, f"input_embedding_scale {scale:g} (z-lab's code scales the raw embedding "
+             f"by it) = the target embedding's own {own:g} (draftsmith's drafter reads the target's embedding as it is)")
+        need(float(_zlab_value(cfg, "output_multiplier", 1.0)) == 1.0
+             and not float(_zlab_value(cfg, "final_logit_softcapping", 0.0) or 0.0),
+             "no output_multiplier or final_logit_softcapping (draftsmith's drafter reads the target's lm_head as it is)")
+        need(not _zlab_value(cfg, "is_causal") and all(t == "full_attention" for t in lc.get("layer_types") or []),
+             "every layer attends the whole block and context (no is_causal, no sliding_attention layer_types)")
     done += check_tensors(tensors, expected_tensors(cfg, fmt, len(fields["feature_layers"])), folder)
     if "d2t" in tensors:
         from ..data.vocab import check_draft_vocab

@@ -127,6 +127,15 @@ def verifier_path(target: Target) -> str:
     return os.path.abspath(folder) if os.path.isdir(folder) else folder
 
 
+EAGLE3_SPECULATORS = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3"}
+"""What names an EAGLE-3 head in the speculators format: what speculators 0.9.0's own ``Eagle3DraftModel.save_pretrained``
+writes (transformers writes the model class's name; ``Eagle3SpeculatorConfig``'s default ``Eagle3Speculator`` never
+reaches a saved checkpoint). Engines route by ``speculators_model_type`` (vLLM's ``SpeculatorsConfig``), and llama.cpp's
+converter registers both names (``conversion/__init__.py``); an export of an earlier draftsmith wrote
+``Eagle3Speculator``, which ``--check`` and ``draftsmith import`` still take (``SPECULATORS_EAGLE3_NAMES``)."""
+SPECULATORS_EAGLE3_NAMES = (EAGLE3_SPECULATORS["architectures"], ["Eagle3Speculator"])
+"""The ``architectures`` a speculators-format EAGLE-3 head is read with: speculators' own, and what draftsmith wrote
+before it wrote speculators' own."""
 PEAGLE = {"architectures": ["PEagleDraftModel"], "speculators_model_type": "peagle"}
 """What names a P-EAGLE head in the speculators format; its config also holds ``mask_token_id`` and
 ``speculative_tokens`` = the head's depths, and its file ``mask_hidden``.
@@ -148,11 +157,9 @@ def speculators_config(source: Any) -> dict[str, Any]:
     head = source.drafter.module
     vllm_ids, _ = _ids(source)
     peagle = source.family == "peagle"
-    extra = {**PEAGLE, "mask_token_id": int(head.mask_token_id)} if peagle else {}
+    names = {**PEAGLE, "mask_token_id": int(head.mask_token_id)} if peagle else EAGLE3_SPECULATORS
     return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        **extra,
+        **names,
         "transformer_layer_config": layer_fields(head.layer_config),
         "draft_vocab_size": int(head.d2t.shape[0]),
         "target_hidden_size": int(source.target.hidden_size),
@@ -284,9 +291,10 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
         done.append(what)
 
     kind = "peagle" if _is_peagle(cfg) else "eagle3"
-    arch = (PEAGLE["architectures"] if kind == "peagle" else ["Eagle3Speculator"]) if fmt == "speculators" \
-        else ["LlamaForCausalLMEagle3"]
-    need(cfg.get("architectures") == arch, f"architectures = {arch}")
+    names = ([PEAGLE["architectures"]] if kind == "peagle" else list(SPECULATORS_EAGLE3_NAMES)) \
+        if fmt == "speculators" else [["LlamaForCausalLMEagle3"]]
+    arch = cfg.get("architectures")
+    need(arch in names, f"architectures = {arch if arch in names else names[0]}")
     if fmt == "speculators":
         need(cfg.get("speculators_model_type") == kind, f"speculators_model_type = {kind}")
         spec = cfg.get("speculators_config") or {}
@@ -389,27 +397,14 @@ LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
 imported head whose fields differ would load into another shape (or silently another eps) when its folder is read."""
 
 
-def refuse_foreign(cfg: dict[str, Any], tensors: dict[str, Tensor], fmt: str, target: Target, where: str) -> None:
-    """Refuse, in one line, an EAGLE-3 checkpoint in ``fmt`` (``cfg``: its config.json, ``tensors``: its file) that
-    does not fit ``target`` or that draftsmith's head cannot compute: another vocabulary or hidden size, feature layers
-    the target does not have, an embedding other than the target's (speculators stores the verifier's: the one
-    fingerprint its folder carries), a layer config other than the one draftsmith builds for the target (another
-    layer family, such as speculators' Qwen3 layer with q/k norms), or more than one decoder layer."""
+def refuse_layer_config(lc: dict[str, Any], target: Target, where: str, keys: tuple[str, ...]) -> None:
+    """Refuse, in one line, a foreign head's layer config ``lc`` whose ``keys`` (those it names) or RoPE (theta, type)
+    differ from the layer config draftsmith builds its head's layers with for ``target``
+    (``drafters.common.draft_layer_config``): the head would load and silently compute something else."""
     from ..drafters.common import draft_layer_config
 
-    lc = _layer_section(cfg, fmt)
-    vocab, hidden = lc.get("vocab_size"), cfg.get("target_hidden_size") or lc.get("hidden_size")
-    if int(vocab or -1) != target.vocab_size or int(hidden or -1) != target.hidden_size:
-        raise DraftsmithError(f"{where} was trained for a target with vocabulary {vocab} and hidden size {hidden}, not "
-                              f"{target.name}'s {target.vocab_size} and {target.hidden_size}")
-    if lc.get("model_type", "llama") != "llama":
-        raise DraftsmithError(f"{where}: its decoder layer is a {lc.get('model_type')} layer; draftsmith's EAGLE-3 head "
-                              f"computes a Llama layer (another layer family is not imported yet)")
-    if int(lc.get("num_hidden_layers", 1)) != 1:
-        raise DraftsmithError(f"{where}: a {lc.get('num_hidden_layers')}-layer head; import reads one-layer EAGLE-3 heads "
-                              f"(the name table of layers 1… is not written yet)")
     ours = draft_layer_config(target.config)
-    differ = [k for k in LAYER_KEYS if k in lc and lc[k] != getattr(ours, k)]
+    differ = [k for k in keys if k in lc and lc[k] != getattr(ours, k)]
     if differ:
         raise DraftsmithError(f"{where}: its layer config differs from the one draftsmith builds for {target.name} in "
                               f"{', '.join(f'{k} ({lc[k]} vs {getattr(ours, k)})' for k in differ)}")
@@ -422,6 +417,26 @@ def refuse_foreign(cfg: dict[str, Any], tensors: dict[str, Tensor], fmt: str, ta
     if kind != (getattr(ours, "rope_parameters", None) or {}).get("rope_type", "default"):
         raise DraftsmithError(f"{where}: its RoPE type {kind!r} is not the one draftsmith builds the head with for "
                               f"{target.name}")
+
+
+def refuse_foreign(cfg: dict[str, Any], tensors: dict[str, Tensor], fmt: str, target: Target, where: str) -> None:
+    """Refuse, in one line, an EAGLE-3 checkpoint in ``fmt`` (``cfg``: its config.json, ``tensors``: its file) that
+    does not fit ``target`` or that draftsmith's head cannot compute: another vocabulary or hidden size, feature layers
+    the target does not have, an embedding other than the target's (speculators stores the verifier's: the one
+    fingerprint its folder carries), a layer config other than the one draftsmith builds for the target (another
+    layer family, such as speculators' Qwen3 layer with q/k norms), or more than one decoder layer."""
+    lc = _layer_section(cfg, fmt)
+    vocab, hidden = lc.get("vocab_size"), cfg.get("target_hidden_size") or lc.get("hidden_size")
+    if int(vocab or -1) != target.vocab_size or int(hidden or -1) != target.hidden_size:
+        raise DraftsmithError(f"{where} was trained for a target with vocabulary {vocab} and hidden size {hidden}, not "
+                              f"{target.name}'s {target.vocab_size} and {target.hidden_size}")
+    if lc.get("model_type", "llama") != "llama":
+        raise DraftsmithError(f"{where}: its decoder layer is a {lc.get('model_type')} layer; draftsmith's EAGLE-3 head "
+                              f"computes a Llama layer (another layer family is not imported yet)")
+    if int(lc.get("num_hidden_layers", 1)) != 1:
+        raise DraftsmithError(f"{where}: a {lc.get('num_hidden_layers')}-layer head; import reads one-layer EAGLE-3 heads "
+                              f"(the name table of layers 1… is not written yet)")
+    refuse_layer_config(lc, target, where, LAYER_KEYS)
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids:  # SGLang's ids (eagle_config) must name the same layers; refuses ids the target does not have
         _checkpoint_layers(cfg, fmt, target.num_layers)

@@ -263,7 +263,12 @@ target weights in F32 and fp32, same prompts, same k). A faithful conversion agr
 the tolerance leaves room for the rare token where F32 kernels of the two engines round to another argmax."""
 
 
-def engine_check(folder: str, target: Target, source: Any, prompts: list[list[int]], k: int = 3,
+ENGINE_CHECK_K = 3
+"""The draft length :func:`engine_check` compares acceptance at unless ``export --check --k`` names others (then its
+largest: ``served.Sweep.check_k``)."""
+
+
+def engine_check(folder: str, target: Target, source: Any, prompts: list[list[int]], k: int = ENGINE_CHECK_K,
                  max_new_tokens: int = 32, threads: int = 1) -> list[str]:
     """Serve the export in llama.cpp and prove it there (module docstring): greedy, on an F32 GGUF of ``target``,
     (a) its output equals llama.cpp's target alone, token for token, on every prompt; (b) its acceptance by

@@ -9,9 +9,10 @@ report, the tree decoder and ``export`` (``--to gguf`` included) take it.
 ``detect(folder)`` tells the formats apart from their files (``IMPORTS``, the one list); ``--from`` overrides it.
 Refused in one line, before anything is written: a folder in no known format; an export of draftsmith that records
 another target's fingerprint; a checkpoint whose vocabulary, hidden size, feature layers or embedding are not the
-target's (each format's own refusal); and an EAGLE-3 or P-EAGLE head whose layer ids look shifted
-(:func:`check_layers`: it drafts the target's next token clearly better from the neighbouring layers than from the ones
-it names — what a head whose ids were written in the other engine's convention does).
+target's (each format's own refusal; a Medusa-2 checkpoint's heads fit only the backbone saved with them); and an
+EAGLE-3 or P-EAGLE head whose layer ids look shifted (:func:`check_layers`: it drafts the target's next token clearly
+better from the neighbouring layers than from the ones it names — what a head whose ids were written in the other
+engine's convention does).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ IMPORTS: dict[str, str] = {
     "eagle3": "the EAGLE-3 layout (LlamaForCausalLMEagle3): SpecForge / SGLang, the EAGLE authors",
     "medusa": "the Medusa reference code and TGI (medusa_lm_head.safetensors)",
     "medusa-vllm": "vLLM's MedusaModel layout",
+    "medusa2": "a Medusa-2 checkpoint (the Medusa code, its axolotl training): the heads saved with the backbone they "
+               "were fine-tuned with, which is then the target",
     "dflash": "z-lab's DFlashDraftModel layout (z-lab, SpecForge)",
     "speculators-dflash": "vLLM speculators (DFlashDraftModel / DFlash2DraftModel, speculators_model_type dflash or "
                           "dflash2)",
@@ -65,8 +68,9 @@ def refuse_pickled(folder: str) -> None:
         raise DraftsmithError(
             f"'{folder}' holds its weights pickled ({', '.join(pickled[:3])}) and no .safetensors: draftsmith does not "
             f"unpickle them (a pickle can run code). Convert them under the name the format reads ({WEIGHT_NAMES}), "
-            f"e.g. python -c \"import torch; from safetensors.torch import save_file; "
-            f"save_file(torch.load('{pickled[0]}', weights_only=True), 'model.safetensors')\"")
+            f"e.g. python -c \"import torch; from safetensors.torch import save_file; save_file({{k: v.clone() for f in "
+            f"{pickled} for k, v in torch.load(f, weights_only=True).items()}}, 'model.safetensors')\" (all shards in "
+            f"one file; clone: safetensors stores no tensor twice)")
 
 
 def detect(folder: str) -> str:
@@ -95,6 +99,8 @@ def detect(folder: str) -> str:
         return "eagle3"
     if cfg.get("model_type") == "medusa" or "MedusaModel" in arch:
         return "medusa-vllm"
+    if "medusa_num_heads" in cfg:  # a causal LM's config with Medusa's keys: the heads were saved with the model
+        return "medusa2"
     if any(a.endswith("ForCausalLM") for a in arch):
         return "hf"
     raise DraftsmithError(f"'{folder}' is in no format draftsmith imports (config.json architectures {arch}); "

@@ -55,8 +55,9 @@ def write(source: Any, fmt: str, out: str) -> None:
     write_json_file(os.path.join(out, "config.json"), cfg)
 
 
-def read_config(folder: str, fmt: str) -> dict[str, int]:
-    """(heads, layers, hidden, vocab) as the engine's config reader sees them (vLLM's renaming applied)."""
+def read_config(folder: str, fmt: str) -> dict[str, Any]:
+    """(heads, layers, hidden, vocab, dtype) as the engine's config reader sees them (vLLM's renaming applied; the
+    reference layout's dimensions off its tensors where its config names none: :func:`_projection_fields`)."""
     cfg = read_json(os.path.join(folder, "config.json"))
     if fmt == "medusa":
         keys = {"heads": "medusa_num_heads", "layers": "medusa_num_layers"}
@@ -71,11 +72,36 @@ def read_config(folder: str, fmt: str) -> dict[str, int]:
                 renamed["num_hidden_layers"] = value
         cfg = {**cfg, **renamed}
         keys = {"heads": "num_heads", "layers": "num_hidden_layers"}
+    if fmt == "medusa" and not {"hidden_size", "vocab_size", "torch_dtype"} <= set(cfg):
+        cfg = {**_projection_fields(folder, cfg.get("medusa_num_layers")), **cfg}
     try:
-        return {"heads": int(cfg[keys["heads"]]), "layers": int(cfg[keys["layers"]]), "hidden": int(cfg["hidden_size"]),
-                "vocab": int(cfg["vocab_size"]), "dtype": cfg.get("torch_dtype", "float32"), "raw": cfg}
+        out = {"heads": int(cfg[keys["heads"]]), "layers": int(cfg[keys["layers"]]), "hidden": int(cfg["hidden_size"]),
+               "vocab": int(cfg["vocab_size"]), "dtype": cfg.get("torch_dtype", "float32"), "raw": cfg}
     except (KeyError, TypeError, ValueError) as e:
         raise DraftsmithError(f"{folder}/config.json lacks a field the {fmt} loader reads: {e}") from e
+    if out["dtype"] not in DTYPES:
+        raise DraftsmithError(f"{folder}: the heads are stored as {out['dtype']}; draftsmith reads {', '.join(DTYPES)}")
+    return out
+
+
+def _projection_fields(folder: str, layers: Any) -> dict[str, Any]:
+    """hidden_size, vocab_size and torch_dtype of the reference layout read off head 0's projection ``0.{L}.weight``
+    [V, H]: the Medusa code's own training (``medusa/train/train_legacy.py``) writes a config of
+    ``medusa_num_heads``, ``medusa_num_layers`` and ``base_model_name_or_path`` only, and its loaders (and TGI's)
+    take the dimensions from the base model."""
+    from safetensors import SafetensorError, safe_open
+
+    path, name = os.path.join(folder, FILES["medusa"]), f"0.{layers}.weight"
+    try:
+        with safe_open(path, "pt") as f:
+            if name not in f.keys():
+                return {}
+            view = f.get_slice(name)
+            (vocab, hidden), dtype = view.get_shape(), view.get_dtype()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DraftsmithError(f"{path}: its {name} cannot be read as a [V, H] projection ({e})") from e
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    return {"hidden_size": hidden, "vocab_size": vocab, "torch_dtype": names.get(dtype, dtype)}
 
 
 def expected_tensors(c: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
@@ -108,17 +134,23 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
 
 
 def load(folder: str, fmt: str, target: Target) -> Any:
+    c = read_config(folder, fmt)
+    return drafter_of(read_safetensors(os.path.join(folder, FILES[fmt])), c, fmt, target, folder)
+
+
+def drafter_of(tensors: dict[str, Any], c: dict[str, Any], fmt: str, target: Target, where: str) -> Any:
+    """The heads stored as ``tensors`` (``fmt``'s names; ``c``: :func:`read_config`'s fields) as a draftsmith
+    Medusa drafter on ``target``."""
     from ..drafters.common import frozen_copy, target_parts
     from ..drafters.medusa import MedusaDrafter, MedusaHeads
 
-    c = read_config(folder, fmt)
-    native = adapter("medusa", fmt, c["layers"]).from_engine(read_safetensors(os.path.join(folder, FILES[fmt])))
+    native = adapter("medusa", fmt, c["layers"]).from_engine(tensors)
     heads = MedusaHeads(frozen_copy(target_parts(target.model).norm), c["hidden"], c["vocab"], c["heads"], c["layers"])
     heads.to(device=target.device, dtype=target.dtype)
     missing, unexpected = heads.load_state_dict(native, strict=False)
     missing = [k for k in missing if not k.startswith("feature_norm.")]
     if missing or unexpected:
-        raise DraftsmithError(f"{folder} does not load back into draftsmith: missing {missing[:5]}, unexpected "
+        raise DraftsmithError(f"{where} does not load back into draftsmith: missing {missing[:5]}, unexpected "
                               f"{list(unexpected)[:5]}")
     return MedusaDrafter(heads.eval(), target.num_layers - 1, None)
 
@@ -126,7 +158,8 @@ def load(folder: str, fmt: str, target: Target) -> Any:
 def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str, Any]]:
     """Medusa heads trained elsewhere (either layout) as (config, heads, record) for ``target`` (``export/importer.py``);
     the static checks of ``--check`` refuse another hidden size or vocabulary, or a tensor the layout lacks, in one
-    line. Medusa-2 checkpoints (heads fine-tuned together with the target) are not heads alone and are not read."""
+    line. A Medusa-2 checkpoint (heads fine-tuned together with the backbone, saved with it) is read by
+    ``export/medusa2.py``."""
     from ..drafters.medusa import MedusaConfig
 
     static_check(folder, fmt, target)
@@ -136,4 +169,4 @@ def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str,
         "base_model_name_or_path": c["raw"].get("base_model_name_or_path")}
 
 
-__all__ = ["FILES", "imported", "load", "static_check", "write"]
+__all__ = ["FILES", "drafter_of", "expected_tensors", "imported", "load", "static_check", "write"]

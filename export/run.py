@@ -15,7 +15,8 @@ speculative decode with it accepts the source's drafts round for round, and per 
 ``speculators`` — speculators' own ``Eagle3DraftModel`` (``PEagleDraftModel`` for P-EAGLE) loads every tensor and its logits on
 the same hidden states equal draftsmith's head's (fp32 tolerance); ``dflash`` / ``speculators-dflash`` —
 the same with speculators' ``DFlashDraftModel`` (a z-lab folder read through its ``DFlashConverter``), and
-``DFlash2DraftModel`` for a DFlash2 drafter (its selector scores too).
+``DFlash2DraftModel`` for a DFlash2 drafter (its selector scores too); ``medusa2`` — the backbone saved beside the
+heads is the target (its fingerprint, the heads' tensors left out).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..engines import llamacpp
 from ..files import atomic_dir, sha256_file
 from ..measure.engine_eval import DraftGGUF
 from ..target import Target, describe, load_target
-from . import dflash, eagle1, eagle3, gguf, hf, medusa
+from . import dflash, eagle1, eagle3, gguf, hf, medusa, medusa2
 from .conventions import engine_layer_ids
 from .served import Sweep, record_best, sweep_export
 from .source import Source, open_source, source_family
@@ -69,9 +70,11 @@ class Format:
 FORMATS: dict[str, Format] = {
     "hf": Format(("draft_lm",), "transformers (generate(assistant_model=…)), vLLM/SGLang draft-model speculation", hf),
     "eagle3": Format(("eagle3",), "SGLang and vLLM (LlamaForCausalLMEagle3, the original EAGLE-3 layout)", eagle3),
-    "speculators": Format(("eagle3", "peagle"), "vLLM (speculators format, Eagle3Speculator / PEagleDraftModel)", eagle3),
+    "speculators": Format(("eagle3", "peagle"), "vLLM (speculators format, Eagle3DraftModel / PEagleDraftModel)", eagle3),
     "medusa": Format(("medusa",), "the reference Medusa code and TGI (medusa_lm_head.safetensors)", medusa),
     "medusa-vllm": Format(("medusa",), "vLLM (MedusaModel)", medusa),
+    "medusa2": Format(("medusa",), "the Medusa code (MedusaModel.from_pretrained): the target's weights and the heads "
+                      "in one folder, the Medusa-2 layout", medusa2),
     "dflash": Format(("dflash",), "vLLM and SGLang (DFlashDraftModel, z-lab's layout, what SpecForge writes)", dflash),
     "speculators-dflash": Format(("dflash", "dflash2"), "vLLM (speculators format, speculators_model_type dflash or "
                                  "dflash2)", dflash),
@@ -268,8 +271,9 @@ def check_gguf(folder: str, info: dict[str, Any], target: Target, prompts: list[
     lines += check_gguf_bytes(folder, gguf.DRAFT_FILE, info)
     prompts = prompts or default_prompts(target)
     lines += gguf.static_check(folder, "gguf", target, source)
-    lines += gguf.engine_check(folder, target, source, prompts)
-    lines += sweep_export(folder, INFO_FILE, target, source, prompts, sweep or Sweep())
+    sweep = sweep or Sweep()
+    lines += gguf.engine_check(folder, target, source, prompts, k=sweep.check_k)
+    lines += sweep_export(folder, INFO_FILE, target, source, prompts, sweep)
 
 
 def check_gguf_bytes(folder: str, name: str, info: dict[str, Any]) -> list[str]:

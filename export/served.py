@@ -30,6 +30,9 @@ class Sweep:
     whole, k = block size - 1, whatever ``ks`` says)."""
 
     ks: tuple[int, ...] = (1, 2)
+    check_k: int = gguf.ENGINE_CHECK_K
+    """The draft length the engine check before the sweep (``gguf.engine_check``) compares acceptance at: the largest
+    of ``--k`` where it is given."""
     p_mins: tuple[float, ...] = (0.0, 0.5)
     target_type: str = "f32"
     """The target GGUF it is measured on (``engines.llamacpp.TARGET_GGUF_TYPES``)."""

@@ -25,7 +25,7 @@ from .architecture import (MIN_TRANSFORMERS, check_architecture, check_cache_arg
                            keep_cache_rows, rollback_cache)
 from .config import TargetConfig
 from .conventions import default_eagle3_layers, end_of_sequence_ids, resolve_layer
-from .fingerprint import files_fingerprint, model_fingerprint, tokenizer_fingerprint
+from .fingerprint import files_fingerprint, model_fingerprint, safetensors_files, tokenizer_fingerprint
 from .load import load_target, load_target_files
 from .model import Target, TargetFiles, TargetOutput, describe, render_chat
 from .sources import BUILTINS, Builtin, builtin_gguf, resolve_target_folder
@@ -55,5 +55,6 @@ __all__ = [
     "resolve_layer",
     "resolve_target_folder",
     "rollback_cache",
+    "safetensors_files",
     "tokenizer_fingerprint",
 ]

@@ -28,6 +28,10 @@ _ARCH_KEYS = (
     "tie_word_embeddings",
 )
 _SAMPLES_PER_TENSOR = 4096
+NOT_THE_MODELS = ("medusa_head.",)
+"""Name prefixes of tensors a model folder holds beside its causal LM, which transformers leaves out of the model it
+loads (a Medusa-2 checkpoint's heads, ``export/medusa2.py``): not hashed, so the folder's fingerprint is its
+backbone's, as the loaded model's is."""
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -71,9 +75,10 @@ def files_fingerprint(folder: str, config: Any) -> str | None:
     fetched into the HF cache) read from its safetensors files without building the model: each sampled element
     is read through a memory map, so only the pages that hold them are read. The files' tensor names are the
     model's parameter names for the families draftsmith supports (``tests/test_target.py`` compares the two);
-    a tied output embedding is not a parameter of its own. None when the folder has no safetensors
-    (``pytorch_model.bin``) or holds a tensor of another dtype than a float (quantized): hash the loaded model."""
-    files = _safetensors_files(folder)
+    a tied output embedding is not a parameter of its own, nor are tensors under ``NOT_THE_MODELS``. None when the
+    folder has no safetensors (``pytorch_model.bin``) or holds a tensor of another dtype than a float (quantized): hash
+    the loaded model."""
+    files = safetensors_files(folder)
     if not files:
         return None
     tensors: dict[str, tuple[str, int, str, tuple[int, ...]]] = {}  # name → (file, byte offset, dtype, shape)
@@ -83,7 +88,8 @@ def files_fingerprint(folder: str, config: Any) -> str | None:
             header = json.loads(f.read(size))
         header.pop("__metadata__", None)
         for name, t in header.items():
-            tensors[name] = (path, 8 + size + t["data_offsets"][0], t["dtype"], tuple(t["shape"]))
+            if not name.startswith(NOT_THE_MODELS):
+                tensors[name] = (path, 8 + size + t["data_offsets"][0], t["dtype"], tuple(t["shape"]))
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # the input embedding's parameter, hashed under its own name
     if any(dtype not in _SAFETENSORS_DTYPES for _, _, dtype, _ in tensors.values()):
@@ -101,7 +107,7 @@ def files_fingerprint(folder: str, config: Any) -> str | None:
                                  for name, (path, offset, dtype, shape) in sorted(tensors.items())))
 
 
-def _safetensors_files(folder: str) -> list[str]:
+def safetensors_files(folder: str) -> list[str]:
     """The safetensors files transformers loads ``folder``'s weights from (the index's shards, or
     ``model.safetensors``); a hub id's are fetched into the HF cache first. Empty when there are none."""
     if not os.path.isdir(folder):

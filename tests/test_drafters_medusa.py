@@ -77,7 +77,7 @@ def test_sampled_proposal_carries_one_q_per_head(medusa, tiny_target):
 
 
 @pytest.mark.parametrize("override, field", [("drafter.num_heads=0", "drafter.num_heads"),
-                                             ("drafter.num_layers=0", "drafter.num_layers")])
+                                             ("drafter.num_layers=-1", "drafter.num_layers")])
 def test_bad_config_names_the_field(override, field):
     from draftsmith.config import load_recipe
 

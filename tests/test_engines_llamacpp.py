@@ -125,16 +125,17 @@ def test_a_draft_lm_in_gguf_decodes_as_the_target_alone_and_accepts_what_draftsm
     assert info["gguf"]["type"] == "f32" and info["gguf"]["spec_type"] == "draft-simple"
     assert gguf.read_metadata(str(out / gguf.DRAFT_FILE))["general.architecture"] == "llama"
     assert "serve it (unmeasured: k = 1, no p-min gate" in capsys.readouterr().out
-    assert main(["export", "--check", str(out), "--k", "1,3", "--p-min", "0,0.9", "--threads", "1"]) == 0
+    assert main(["export", "--check", str(out), "--k", "1,4", "--p-min", "0,0.9", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     assert "llama.cpp with the export = llama.cpp's F32 target alone on 2 prompts" in printed
     line = next(x for x in printed.splitlines() if "acceptance by position" in x)
+    assert "acceptance by position (k = 4)" in line  # the largest --k given
     assert "max |Δ| 0.000" in line  # a faithful conversion agrees exactly on this peaked target
     accepted = int(re.search(r"llama.cpp \[[^]]*\] \((\d+)/\d+ drafts", line).group(1))
     assert accepted > 0  # …and there was acceptance to agree on
-    # the sweep: 4 servers (k 1, 3 × p-min 0, 0.9), the fastest recorded in the export and its command printed
+    # the sweep: 4 servers (k 1, 4 × p-min 0, 0.9), the fastest recorded in the export and its command printed
     served = json.loads((out / "draftsmith_export.json").read_text())["gguf"]["served"]
-    assert served["method"] in ("drafter k=1", "drafter k=3", "drafter k=1 p-min=0.9", "drafter k=3 p-min=0.9")
+    assert served["method"] in ("drafter k=1", "drafter k=4", "drafter k=1 p-min=0.9", "drafter k=4 p-min=0.9")
     assert served["target_type"] == "f32" and served["measured_by"] == "draftsmith export --check"
     assert served["runner_up"] is not None and served["identical_to_target"] == 2
     command = next(x for x in printed.splitlines() if "serve it: " in x).split("serve it: ", 1)[1]

@@ -98,7 +98,7 @@ def test_draft_vocab_checks_refuse_what_an_engine_would_misread(vocab, target):
 
 
 @pytest.mark.parametrize("family, fmt", [("eagle3", "eagle3"), ("eagle3", "speculators"), ("medusa", "medusa"),
-                                         ("medusa", "medusa-vllm"), ("draft_lm", "hf")])
+                                         ("medusa", "medusa-vllm"), ("medusa", "medusa2"), ("draft_lm", "hf")])
 def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
     config = {"eagle3": Eagle3Config(feature_layers=EAGLE3_LAYERS), "medusa": MedusaConfig(num_heads=3, num_layers=2),
               "draft_lm": DraftLMConfig(num_layers=2)}[family]
@@ -113,6 +113,8 @@ def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
         assert {"blocks.2.layers.1.bias", "lm_heads.2.weight"} <= set(engine) and "heads.0.2.weight" in back
     if fmt == "medusa":
         assert {"0.1.linear.weight", "2.2.weight"} <= set(engine)
+    if fmt == "medusa2":
+        assert {"medusa_head.0.1.linear.weight", "medusa_head.2.2.weight"} <= set(engine)
     if fmt == "speculators":
         assert "layers.0.hidden_norm.weight" in engine and "embed_tokens.weight" in engine
     if fmt == "eagle3":
@@ -148,6 +150,7 @@ def test_export_then_check_proves_every_format(tmp_path, sources, target, fmt, c
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == EAGLE3_LAYERS  # SGLang adds 1
     if fmt == "speculators":
+        assert cfg["architectures"] == ["Eagle3DraftModel"]  # what speculators' own save_pretrained writes
         assert any("speculators' forward on the same hidden states" in line for line in lines)
         assert any("loads all 16 tensors" in line for line in lines)
     if fmt == "medusa-vllm":

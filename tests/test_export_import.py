@@ -23,6 +23,7 @@ from draftsmith.drafters.common import shift_left
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import IMPORTS, export, import_drafter
 from draftsmith.export.eagle3 import speculators_logits
+from draftsmith.export.conventions import native_layer_ids
 from draftsmith.export.importer import detect
 from draftsmith.export.run import LOGIT_TOLERANCE, compare_proposals, default_prompts
 from draftsmith.target import load_target
@@ -45,6 +46,7 @@ SOURCES = {  # case → (export format, the drafter it holds); a case is named b
     "eagle3": ("eagle3", lambda: Eagle3Config(feature_layers=LAYERS)),
     "medusa": ("medusa", lambda: MedusaConfig(num_heads=3, num_layers=2)),
     "medusa-vllm": ("medusa-vllm", lambda: MedusaConfig(num_heads=2, num_layers=1)),
+    "medusa2": ("medusa2", lambda: MedusaConfig(num_heads=2, num_layers=1)),
     "dflash": ("dflash", lambda: DFlashConfig(num_layers=2, block_size=6, feature_layers=[0, 2])),
     "speculators-dflash": ("speculators-dflash", lambda: DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 1],
                                                                       draft_vocab_size=1000)),
@@ -94,6 +96,43 @@ def test_export_then_import_is_an_identity(tmp_path, target, exported, case):
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     lines = compare_proposals(target, drafters.load(source, target), drafters.load(out, target), default_prompts(target))
     assert "max |Δq| = 0.0e+00" in lines[0]
+
+
+def test_every_imported_drafter_decodes_trees_as_the_target_alone(tmp_path, target, exported):
+    """An imported folder is an ordinary drafter for the tree decoder: each family's import, greedy fp32 with a dynamic
+    tree (EAGLE-2's) and a static one (Medusa's kind), gives the target's own greedy output."""
+    from draftsmith.decode.reference import target_greedy
+    from draftsmith.decode.tree import DynamicTree, StaticTree, tree_decode
+
+    prompt = default_prompts(target)[1]
+    expected = target_greedy(target, prompt, 12)
+    for case in SOURCES:
+        out = str(tmp_path / case)
+        import_drafter(exported[case][1], out, target)
+        drafter = drafters.load(out, target)
+        for shape in (DynamicTree(depth=3, top_k=2, budget=6), StaticTree.named_or_given([[0], [1], [0, 0]])):
+            assert tree_decode(target, drafter, prompt, tree=shape, max_new_tokens=12).tokens == expected, (case, shape)
+
+
+def test_an_imported_checkpoint_goes_through_eval_and_report(tmp_path, tiny_target_dir, target, foreign):
+    """speculators' own checkpoint, imported, is a saved drafter to ``eval`` (with dynamic trees, fp32: every output
+    identical to the target alone's) and to ``report`` (which measures chains)."""
+    from draftsmith.config import load_recipe
+    from draftsmith.eval.run import run_eval_recipe
+    from draftsmith.report.run import run_report
+
+    out = str(tmp_path / "imported")
+    import_drafter(foreign, out, target)
+    common = [f"target.name={tiny_target_dir}", "target.dtype=float32", "drafter.type=saved", f"drafter.path={out}",
+              "eval.prompts=copyheavy", "eval.num_prompts=2", "eval.baselines=[]", "eval.repeats=1",
+              "eval.check_identity=true", "decode.max_new_tokens=6"]
+    metrics = run_eval_recipe(load_recipe("smollm2-135m-eagle3", [*common, "decode.tree=dynamic",
+                                                                   f"run_dir={tmp_path / 'eval'}"]))
+    assert metrics["identity"] == {"dtype": "float32", "identical": 2, "prompts": 2} and metrics["new_tokens"] == 12
+    assert max(int(n) for n in metrics["tree_size_histogram"]) > metrics["k"]  # trees, wider than a chain
+    report = run_report(load_recipe("smollm2-135m-eagle3", [
+        *common, f"run_dir={tmp_path / 'report'}", "report.seeds=[]", "report.turns=1", "report.per_category=0"]))
+    assert os.path.isfile(os.path.join(tmp_path, "report", "report", "report.json")) and report
 
 
 def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3,
@@ -154,7 +193,11 @@ def logits_gap(folder: str, drafter, target) -> float:
 
 
 def test_a_speculators_checkpoint_imports_with_its_own_classes_logits(tmp_path, target, foreign):
-    assert json.load(open(os.path.join(foreign, "config.json")))["norm_before_residual"] is True
+    from draftsmith.export.eagle3 import EAGLE3_SPECULATORS
+
+    cfg = json.load(open(os.path.join(foreign, "config.json")))
+    assert cfg["norm_before_residual"] is True
+    assert {k: cfg[k] for k in EAGLE3_SPECULATORS} == EAGLE3_SPECULATORS  # what --to speculators names a head
     out = str(tmp_path / "imported")
     meta = import_drafter(foreign, out, target)
     assert meta["feature_layers"] == LAYERS and meta["drafter"]["norm_before_residual"] is True  # vLLM ids [1, 2, 4]
@@ -180,6 +223,222 @@ def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(tmp_pat
     meta = import_drafter(str(folder), out, target)
     assert meta["imported"]["format"] == "eagle3" and meta["feature_layers"] == LAYERS
     assert logits_gap(foreign, drafters.load(out, target), target) <= 1
+
+
+def test_a_speculators_export_naming_eagle3speculator_still_checks_and_imports(tmp_path, target, exported):
+    """An export of an earlier draftsmith named the head Eagle3Speculator (speculators' config default, which its
+    save_pretrained never writes): --check and import still take it; another name is refused by the check."""
+    from draftsmith.export import check
+
+    old = _copy(exported["speculators"][1], str(tmp_path / "old"), {"architectures": ["Eagle3Speculator"]})
+    assert "architectures = ['Eagle3Speculator']" in check(old)
+    meta = import_drafter(old, str(tmp_path / "imported"), target)
+    assert meta["imported"]["format"] == "speculators"
+    wrong = _copy(exported["speculators"][1], str(tmp_path / "wrong"), {"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(DraftsmithError, match=r"architectures = \['Eagle3DraftModel'\]"):
+        check(wrong)
+
+
+def sglang_eagle3_drafts(folder: str, target, ids: list[int], steps: int = 2) -> tuple[torch.Tensor, list[int]]:
+    """SGLang's EAGLE-3 draft model on an eagle3-layout folder (its tensors, the target's embedding), written from
+    ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``) in plain torch: the draft extend over
+    ``ids`` (row t: the token ids[t + 1], the target's fused features of position t through ``fc``), then
+    ``steps`` - 1 draft decode steps, each reading the previous step's pre-norm state (``hidden_states_to_aux``) and
+    token and attending to the rows before it. Returns the extend's logits [S - 1, Vd] and the greedy drafts (target
+    ids: ``hot_token_id = d2t + arange``)."""
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    layers = native_layer_ids(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], target.num_layers, "sglang")
+    embed = target.model.get_input_embeddings().weight
+    hot = w["d2t"] + torch.arange(w["d2t"].shape[0])
+
+    def rms(x, name):  # RMSNorm
+        return w[name] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # [S, n, d] at positions [S] (neox style: rotate_half)
+        inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angle = torch.cat([pos[:, None] * inv[None]] * 2, -1)[:, None]  # [S, 1, d]
+        half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+        return x * angle.cos() + half * angle.sin()
+
+    cache_k, cache_v = [], []
+
+    def midlayer(embeds, hidden, pos):  # LlamaDecoderLayer.forward of llama_eagle3.py, then LlamaModel's norm
+        residual = hidden
+        x = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(hidden, "midlayer.hidden_norm.weight")], -1)
+        q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, d), pos)
+        cache_k.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, nkv, d), pos))
+        cache_v.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, nkv, d))
+        k, v = (torch.cat(c).repeat_interleave(nh // nkv, dim=1) for c in (cache_k, cache_v))  # [T, nh, d]
+        scores = torch.einsum("snd,tnd->nst", q, k) / d ** 0.5
+        past = k.shape[0] - q.shape[0]
+        scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(past + 1), float("-inf"))
+        attn = torch.einsum("nst,tnd->snd", scores.softmax(-1), v).reshape(q.shape[0], nh * d)
+        residual = attn @ w["midlayer.self_attn.o_proj.weight"].T + residual  # post_attention_layernorm(h, residual)
+        x = rms(residual, "midlayer.post_attention_layernorm.weight")
+        x = (torch.nn.functional.silu(x @ w["midlayer.mlp.gate_proj.weight"].T) * (x @ w["midlayer.mlp.up_proj.weight"].T)
+             ) @ w["midlayer.mlp.down_proj.weight"].T
+        aux = x + residual  # norm(hidden_states, residual): the sum, then the norm
+        return aux, rms(aux, "norm.weight") @ w["lm_head.weight"].T
+
+    with torch.no_grad():
+        feats = target.forward(torch.tensor([ids[:-1]]), feature_layers=tuple(layers)).features[0]  # [S - 1, 3H]
+        n = feats.shape[0]
+        aux, logits = midlayer(embed[ids[1:]], feats @ w["fc.weight"].T, torch.arange(n, dtype=torch.float32))
+        extend, drafts = logits, [int(hot[logits[-1].argmax()])]
+        for step in range(1, steps):
+            aux, logits = midlayer(embed[drafts[-1:]], aux[-1:], torch.tensor([n - 1.0 + step]))
+            drafts.append(int(hot[logits[-1].argmax()]))
+    return extend, drafts
+
+
+def test_the_eagle3_layout_computes_what_sglangs_forward_computes(tmp_path, target, exported):
+    """The eagle3-layout head, imported, against SGLang's own draft model on the same folder (a reference forward
+    written from its code): the draft extend's logits over a prompt and the drafts of two chain steps, which the
+    runtime proposes; the same head on the features one layer up is not equal."""
+    from draftsmith.decode.sampling import Warp
+
+    folder = exported["eagle3"][1]
+    out = str(tmp_path / "imported")
+    import_drafter(folder, out, target)
+    drafter = drafters.load(out, target)
+    prompt = default_prompts(target)[0]
+    with torch.no_grad():
+        out_t = target.forward(torch.tensor([prompt]), feature_layers=tuple(drafter.feature_layers))
+    ids = prompt + [int(out_t.logits[0, -1].argmax())]  # the prefill commits the target's first token
+    theirs, their_drafts = sglang_eagle3_drafts(folder, target, ids)
+    with torch.no_grad():
+        _, ours = drafter.module(torch.tensor([ids[1:]]), out_t.features)
+    assert float((ours[0] - theirs).abs().max()) <= LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max()))
+    drafter.reset()
+    drafter.update(torch.tensor(ids), out_t.features[0])
+    assert drafter.propose(2, Warp(), None).tokens.tolist() == their_drafts
+    shifted = [min(i + 1, target.num_layers - 1) for i in drafter.feature_layers]  # the features one layer up
+    with torch.no_grad():
+        _, off = drafter.module(torch.tensor([ids[1:]]), target.forward(torch.tensor([prompt]),
+                                                                         feature_layers=tuple(shifted)).features)
+    assert float((off[0] - theirs).abs().max()) > 100 * LOGIT_TOLERANCE
+
+
+def zlab_dflash_block(folder: str, target, ids: list[int]) -> torch.Tensor:
+    """z-lab's DFlashDraftModel on a z-lab folder (its tensors; the target's embedding and lm_head, as its
+    ``dflash_generate`` passes them: the raw embedding rows × ``input_embedding_scale``), written from z-lab/dflash
+    ``dflash/model.py`` in plain torch: the first block after the prefill of ``ids[:-1]`` — context = the target's ``hidden_states[id + 1]`` of every prompt position
+    through ``hidden_norm(fc(·))``, the block = [ids[-1], mask × (Bs − 1)] at the positions after them, each layer's
+    queries from the block, keys/values from [context ; block] (q/k norms, RoPE, no mask: its attention is not causal
+    on full-attention layers), the final norm and the target's lm_head. Returns the logits of the Bs − 1 masked rows
+    (``[:, 1 - verify_size:]``)."""
+    from transformers.activations import ACT2FN
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    draft = cfg["dflash_config"]
+    bs, theta = draft["block_size"], (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+
+    def rms(x, weight):  # Qwen3RMSNorm
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    act = ACT2FN[cfg["hidden_act"]]  # Qwen3MLP's
+    with torch.no_grad():
+        prompt = torch.tensor([ids[:-1]])
+        ctx = target.forward(prompt, feature_layers=tuple(draft["target_layer_ids"])).features[0]  # [n, L·H]
+        ctx = rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"])
+        n = ctx.shape[0]
+        h = target.model.get_input_embeddings().weight[[ids[-1]] + [draft["mask_token_id"]] * (bs - 1)]  # raw rows
+        h = h * float(draft.get("input_embedding_scale", cfg.get("input_embedding_scale", 1.0)))  # _draft_value
+        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angle = torch.cat([torch.arange(n + bs, dtype=torch.float32)[:, None] * inv] * 2, -1)[:, None]  # [n+Bs, 1, d]
+        rope = lambda x, a: x * a.cos() + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * a.sin()  # noqa: E731
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            residual, x = h, rms(h, w[p + "input_layernorm.weight"])
+            q = rms((x @ w[p + "self_attn.q_proj.weight"].T).view(bs, nh, d), w[p + "self_attn.q_norm.weight"])
+            k = torch.cat([ctx, x]) @ w[p + "self_attn.k_proj.weight"].T
+            k = rms(k.view(n + bs, nkv, d), w[p + "self_attn.k_norm.weight"])
+            v = (torch.cat([ctx, x]) @ w[p + "self_attn.v_proj.weight"].T).view(n + bs, nkv, d)
+            q, k = rope(q, angle[-bs:]), rope(k, angle)  # the queries take the last q_len positions
+            k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
+            attn = torch.einsum("snd,tnd->nst", q, k).mul(d ** -0.5).softmax(-1)
+            h = residual + torch.einsum("nst,tnd->snd", attn, v).reshape(bs, nh * d) @ w[p + "self_attn.o_proj.weight"].T
+            residual, x = h, rms(h, w[p + "post_attention_layernorm.weight"])
+            h = residual + (act(x @ w[p + "mlp.gate_proj.weight"].T)
+                            * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        return rms(h, w["norm.weight"])[1:] @ target.model.get_output_embeddings().weight.T  # [Bs - 1, V]
+
+
+def test_the_zlab_dflash_layout_computes_what_zlabs_forward_computes(tmp_path, target, exported):
+    """The z-lab-layout drafter, imported, against z-lab's own DFlashDraftModel on the same folder (a reference forward
+    written from its code): the first block's logits after a prompt, and the drafts the runtime proposes are its
+    argmax; the same drafter on the features one layer up is not equal."""
+    from draftsmith.decode.sampling import Warp
+
+    folder = exported["dflash"][1]
+    out = str(tmp_path / "imported")
+    import_drafter(folder, out, target)
+    drafter = drafters.load(out, target)
+    m = drafter.module
+    prompt = default_prompts(target)[0]
+    with torch.no_grad():
+        out_t = target.forward(torch.tensor([prompt]), feature_layers=tuple(m.feature_layers))
+    ids = prompt + [int(out_t.logits[0, -1].argmax())]  # the prefill commits the target's first token
+    theirs = zlab_dflash_block(folder, target, ids)
+
+    def ours(features):
+        n, positions = len(prompt), torch.arange(len(prompt) + m.block_size)[None]
+        block = torch.tensor([[ids[-1]] + [m.mask_token_id] * (m.block_size - 1)])
+        with torch.no_grad():
+            return m.lm_head(m(block, positions[:, n:], m.context(features, positions[:, :n]))[0])[1:]  # [Bs - 1, V]
+
+    scale = max(1.0, float(theirs.abs().max()))
+    assert float((ours(out_t.features) - theirs).abs().max()) <= LOGIT_TOLERANCE * scale
+    drafter.reset()
+    drafter.update(torch.tensor(ids), out_t.features[0])
+    assert drafter.propose(m.block_size - 1, Warp(), None).tokens.tolist() == theirs.argmax(-1).tolist()
+    shifted = [min(i + 1, target.num_layers - 1) for i in m.feature_layers]
+    with torch.no_grad():
+        off = ours(target.forward(torch.tensor([prompt]), feature_layers=tuple(shifted)).features)
+    assert float((off - theirs).abs().max()) > 100 * LOGIT_TOLERANCE * scale
+
+
+def test_a_gemma_targets_zlab_export_carries_its_embedding_scale(tmp_path, smollm2_tokenizer):
+    """Gemma's embedding module scales its rows by √H, which draftsmith's drafter reads as the target's embedding; z-lab's
+    code reads the raw rows × input_embedding_scale: the export writes it, z-lab's forward then computes the drafter's
+    logits, and the import takes it back; a folder without it (× 1) is refused in one line."""
+    from draftsmith.export.dflash import embedding_scale
+
+    from .test_architectures import tiny_gemma3
+
+    folder = str(tmp_path / "gemma3")
+    tiny_gemma3().save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    gemma = load_target(folder, "float32", "cpu")
+    assert embedding_scale(gemma) == pytest.approx(32 ** 0.5)
+    config = DFlashConfig(num_layers=1, block_size=4, feature_layers=[0, 2])
+    module = config.build_module(gemma)
+    perturb(module)
+    source, zlab = str(tmp_path / "drafter"), str(tmp_path / "zlab")
+    drafters.save(source, config, module, gemma)
+    export(source, "dflash", zlab)
+    cfg = json.load(open(os.path.join(zlab, "config.json")))
+    assert cfg["dflash_config"]["input_embedding_scale"] == embedding_scale(gemma)
+    m = drafters.load(source, gemma).module
+    prompt = torch.randint(100, 2000, (12,), generator=torch.Generator().manual_seed(0)).tolist()  # its 2,048 ids
+    with torch.no_grad():
+        out = gemma.forward(torch.tensor([prompt]), feature_layers=tuple(m.feature_layers))
+        ids = prompt + [int(out.logits[0, -1].argmax())]
+        n, positions = len(prompt), torch.arange(len(prompt) + m.block_size)[None]
+        block = torch.tensor([[ids[-1]] + [m.mask_token_id] * (m.block_size - 1)])
+        ours = m.lm_head(m(block, positions[:, n:], m.context(out.features, positions[:, :n]))[0])[1:]
+    theirs = zlab_dflash_block(zlab, gemma, ids)
+    assert float((ours - theirs).abs().max()) <= LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max()))
+    assert import_drafter(zlab, str(tmp_path / "imported"), gemma)["drafter"]["type"] == "dflash"
+    del cfg["dflash_config"]["input_embedding_scale"]
+    json.dump(cfg, open(os.path.join(zlab, "config.json"), "w"))
+    with pytest.raises(DraftsmithError, match=r"input_embedding_scale 1 .* the target embedding's own 5.65685") as e:
+        import_drafter(zlab, str(tmp_path / "unscaled"), gemma)
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +535,10 @@ def _copy(src: str, dst: str, config: dict | None = None, tensors=None) -> str:
     cfg = json.load(open(os.path.join(src, "config.json")))
     cfg.update(config or {})
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
-    state = load_file(os.path.join(src, "model.safetensors"))
-    save_file(tensors(state) if tensors else state, os.path.join(dst, "model.safetensors"))
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            state = load_file(os.path.join(src, name))
+            save_file(tensors(state) if tensors else state, os.path.join(dst, name))
     return dst
 
 
@@ -292,6 +553,11 @@ def other_target(tmp_path_factory, smollm2_tokenizer):
     return load_target(path, "float32", "cpu")
 
 
+def _dflash_config(folder: str, **change) -> dict:
+    """The change of a z-lab config.json that sets ``change`` in its dflash_config."""
+    return {"dflash_config": {**json.load(open(os.path.join(folder, "config.json")))["dflash_config"], **change}}
+
+
 def _layer_config(folder: str, **change) -> dict:
     """The change of a speculators config.json that sets ``change`` in its transformer_layer_config."""
     return {"transformer_layer_config": {**json.load(open(os.path.join(folder, "config.json")))["transformer_layer_config"],
@@ -302,7 +568,7 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target
                                                                 foreign_peagle, foreign_dflash2):
     spec = exported["speculators"][1]
     other_embedding = lambda s: {**s, "embed_tokens.weight": s["embed_tokens.weight"] + 0.5}  # noqa: E731
-    d2 = foreign_dflash2
+    d2, sg, zl = foreign_dflash2, exported["eagle3"][1], exported["dflash"][1]
     cases = {  # name: (folder, target, config changes, tensor changes, message)
         "fingerprint": (spec, other_target, None, None, "exported for target fingerprint .* pass that one with --target"),
         "embedding": (foreign, target, None, other_embedding, "is not .*'s: it was trained for another target"),
@@ -322,6 +588,26 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target
         "dflash2-vocabulary": (d2, target, {**_layer_config(d2, vocab_size=32000), "draft_vocab_size": 32000}, None,
                                "vocab_size 32000 .* another target"),
         "dflash2-layers": (d2, target, {"aux_hidden_state_layer_ids": [1, 9]}, None, "layer id 9 names no decoder output"),
+        # the layouts whose foreign checkpoints are read by a reference forward above (SGLang's, z-lab's) and Medusa's
+        "eagle3-vocabulary": (sg, target, {"vocab_size": 32000}, None, "vocabulary 32000"),
+        "eagle3-hidden": (sg, target, {"target_hidden_size": 32}, None, "hidden size 32"),
+        "eagle3-layers": (sg, target, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9],
+                                                        "use_aux_hidden_state": True}}, None, "sglang layer id 9 names no decoder"),
+        "eagle3-rope": (sg, target, {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                        None, "rope_theta 500000.0 is not the 10000.0"),
+        "dflash-vocabulary": (zl, target, {"vocab_size": 32000}, None, "vocab_size 32000 .* another target"),
+        "dflash-layers": (zl, target, _dflash_config(zl, target_layer_ids=[0, 9]), None, "layer id 9 names no decoder"),
+        "dflash-rope": (zl, target, {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+                        None, "rope_theta 500000.0 is not the 10000.0"),
+        "dflash-eps": (zl, target, {"rms_norm_eps": 1e-3}, None, r"rms_norm_eps \(0.001 vs 1e-06\)"),
+        "dflash-embedding-scale": (zl, target, _dflash_config(zl, input_embedding_scale=8.0), None,
+                                   "input_embedding_scale 8 .* the target embedding's own 1"),
+        "dflash-softcap": (zl, target, {"final_logit_softcapping": 30.0}, None, "no output_multiplier or final_logit"),
+        "dflash-causal": (zl, target, _dflash_config(zl, is_causal=True), None, "no is_causal"),
+        "dflash-sliding": (zl, target, {"layer_types": ["sliding_attention", "full_attention"]}, None,
+                           "no sliding_attention layer_types"),
+        "medusa-vocabulary": (exported["medusa"][1], target, {"vocab_size": 32000}, None, "64 / 32000 are not the "
+                                                                                         "target's 64 / 49152"),
     }
     for name, (src, tgt, config, tensors, match) in cases.items():
         folder = _copy(src, str(tmp_path / name), config, tensors) if (config or tensors) else src

@@ -192,3 +192,24 @@ def test_the_sweeps_settings_are_validated_where_they_are_given(capsys):
     assert "--target-type 'q4'" in capsys.readouterr().err
     assert main(["export", "src", "--to", "gguf", "--out", "o", "--k", "1,2"]) == 2
     assert "go with --check" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ks, checked", [(None, 3), ("4", 4), ("1,4,2", 4), ("1", 1)])
+def test_the_engine_check_compares_acceptance_at_the_largest_k_given(monkeypatch, ks, checked):
+    """``export --check --k 4`` of a GGUF export proves acceptance by position at k = 4 (it did at 3 whatever --k
+    said), and serves the ks given; without --k, at 3 and the default sweep. The parts that need llama.cpp are
+    stood in for: what is checked here is the k each is handed (tests/test_engines_llamacpp.py runs them)."""
+    from draftsmith.cli import sweep_of
+    from draftsmith.export import gguf, run
+
+    handed = {}
+    monkeypatch.setattr(run, "_source_of", lambda info, folder, target: "source")
+    monkeypatch.setattr(run, "check_gguf_bytes", lambda folder, name, info: [])
+    monkeypatch.setattr(gguf, "static_check", lambda *a: [])
+    monkeypatch.setattr(gguf, "engine_check", lambda folder, target, source, prompts, k: handed.setdefault("check", k)
+                        and [])
+    monkeypatch.setattr(run, "sweep_export", lambda folder, info_file, target, source, prompts, sweep:
+                        handed.setdefault("served", sweep.ks) and [])
+    sweep = sweep_of({"ks": ks, "p_mins": None, "target_type": None, "threads": None})
+    run.check_gguf("folder", {}, "target", [[1, 2]], [], sweep)
+    assert handed == {"check": checked, "served": tuple(int(k) for k in ks.split(",")) if ks else (1, 2)}
