@@ -81,6 +81,10 @@ VARIANTS: dict[str, list[str]] = {
                                              "drafter.feature_layers=[1,14,28]", "train.feature_noise=0.1"],
     "init_last+all_tokens+top_layer+ttt3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                             "drafter.feature_layers=[1,14,28]", "train.ttt_steps=3"],
+    # both of them together
+    "init_last+all_tokens+top_layer+ttt3+noise": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                  "drafter.feature_layers=[1,14,28]", "train.ttt_steps=3",
+                                                  "train.feature_noise=0.1"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
