@@ -19,7 +19,6 @@ Figures: benchmarks/RESULTS.md, "data curve" (this CPU); "GPU check" says why th
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,7 +26,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from levers import row  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+from levers import row  # noqa: E402
 
 
 def _value(overrides: list[str], key: str, default: str) -> str:
@@ -89,8 +89,8 @@ def table(run_dirs: list[str]) -> None:
                         *cells[2:]]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = script_parser(__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one head per subset size")
     t.add_argument("config")
@@ -101,7 +101,7 @@ def main() -> None:
     t.add_argument("overrides", nargs="*")
     s = sub.add_parser("table", help="a markdown row per point")
     s.add_argument("run_dirs", nargs="+")
-    args, extra = parser.parse_known_args()
+    args, extra = parser.parse_known_args(argv)
     if extra and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":

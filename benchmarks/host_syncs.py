@@ -14,15 +14,19 @@ indexing, …); on a GPU ``--cuda-sync-debug`` also counts every synchronization
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
+import os
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
@@ -140,7 +144,7 @@ def run(target_name: str, device: str, k: int, prompts: int, max_new_tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_parser(__doc__)
     p.add_argument("--target", default="tiny", help="'tiny' (random 4-layer Llama) or a target spec")
     p.add_argument("--device", default="cpu")
     p.add_argument("--k", type=int, default=4)

@@ -26,12 +26,14 @@ these depends on the machine's load. Figures: benchmarks/RESULTS.md, "levers" an
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 VARIANTS: dict[str, list[str]] = {
     "base": [],
@@ -173,8 +175,8 @@ def table(run_dirs: list[str]) -> None:
         print(row(run_dir))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = script_parser(__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the variants of a recipe")
     t.add_argument("config")
@@ -189,7 +191,7 @@ def main() -> None:
     d.add_argument("--questions", default="mtbench", help="mtbench, copyheavy or a JSONL of prompts (measure/prompts.py)")
     s = sub.add_parser("table", help="a markdown row per run")
     s.add_argument("run_dirs", nargs="+")
-    args, extra = parser.parse_known_args()  # overrides may follow --only
+    args, extra = parser.parse_known_args(argv)  # overrides may follow --only
     if extra and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":

@@ -94,6 +94,9 @@ from draftsmith.train.heldout import masked_metric, sim_tau, with_chain_summary
 from draftsmith.train.setup import pad_id
 from draftsmith.train.target_side import cached_layers, cached_logits, rows_ahead
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+
 BEST = "drafter-best"
 RECIPE = "smollm2-135m-eagle3"
 
@@ -366,8 +369,8 @@ def table(results: dict[str, dict[str, Any]], ttt: int) -> str:
                        "acceptance at position (cumulative)"], rows, width=200))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = script_parser(__doc__)
     p.add_argument("--prepared", required=True, help="a `draftsmith prepare` data folder (tokenized, features, draft_vocab)")
     p.add_argument("--draftsmith-run", default="", help="a draftsmith EAGLE-3 run folder, already trained on --prepared "
                    "(its config.yaml is the recipe; its drafter-best the head compared)")
@@ -382,7 +385,7 @@ def main() -> int:
     p.add_argument("--speculators-defaults", action="store_true",
                    help="train speculators with its own norm_before_residual / norm_before_fc / norm_output (true) instead of draftsmith's")
     p.add_argument("--no-decoder", action="store_true", help="held-out figures only")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     recipe = recipe_for(args)

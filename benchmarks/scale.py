@@ -35,10 +35,14 @@ memory of a run (``memory/max_allocated_gib``).
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 GPUS = 8
 PEAK_TFLOPS = 989.0  # H100 SXM, dense bf16
@@ -199,7 +203,7 @@ def format_tables(rows: list[Estimate]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     args = parser.parse_args(argv)
     rows = [estimate(name) for name in RECIPES]

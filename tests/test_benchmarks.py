@@ -125,3 +125,110 @@ def test_the_scripts_take_the_target_option_from_their_shared_preamble():
     scripts = sorted(n for n in os.listdir(folder) if n.endswith(".py") and n != "bench_common.py")
     assert len(scripts) > 15 and "model_free.py" in scripts
     assert [n for n in scripts if own.search(open(os.path.join(folder, n), encoding="utf-8").read())] == []
+
+
+def test_every_script_builds_its_parser_with_the_shared_preamble():
+    """A script's parser is ``bench_common.script_parser``'s: its whole docstring as ``--help`` (levers.py, data_curve.py
+    and peer.py printed its first line or paragraph only) and one place for what every parser shares."""
+    import os
+
+    import draftsmith
+
+    folder = os.path.join(os.path.dirname(os.path.abspath(draftsmith.__file__)), "benchmarks")
+    scripts = sorted(n for n in os.listdir(folder) if n.endswith(".py") and n != "bench_common.py")
+    assert len(scripts) > 15 and "levers.py" in scripts
+    assert [n for n in scripts if "ArgumentParser(" in open(os.path.join(folder, n), encoding="utf-8").read()] == []
+
+
+def run_main(module, argv: list[str], monkeypatch, *stubs: str) -> list[tuple]:
+    """``module.main()`` with ``argv`` as the command line, each of ``stubs`` (the script's functions) recording its
+    call instead of running."""
+    calls: list[tuple] = []
+    for name in stubs:
+        monkeypatch.setattr(module, name, lambda *a, _name=name: calls.append((_name, *a)))
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
+    module.main()
+    return calls
+
+
+@pytest.mark.parametrize("name", ["levers", "data_curve", "peer"])
+def test_a_scripts_help_is_its_docstring(name, capsys, monkeypatch):
+    script = benchmark_script(name)
+    try:
+        usage = script.__doc__.split("\n\n")[1].splitlines()[0].strip()  # the docstring's first command line
+        for argv in (["--help"], *([[sub, "--help"] for sub in ("train", "table")] if name != "peer" else [])):
+            with pytest.raises(SystemExit) as e:
+                run_main(script, argv, monkeypatch)
+            assert e.value.code == 0
+            out = capsys.readouterr().out
+            if argv == ["--help"]:
+                assert script.__doc__.splitlines()[0] in out and usage in out
+            else:
+                assert f"{argv[0]} [-h]" in out
+    finally:
+        del sys.modules[f"draftsmith_bench_{name}"]
+
+
+def test_levers_takes_the_commands_of_results(monkeypatch):
+    """The subcommands, options and defaults RESULTS' levers commands use: overrides before and after ``--only``."""
+    levers = benchmark_script("levers")
+    try:
+        stubs = ("train", "decode", "table")
+        assert run_main(levers, ["train", "cfg", "OUT", "a=1", "--only", "base,init_last", "b=2"], monkeypatch, *stubs) \
+            == [("train", "cfg", "OUT", ["base", "init_last"], ["a=1", "b=2"])]
+        assert run_main(levers, ["train", "cfg", "OUT"], monkeypatch, *stubs) == [("train", "cfg", "OUT", None, [])]
+        assert run_main(levers, ["decode", "R1", "R2"], monkeypatch, *stubs) == \
+            [("decode", ["R1", "R2"], 20, [3, 4], 96, "mtbench")]
+        assert run_main(levers, ["decode", "R", "--prompts", "80", "--ks", "4", "--max-new-tokens", "64", "--questions",
+                                 "H.jsonl"], monkeypatch, *stubs) == [("decode", ["R"], 80, [4], 64, "H.jsonl")]
+        assert run_main(levers, ["table", "R1", "R2"], monkeypatch, *stubs) == [("table", ["R1", "R2"])]
+        with pytest.raises(SystemExit) as e:
+            run_main(levers, ["table", "R1", "--prompts", "3"], monkeypatch, *stubs)
+        assert e.value.code == 2
+    finally:
+        del sys.modules["draftsmith_bench_levers"]
+
+
+def test_data_curve_takes_the_commands_of_results(monkeypatch):
+    curve = benchmark_script("data_curve")
+    try:
+        assert run_main(curve, ["train", "cfg", "OUT", "--records", "0,825,196", "a=1", "--epochs", "3", "b=2"],
+                        monkeypatch, "train", "table") == [("train", "cfg", "OUT", [0, 825, 196], 3.0, 150, ["a=1", "b=2"])]
+        assert run_main(curve, ["train", "cfg", "OUT", "--records", "196", "--min-steps", "100"], monkeypatch, "train") == \
+            [("train", "cfg", "OUT", [196], 4.0, 100, [])]
+        assert run_main(curve, ["table", "R1", "R2"], monkeypatch, "table") == [("table", ["R1", "R2"])]
+        with pytest.raises(SystemExit) as e:
+            run_main(curve, ["train", "cfg", "OUT"], monkeypatch, "train")  # --records is required
+        assert e.value.code == 2
+    finally:
+        del sys.modules["draftsmith_bench_data_curve"]
+
+
+def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
+    peer = benchmark_script("peer")
+
+    class Parsed(Exception):
+        pass
+
+    def stop(args):
+        raise Parsed(vars(args))
+
+    try:
+        monkeypatch.setattr(peer, "recipe_for", stop)
+        out = str(tmp_path / "peer")
+        with pytest.raises(Parsed) as e:
+            run_main(peer, ["--prepared", "P", "--draftsmith-run", "R", "--out", out], monkeypatch)
+        assert e.value.args[0] == {"prepared": "P", "draftsmith_run": "R", "out": out, "steps": None, "batch_size": None,
+                                   "ttt_steps": None, "lr": None, "prompts": 20, "k": 4, "max_new_tokens": 96,
+                                   "speculators_defaults": False, "no_decoder": False}
+        with pytest.raises(Parsed) as e:
+            run_main(peer, ["--prepared", "P", "--out", out, "--steps", "150", "--batch-size", "8", "--ttt-steps", "2",
+                            "--lr", "2e-3", "--speculators-defaults", "--no-decoder"], monkeypatch)
+        got = e.value.args[0]
+        assert (got["steps"], got["batch_size"], got["ttt_steps"], got["lr"], got["draftsmith_run"]) == (150, 8, 2, 2e-3, "")
+        assert got["speculators_defaults"] and got["no_decoder"]
+        with pytest.raises(SystemExit) as e:
+            run_main(peer, ["--out", out], monkeypatch)  # --prepared is required
+        assert e.value.code == 2
+    finally:
+        del sys.modules["draftsmith_bench_peer"]
