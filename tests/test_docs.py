@@ -197,3 +197,27 @@ def test_a_summary_figure_its_section_lacks_is_found():
             "| [old](#old) | **2×** |\n\n## demo\n\nran **1.109×**\nin 16\nmin\n\n### sub\n\n## ceiling\n\n**3.95×**\n")
     assert summary_misses(page) == ["no summary row for #ceiling", "#demo: '1.11×' is not in the section",
                                     "#old: no such section"]
+
+
+def section_misses(text: str) -> list[str]:
+    """What a RESULTS section lacks of what each must name: the command that reproduces it (a ``bash`` block, or
+    ``python benchmarks/…`` / ``draftsmith …`` / ``make …`` in backticks), the machine, a date and a commit ("at X",
+    "code of X" where the run recorded it, "committed in X" where it did not)."""
+    _, _, body = text.partition("\n## ")
+    parts = re.split(r"^## (.+)$", "## " + body, flags=re.M)
+    needs = {"command": r"```bash|`(?:python3? benchmarks/|draftsmith |make )",
+             "machine": r"\bVM\b|\bH[12]00\b|\bmachine\b|\bcores\b",
+             "date": r"\b20\d\d-\d\d-\d\d\b",
+             "commit": r"\b(?:at|committed in|code of) [0-9a-f]{7,40}\b"}
+    return [f"{parts[i]}: no {need}" for i in range(1, len(parts), 2) for need, pattern in needs.items()
+            if not re.search(pattern, parts[i + 1])]
+
+
+def test_every_results_section_names_its_command_machine_date_and_commit():
+    assert section_misses(read("benchmarks/RESULTS.md")) == []
+
+
+def test_a_section_without_its_commit_or_machine_is_found():
+    page = ("# R\n\n| x |\n\n## a\n\n**2026-12-01, AVX2 VM, at 84656d8**\n\n```bash\npython benchmarks/a.py\n```\n\n"
+            "## b\n\n**2026-12-02, quiet**: `python benchmarks/b.py`\n\n## c\n\nran on 2 cores, committed in 53c76e8\n")
+    assert section_misses(page) == ["b: no machine", "b: no commit", "c: no command", "c: no date"]
