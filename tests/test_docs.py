@@ -221,3 +221,12 @@ def test_a_section_without_its_commit_or_machine_is_found():
     page = ("# R\n\n| x |\n\n## a\n\n**2026-12-01, AVX2 VM, at 84656d8**\n\n```bash\npython benchmarks/a.py\n```\n\n"
             "## b\n\n**2026-12-02, quiet**: `python benchmarks/b.py`\n\n## c\n\nran on 2 cores, committed in 53c76e8\n")
     assert section_misses(page) == ["b: no machine", "b: no commit", "c: no command", "c: no date"]
+
+
+def test_the_layout_table_has_a_row_for_every_folder_of_the_package():
+    """docs/conventions.md's Layout table is where a newcomer looks a folder up: every package folder has its row
+    (``engines/``, every layer's home of the engine constants, had none)."""
+    table = read("docs/conventions.md").split("\n## Layout\n", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(\w+)/`", " ".join(line.split(" | ")[0] for line in table.splitlines())))
+    folders = {n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "__init__.py"))}
+    assert sorted(folders - named) == []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -226,6 +227,17 @@ def test_the_stages_import_what_the_prose_says():
 def test_decode_imports_only_what_lies_below_it():
     graph = import_graph()
     assert graph["decode"] <= DECODE_MAY_IMPORT, f"decode/ imports {sorted(graph['decode'] - DECODE_MAY_IMPORT)}"
+
+
+def test_engines_imports_what_its_docstring_names():
+    """``engines/`` is the home of the engine constants every layer above it reads; its docstring names the nodes it
+    stands on (it said devices, errors, files and decode.stats while ``engines/targets.py`` read ``target`` too)."""
+    import draftsmith.engines as engines
+
+    graph = import_graph()
+    assert graph["engines"] == {"decode", "devices", "errors", "files", "target"}
+    named = set(re.findall(r"``(\w+)(?:\.\w+)?``", engines.__doc__.split("stand on it")[0]))
+    assert graph["engines"] <= named, f"engines/ docstring leaves out {sorted(graph['engines'] - named)}"
 
 
 def test_find_cycle_sees_a_circle_between_files(tmp_path):
