@@ -25,7 +25,7 @@ import textwrap
 from typing import Any
 
 from .demo import DRAFTERS, SIZES
-from .errors import DraftsmithError, write_refusal, writing
+from .errors import DraftsmithError, SaidElsewhere, write_refusal, writing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DraftsmithError as e:
-        _say(f"error: {e}")
+        if not isinstance(e, SaidElsewhere):
+            _say(f"error: {e}")
         return int(getattr(e, "exit_code", 2))
     except OSError as e:  # a write the system refused outside a stage's run folder (each stage names its own)
         message = write_refusal(e, None) if e.errno is not None else None

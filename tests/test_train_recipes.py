@@ -366,7 +366,7 @@ def test_a_tampered_tokenized_file_is_refused_naming_it(tmp_path, tiny_target_di
     assert str(refused.value) == (f"tokenized dataset '{data}' is damaged: data-00000-of-00001.arrow changed after it "
                                   f"was written (sha256). Re-run `draftsmith prepare` with 'tokenize' in data.stages: "
                                   f"it tokenizes again")
-    assert sorted(os.listdir(run)) == [".train.rank0.lock", "config.yaml"]  # refused before a log or a checkpoint
+    assert sorted(os.listdir(run)) == [".train.lock", "config.yaml"]  # refused before a log or a checkpoint
     (data / MANIFEST).write_text(json.dumps(older))  # no "files": read unchecked, the flipped bit and all
     tampered = load_rows(str(data), "", target)[:]["input_ids"]
     assert sum(int((a != b).sum()) for a, b in zip(intact, tampered)) == 1
