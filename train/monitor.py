@@ -20,6 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..files import write_text
+from ..progress import progress_bar
 
 
 def wandb_mode(requested: str) -> str:
@@ -54,7 +55,7 @@ class Monitor:
         self.log_path = os.path.join(run_dir, "logs", f"train.rank{rank}.jsonl")
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self._log = open(self.log_path, "a", encoding="utf-8")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+        self.bar = progress_bar(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (progress and rank == 0))
         self.wandb_run = None
         self.mode = wandb_mode(wandb)
