@@ -305,7 +305,7 @@ def test_a_second_launch_on_the_same_run_dir_is_refused_in_one_line(tmp_path, ti
                                *cmd], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     ended = [(*p.communicate(timeout=300), p.returncode) for p in procs]
-    assert sorted(code for _, _, code in ended) == [0, 1], [err[-3000:] for _, err, _ in ended]  # torchrun's 1: a rank failed
+    assert sorted(code for _, _, code in ended) == [0, 1], [err[-3000:] for _, err, _ in ended]  # torchrun: 1
     won, lost = sorted(ended, key=lambda e: e[2])
     said = [line for line in lost[1].splitlines() if line.startswith("draftsmith: ")]
     assert len(said) == 1, said  # not one line per rank

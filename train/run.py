@@ -15,7 +15,7 @@ from typing import Any
 
 from ..drafters.registry import specs
 from ..errors import ConfigError, DraftsmithError, SaidElsewhere
-from . import checkpoint, distributed
+from . import checkpoint, distributed, monitor
 from .config import TrainRecipe
 
 
@@ -31,7 +31,8 @@ def run_training(recipe: TrainRecipe, resume: str | None = None) -> dict[str, An
     if method not in table:
         raise ConfigError(f"drafter.type = '{method}' has no training recipe; the trainable methods are: "
                           f"{', '.join(table)}")
-    with distributed.process_group() as world, using(recipe.run_dir, world.rank), checkpoint.stop_on_signals():
+    with distributed.process_group() as world, using(recipe.run_dir, world.rank), checkpoint.stop_on_signals(), \
+            monitor.closed_on_error():
         return table[method](recipe, world, resume)  # signals: checkpoint, then stop
 
 
