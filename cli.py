@@ -25,7 +25,8 @@ import textwrap
 from typing import Any
 
 from .demo import DRAFTERS, SIZES
-from .errors import DraftsmithError, write_refusal, writing
+from .errors import DraftsmithError, SaidElsewhere, write_refusal, writing
+from .progress import end_open_bars
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DraftsmithError as e:
-        _say(f"error: {e}")
+        if not isinstance(e, SaidElsewhere):
+            _say(f"error: {e}")
         return int(getattr(e, "exit_code", 2))
     except OSError as e:  # a write the system refused outside a stage's run folder (each stage names its own)
         message = write_refusal(e, None) if e.errno is not None else None
@@ -54,10 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 def _say(message: str) -> None:
     """``message`` on stderr as the last line a user sees. A stage stopped by an error leaves its progress bar open
     (train's, prepare's regenerate and features, datasets'): the message was written into the bar's line, and the
-    bar drawn again below it when it was collected. The open bars are ended first (tqdm keeps them in one set)."""
-    bars = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
-    for bar in list(getattr(bars, "_instances", ())):
-        bar.close()
+    bar drawn again below it when it was collected. The open bars are ended first (``progress.py``)."""
+    end_open_bars()
     print(f"draftsmith: {message}", file=sys.stderr)
 
 

@@ -24,6 +24,11 @@ class ConfigError(DraftsmithError):
     """A config key, value or combination that is not valid."""
 
 
+class SaidElsewhere(DraftsmithError):
+    """The refusal of a launch's other processes where its rank 0 has said why: the CLI exits as for any
+    :class:`DraftsmithError` and prints nothing, so that a launch of N processes says it once, not N times."""
+
+
 # ---------------------------------------------------------------- writes the system refused
 
 FULL_DISK_BYTES = 1 << 20

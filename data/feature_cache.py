@@ -39,8 +39,8 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
-from tqdm import tqdm
 
+from ..progress import progress_bar
 from ..errors import DraftsmithError
 from ..target import Target, default_eagle3_layers
 from .shards import MANIFEST, SOLO, ShardedJob, Workers, read_json, record_digest, sha256_file
@@ -90,7 +90,7 @@ def write_feature_cache(
     note = job.start(workers, restart)
     n = len(tokenized)
     mine = [s for s in job.shards if workers.owns(s.index)]
-    bar = tqdm(total=sum(s.stop - s.start for s in mine), unit="sample",
+    bar = progress_bar(total=sum(s.stop - s.start for s in mine), unit="sample",
                desc="features" if workers.size == 1 else f"features (process {workers.rank} of {workers.size})",
                disable=not progress or not workers.is_main, dynamic_ncols=True)
     computed_tokens, compute_s = 0, 0.0

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..progress import progress_bar
 from ..errors import DraftsmithError
 from ..target import Target, TargetFiles
 from .config import RegenerateConfig, RegenerateMethod
@@ -111,7 +112,7 @@ def regenerate_conversations(
         return _report_from(finished["shards"], report, note="up to date (reused)")
     report.note = job.start(workers, restart)
     mine = [s for s in job.shards if workers.owns(s.index)]
-    bar = tqdm(total=_count_turns(conversations) if workers.size == 1 else None, unit="turn",
+    bar = progress_bar(total=_count_turns(conversations) if workers.size == 1 else None, unit="turn",
                desc="regenerate" if workers.size == 1 else f"regenerate (process {workers.rank} of {workers.size})",
                disable=not progress or not workers.is_main, dynamic_ncols=True)
     new_tokens = 0

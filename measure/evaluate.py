@@ -16,8 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from tqdm import tqdm
-
+from ..progress import progress_bar
 from ..decode.rounds import DecodeResult, check_prompt, speculative_decode
 from ..decode.protocol import Drafter, common_prefix
 from ..decode.reference import target_greedy
@@ -110,7 +109,8 @@ def evaluate(
     side = {name: (DecodeStats(k=decode.depth), []) for name in others}
     runs = repeats if time_target else 1  # untimed: one decode per method (identity, baselines' stats)
     records = []
-    for i, (q, prompt) in enumerate(tqdm(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress)):
+    bar = progress_bar(list(zip(questions, prompts)), desc="eval", unit="prompt", disable=not progress)
+    for i, (q, prompt) in enumerate(bar):
         out = paired_runs(methods, prompt, runs, start=i * runs)
         result = out[MAIN][0][0]
         total = total.merge(result.stats)

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.abspath(draftsmith.__file__))
 SKIP_DIRS = {"tests", "benchmarks", "runs", "configs", "__pycache__"}
 DECODE_MAY_IMPORT = {"target", "errors", "files", "devices"}
 LAYERS = [
-    {"__init__", "__version__", "errors", "files", "tables", "cpu_kernels"},
+    {"__init__", "__version__", "errors", "files", "progress", "tables", "cpu_kernels"},
     {"devices", "schema", "chat"},
     {"target"},
     {"decode"},

@@ -288,3 +288,36 @@ def test_two_ranks_weigh_every_token_like_one_process_holding_both(tmp_path, tin
     worst = max(float((two[k] - one[k]).abs().max()) for k in trained)
     print(f"first update up to {moved:.3e}; two ranks vs one process differ by up to {worst:.3e}")
     assert moved > 1e-3 and worst < 1e-4 * moved
+
+
+def test_a_second_launch_on_the_same_run_dir_is_refused_in_one_line(tmp_path, tiny_target_dir, tiny_train_data):
+    """Two torchrun launches of two processes each on one run folder, started at once: one trains, the other is
+    refused in one line (by its rank 0) before any of its ranks writes; the winner's run is whole: every rank logs each
+    step once, and its last checkpoint holds the weights of the drafter it saved."""
+    from safetensors.torch import load_file
+
+    from draftsmith.train.distributed import consolidated_weights
+
+    run_dir = tmp_path / "run"
+    args = overrides(tiny_target_dir, tiny_train_data, run_dir, "train.steps=4", "train.deepspeed=zero2")
+    cmd = [os.path.join(BIN, "draftsmith"), "train", "--config", "smollm2-135m-eagle3", *args]
+    procs = [subprocess.Popen([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", free_port(),
+                               *cmd], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    ended = [(*p.communicate(timeout=300), p.returncode) for p in procs]
+    assert sorted(code for _, _, code in ended) == [0, 1], [err[-3000:] for _, err, _ in ended]  # torchrun: 1
+    won, lost = sorted(ended, key=lambda e: e[2])
+    said = [line for line in lost[1].splitlines() if line.startswith("draftsmith: ")]
+    assert len(said) == 1, said  # not one line per rank
+    holder = (run_dir / ".train.lock").read_text().strip()  # the winner's rank 0
+    assert said == [f"draftsmith: error: another `draftsmith train` (pid {holder}) is using run_dir '{run_dir}'; wait "
+                    f"for it to end, or give this run another run_dir"], said
+    summary = summary_of(run_dir, subprocess.CompletedProcess([], won[2], *won[:2]))
+    assert (summary["world_size"], summary["steps"]) == (2, 4)
+    for rank in (0, 1):
+        with open(os.path.join(run_dir, "logs", f"train.rank{rank}.jsonl")) as f:
+            assert [r["step"] for r in map(json.loads, f) if "loss" in r] == [1, 2, 3, 4]
+    saved = load_file(os.path.join(run_dir, "drafter", "model.safetensors"))
+    last = consolidated_weights(os.path.join(run_dir, "checkpoints"), "step_00000004")
+    assert {f"drafter.{k}" for k in saved} == set(last) - {"drafter.embed_tokens.weight"}  # the target's, not saved
+    assert all(torch.equal(saved[k], last[f"drafter.{k}"]) for k in saved)

@@ -281,7 +281,70 @@ def test_wandb_offline_and_decoder_evaluation_during_training(tmp_path, tiny_tar
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     run_id = (tmp_path / "wandb_id").read_text().strip()
     assert len(runs) == 1 and runs[0].endswith(run_id)
-    assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / runs[0]))
+    assert wandb_exit_code(tmp_path) == 0  # finished
+
+
+def wandb_records(run_dir) -> list:
+    """The records of the one offline wandb run in ``run_dir``, read from its ``.wandb`` file (wandb's LevelDB-style
+    log: a 7-byte file header, then 32 KiB blocks of chunks, each a 7-byte header (crc, length, type) and its bytes;
+    a record is one FULL chunk, or FIRST, MIDDLE…, LAST), as ``wandb sync`` reads them."""
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "*.wandb"))
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    block, pos, part, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # no room for a chunk header: the rest of the block is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            records.append(wandb_internal_pb2.Record.FromString(part))
+            part = b""
+    return records
+
+
+def wandb_exit_code(run_dir) -> int | None:
+    """The exit code the offline wandb run was finished with; None while it is not finished (it reads "running")."""
+    ends = [r.exit.exit_code for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "exit"]
+    assert len(ends) <= 1, ends
+    return ends[0] if ends else None
+
+
+@pytest.mark.parametrize("how", ["full_disk", "preempted"])
+def test_a_failed_run_finishes_its_wandb_run_failed(tmp_path, tiny_target_dir, tiny_train_data, monkeypatch, how):
+    """A run that raises finishes its wandb run with the exit code the CLI gives (non-zero: failed) before the error
+    leaves ``run_training``: it was left "running" until the interpreter's exit hook finished it, with exit code 0
+    under ``python -m draftsmith.cli`` (or never, for a rank its launcher kills). A stop by a signal (SIGUSR1:
+    preemption) is 128 + 10, what the process exits with."""
+    import errno
+    import signal
+
+    from draftsmith.train import checkpoint
+
+    if how == "full_disk":
+        def full(obj, file, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoint.torch, "save", full)
+        error, code, steps = DraftsmithError, 2, [1, 2]  # "no space left on …/checkpoints": the last checkpoint failed
+    else:
+        monkeypatch.setattr(checkpoint, "stop_requested", lambda: int(signal.SIGUSR1))
+        error, code, steps = checkpoint.Stopped, 128 + signal.SIGUSR1, [1]  # stopped after step 1
+    with pytest.raises(error):
+        run_training(tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, "eagle3", "train.steps=2",
+                                 "train.ttt_steps=1", "drafter.feature_layers=[0,1,2]", "train.logging.wandb=offline",
+                                 "train.eval.decoder_at_end=false"))
+    assert wandb_exit_code(tmp_path) == code
+    logged = [r for r in wandb_records(tmp_path) if r.WhichOneof("record_type") == "history"]
+    assert [int(i.value_json) for r in logged for i in r.history.item if list(i.nested_key) == ["step"]] == steps
 
 
 def test_resume_from_a_named_checkpoint_replays_the_same_steps(tmp_path, tiny_target_dir, tiny_train_data):
@@ -366,7 +429,7 @@ def test_a_tampered_tokenized_file_is_refused_naming_it(tmp_path, tiny_target_di
     assert str(refused.value) == (f"tokenized dataset '{data}' is damaged: data-00000-of-00001.arrow changed after it "
                                   f"was written (sha256). Re-run `draftsmith prepare` with 'tokenize' in data.stages: "
                                   f"it tokenizes again")
-    assert sorted(os.listdir(run)) == [".train.rank0.lock", "config.yaml"]  # refused before a log or a checkpoint
+    assert sorted(os.listdir(run)) == [".train.lock", "config.yaml"]  # refused before a log or a checkpoint
     (data / MANIFEST).write_text(json.dumps(older))  # no "files": read unchecked, the flipped bit and all
     tampered = load_rows(str(data), "", target)[:]["input_ids"]
     assert sum(int((a != b).sum()) for a, b in zip(intact, tampered)) == 1

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..drafters.registry import specs
-from ..errors import ConfigError, DraftsmithError
-from . import checkpoint, distributed
+from ..errors import ConfigError, DraftsmithError, SaidElsewhere
+from . import checkpoint, distributed, monitor
 from .config import TrainRecipe
 
 
@@ -31,27 +31,37 @@ def run_training(recipe: TrainRecipe, resume: str | None = None) -> dict[str, An
     if method not in table:
         raise ConfigError(f"drafter.type = '{method}' has no training recipe; the trainable methods are: "
                           f"{', '.join(table)}")
-    with using(recipe.run_dir), distributed.process_group() as world, checkpoint.stop_on_signals():
+    with distributed.process_group() as world, using(recipe.run_dir, world.rank), checkpoint.stop_on_signals(), \
+            monitor.closed_on_error():
         return table[method](recipe, world, resume)  # signals: checkpoint, then stop
 
 
 @contextlib.contextmanager
-def using(run_dir: str) -> Iterator[None]:
-    """Hold ``run_dir`` for this process (rank r of a launch holds ``.train.rank<r>.lock``): a second ``train`` on the
-    same folder would interleave checkpoints and logs with the first, so it is refused. The lock is the kernel's
-    (``flock``), released whenever the process ends, a kill included: nothing stale is left to delete."""
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, f".train.rank{os.environ.get('RANK', '0')}.lock")
-    with open(path, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            raise DraftsmithError(f"another `draftsmith train` (pid {holder}) is using run_dir '{run_dir}'; wait for it "
-                                  f"to end, or give this run another run_dir") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
+def using(run_dir: str, rank: int = 0) -> Iterator[None]:
+    """Hold ``run_dir`` for this launch: a second ``train`` on the same folder would interleave checkpoints and logs
+    with the first, so it is refused. Rank 0 alone takes the lock (``.train.lock``) and every rank learns its verdict
+    before any of them writes: two launches of N processes started at once cannot split the locks between them (each
+    rank taking its own, both launches died), and the refused launch says so once, from its rank 0. The lock is the
+    kernel's (``flock``), released whenever the process ends, a kill included: nothing stale is left to delete."""
+    with contextlib.ExitStack() as held:
+        holder = 0  # 0: rank 0 holds the folder; else the pid holding it, -1 when it has not written it yet
+        if rank == 0:
+            os.makedirs(run_dir, exist_ok=True)
+            lock = held.enter_context(open(os.path.join(run_dir, ".train.lock"), "a+"))
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = int(lock.read().strip() or -1)
+            else:
+                lock.seek(0)
+                lock.truncate()
+                lock.write(f"{os.getpid()}\n")
+                lock.flush()
+        holder = int(distributed.all_sum([float(holder)])[0])  # rank 0's verdict, on every rank
+        if holder and rank != 0:
+            raise SaidElsewhere(f"run_dir '{run_dir}' is in use (rank 0 says by whom)")
+        if holder:
+            raise DraftsmithError(f"another `draftsmith train` (pid {holder if holder > 0 else 'unknown'}) is using "
+                                  f"run_dir '{run_dir}'; wait for it to end, or give this run another run_dir")
         yield

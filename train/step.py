@@ -190,8 +190,7 @@ def stop(run: Run, engine: Any, saved: str | None = None) -> None:
     name = signal.Signals(run.stop_signal).name
     message = (f"stopped by {name} after step {run.state.step} of {run.cfg.steps}; checkpoint {path} is saved, run the "
                f"same command again to resume from it")
-    run.monitor.close()  # the CLI prints the message, once
-    raise checkpoint.Stopped(message, run.stop_signal)
+    raise checkpoint.Stopped(message, run.stop_signal)  # the CLI prints the message, once
 
 
 def _due(step: int, every: int) -> bool:
