@@ -27,10 +27,15 @@ loaded last), and so is the export of a draftsmith head whose blocks differ (``-
 it: TGI and vLLM build one block per layer).
 
 The folder is a draftsmith target as it is: transformers loads its causal LM and leaves ``medusa_head.*`` out
-(listing them as unexpected), and the target's fingerprint leaves them out too (``target.fingerprint.NOT_THE_MODELS``),
-so ``--target`` may name this folder, or its backbone saved anywhere; any other target is refused in one line.
-Pickled weights (what axolotl writes unless ``save_safetensors: true``) are refused by the importer with the
-conversion.
+(without listing them as unexpected: ``target.load_causal_lm``), and the target's fingerprint leaves them out too
+(``target.fingerprint.NOT_THE_MODELS``), so ``--target`` may name this folder, or its backbone saved anywhere; any
+other target is refused in one line. Pickled weights (``pytorch_model*.bin``, what axolotl writes unless
+``save_safetensors: true``) are read only with ``torch.load(weights_only=True)``: a pickle that holds more than
+tensors is refused in one line, never run.
+
+LoRA-only (:func:`lora_only`): a peft LoRA adapter trained with the heads, saved without the backbone (LoRAX's Medusa
+LoRA adapters): its heads fit the base with the LoRA merged, which :func:`merge_lora` writes as a checkpoint of the
+layout above; ``draftsmith import --base`` makes that the target.
 """
 
 from __future__ import annotations
