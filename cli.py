@@ -175,15 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    + "; ".join(f"{name} ({', '.join(FORMATS[name].families)}: {source})"
                                                for name, source in IMPORTS.items())
                                    + ". A checkpoint made for another target (fingerprint, vocabulary, hidden size, "
-                                   "embedding) is refused, and so is an EAGLE-3 or P-EAGLE head whose layer ids look "
-                                   "shifted.")
+                                   "embedding) is refused, and so is an EAGLE-3, P-EAGLE, DFlash or DFlash2 drafter whose "
+                                   "layer ids look shifted.")
     p.add_argument("source", help="the folder of the foreign drafter")
     p.add_argument("--out", required=True, help="the drafter folder to write (refused if it exists and is not empty)")
-    p.add_argument("--target", required=True, help="the target the drafter was trained for (hub id, folder, .gguf, alias)")
+    p.add_argument("--target", default=None, help="the target the drafter was trained for (hub id, folder, .gguf, "
+                                                  "alias); a Medusa-2 checkpoint's is its own folder")
+    p.add_argument("--base", default=None, help="a LoRA-only Medusa-2 checkpoint (a peft adapter and the heads, no "
+                                                "backbone) in place of --target: the model it was trained from, which "
+                                                "the adapter is merged into through peft and written to OUT/backbone, "
+                                                "the drafter's target")
     p.add_argument("--from", dest="fmt", default=None, choices=list(IMPORTS), help="the format (default: detected)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--no-layer-check", action="store_true",
-                   help="skip the check that an EAGLE-3 or P-EAGLE head drafts best from the layers it names")
+                   help="skip the check that an EAGLE-3, P-EAGLE or DFlash drafter drafts best from the layers it "
+                        "names")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("engine", help="the managed serving engine (llama.cpp): build it, or say where it is",
@@ -376,7 +382,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     with writing(args.out):
         meta = import_drafter(args.source, args.out, args.target, fmt=args.fmt, force=args.force,
-                              check_ids=not args.no_layer_check)
+                              check_ids=not args.no_layer_check, base=args.base)
     layers = f", feature layers {meta['feature_layers']} (output of layer i)" if meta.get("feature_layers") else ""
     print(f"wrote {args.out}: a {meta['drafter']['type']} drafter imported from {meta['imported']['format']} "
           f"{args.source}{layers}, for target '{meta['target']['name']}' (fingerprint {meta['target']['fingerprint']})")

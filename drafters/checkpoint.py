@@ -46,7 +46,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def save(path: str, config: Any, module: torch.nn.Module, target: Target,
-         state_dict: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> None:
+         state_dict: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None,
+         beside: dict[str, str] | None = None) -> None:
     """Write what was trained to the folder ``path``: ``module``, built by the trainable family config
     ``config`` for ``target`` (no runtime is rebuilt, no file is read again).
 
@@ -55,7 +56,9 @@ def save(path: str, config: Any, module: torch.nn.Module, target: Target,
     (e.g. training's ``selection`` of ``drafter-best``), read back by :func:`read_meta` and ignored by
     :func:`load`. What ``config.json`` records of the family is what its runtime around ``module``
     runs with (``config.runtime(module, target)``, which only wraps it): EAGLE-3's resolved layers and
-    the size of the vocabulary the head holds, and the target layers the drafter reads.
+    the size of the vocabulary the head holds, and the target layers the drafter reads. beside: subfolder
+    name → a folder on the same file system moved into the drafter folder within the same atomic write
+    (``draftsmith import`` of a LoRA-only Medusa-2 checkpoint keeps its merged target there).
     """
     trainable = choices("trainable_drafter")
     if not isinstance(config, tuple(trainable.values())):
@@ -81,6 +84,8 @@ def save(path: str, config: Any, module: torch.nn.Module, target: Target,
     from safetensors.torch import save_file
 
     with atomic_dir(path) as tmp:
+        for name, folder in (beside or {}).items():
+            os.replace(folder, os.path.join(tmp, name))
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)

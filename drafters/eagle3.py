@@ -55,6 +55,17 @@ pay: no clear gain on SmolLM2, a lower held-out sim τ than without it on Gemma-
 ``norm_before_residual`` (speculators' and vLLM's flag, read by llama.cpp too): the first layer's residual is
 ``hidden_norm(hidden)`` instead of ``hidden``, the attention input unchanged (parameter-free: the same tensors). Off
 in EAGLE-3 and SGLang; ``draftsmith import`` carries it from the checkpoints of trainers that set it.
+
+Layers after the first (``num_layers`` > 1, ``next_layers``): plain pre-norm Llama layers over H inputs (the embedding
+is read by the first layer only). What each one reads is where the engines differ, ``residual_between_layers``:
+True (default) — the previous layer's output, its residual stream plus its MLP's output, as every Llama stack does:
+speculators 0.9.0's ``Eagle3DraftModel`` (``layers.1…`` are transformers' ``LlamaDecoderLayer``) and vLLM's
+``llama_eagle3.py`` (``input_layernorm(hidden_states, residual)``); False — the previous layer's MLP output alone, its
+residual stream dropped, as SGLang's ``LlamaForCausalLMEagle3`` at 03d5a777 computes its ``additional_layers``
+(``BasicDecoderLayer.forward`` sets ``residual = hidden_states``, the MLP output the layer before returned, and
+ignores the residual it is passed). Either way the hidden state passed on and normed for the lm_head is the last
+layer's output (stream + MLP). One head computes one of the two; ``export`` writes each only where it is computed
+(``export/eagle3.py``).
 """
 
 from __future__ import annotations
@@ -190,18 +201,21 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(
         self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None, ttt: UnrollKV | None = None
-    ) -> Tensor:
-        """emb, hidden: [B, S, H] → [B, S, H] (pre-norm)."""
+    ) -> tuple[Tensor, Tensor]:
+        """emb, hidden: [B, S, H] → (residual stream after the attention, the MLP's output), each [B, S, H]: the
+        layer's (pre-norm) output is their sum, and what a next layer reads is the head's choice
+        (``Eagle3Head.residual_between_layers``)."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [B, S, 2H]
         hidden = residual + self.self_attn(x, cos, sin, mask, cache, ttt)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Eagle3NextLayer(nn.Module):
-    """A layer after the first of a multi-layer head (speculators' ``layers.1…``): a plain pre-norm Llama layer,
-    attention over H inputs, with the first layer's unroll and cache scheme."""
+    """A layer after the first of a multi-layer head (speculators' ``layers.1…``, SGLang's ``additional_layers.*``): a
+    plain pre-norm Llama layer, attention over H inputs, with the first layer's unroll and cache scheme. Its pre-attention
+    norm is ``input_layernorm`` (SGLang names it ``hidden_norm``: the same norm, ``export/adapters.py``)."""
 
     def __init__(self, layer_config: Any, layer_idx: int):
         super().__init__()
@@ -216,10 +230,10 @@ class Eagle3NextLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: Any = None,
-                ttt: UnrollKV | None = None) -> Tensor:
-        """hidden: [B, S, H] → [B, S, H]."""
+                ttt: UnrollKV | None = None) -> tuple[Tensor, Tensor]:
+        """hidden: [B, S, H] → (residual stream after the attention, the MLP's output), as the first layer's."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache, ttt)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Eagle3Head(nn.Module):
@@ -229,11 +243,12 @@ class Eagle3Head(nn.Module):
 
     def __init__(self, embed: nn.Embedding, layer_config: Any, draft_vocab_size: int, target_vocab_size: int,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False, num_layers: int = 1,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, residual_between_layers: bool = True):
         """embed: frozen copy of the target's embedding; layer_config: a one-layer LlamaConfig; fc_norm,
         norm_before_fc, norm_output: the EAGLE-3.1 options (module docstring); num_layers: decoder layers, the
         first reading concat(embedding, hidden) (``midlayer``), the others plain (``next_layers``);
-        norm_before_residual: the first layer's residual is the normed hidden state (module docstring)."""
+        norm_before_residual: the first layer's residual is the normed hidden state (module docstring);
+        residual_between_layers: what a layer after the first reads (module docstring, "Layers after the first")."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -244,6 +259,7 @@ class Eagle3Head(nn.Module):
         self.layer_config = layer_config
         self.embed_tokens = embed
         self.norm_output = norm_output
+        self.residual_between_layers = residual_between_layers
         # created only when on, so that a head without them has EAGLE-3's tensors and no others
         self.fc_norm = nn.ModuleList([LlamaRMSNorm(h, eps=eps) for _ in range(3)]) if fc_norm else None
         self.input_norm = LlamaRMSNorm(3 * h, eps=eps) if norm_before_fc else None
@@ -306,9 +322,11 @@ class Eagle3Head(nn.Module):
         else:
             position_ids, mask = step_inputs(hidden, input_ids.shape[1], cache, position_ids, attention_mask)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        out = self.midlayer(emb, hidden, cos, sin, mask, cache, None if ttt is None else ttt[0])  # [B, S, H]
+        stream, mlp = self.midlayer(emb, hidden, cos, sin, mask, cache, None if ttt is None else ttt[0])  # [B, S, H] each
         for i, layer in enumerate(self.next_layers or ()):
-            out = layer(out, cos, sin, mask, cache, None if ttt is None else ttt[i + 1])
+            x = stream + mlp if self.residual_between_layers else mlp  # SGLang's stack drops the residual stream here
+            stream, mlp = layer(x, cos, sin, mask, cache, None if ttt is None else ttt[i + 1])
+        out = stream + mlp  # the last layer's output, pre-norm
         if self.norm_output:  # the next step reads the normed state, which the lm_head reads as is
             out = self.norm(out)
         kept = out[logits_rows] if logits_rows is not None else out[:, -logits_to_keep:]
@@ -429,6 +447,11 @@ class Eagle3Config:
     num_layers: int = 1
     """Decoder layers of the head: the first reads concat(embedding, hidden) as in EAGLE-3, the others are plain Llama
     layers after it (speculators' ``num_hidden_layers``). More layers cost a proportional draft step."""
+    residual_between_layers: bool = True
+    """With more than one layer: a layer after the first reads the previous layer's output (True: speculators, vLLM) or
+    its MLP output alone, the residual stream dropped (False: what SGLang computes for the layers after the first of an
+    EAGLE-3 checkpoint; ``draftsmith import`` sets it for such a head). Exported --to speculators when True, --to eagle3
+    (SGLang) when False."""
     init_from_layer: int | None = None
     """Training starts the head from the target: its decoder layer from the target's layer of this id (0-based,
     negative from the end: -1 = the last) and fc passing the highest fused layer through
@@ -448,6 +471,9 @@ class Eagle3Config:
             )
         if self.num_layers < 1:
             raise ConfigError(f"drafter.num_layers = {self.num_layers} must be at least 1")
+        if not self.residual_between_layers and self.num_layers == 1:
+            raise ConfigError("drafter.residual_between_layers = false does nothing for a one-layer head (it says what "
+                              "the layers after the first read); leave it true")
         if self.draft_vocab_size < 0:
             raise ConfigError(f"drafter.draft_vocab_size = {self.draft_vocab_size} must be ≥ 0 (0 = full vocabulary)")
         if self.fc_norm and self.norm_before_fc:
@@ -459,6 +485,11 @@ class Eagle3Config:
         """The norm options (EAGLE-3.1's and norm_before_residual), as :class:`Eagle3Head` takes them."""
         return {"fc_norm": self.fc_norm, "norm_before_fc": self.norm_before_fc, "norm_output": self.norm_output,
                 "norm_before_residual": self.norm_before_residual}
+
+    @property
+    def head_options(self) -> dict[str, bool]:
+        """Every option of :class:`Eagle3Head`'s computation: :attr:`norms` and ``residual_between_layers``."""
+        return {**self.norms, "residual_between_layers": self.residual_between_layers}
 
     def resolve(self, target: Target) -> Eagle3Config:
         """This config checked against ``target``, with feature_layers made explicit (0-based)."""
@@ -511,7 +542,7 @@ class Eagle3Config:
     def new_head(self, arch: Any, embed: nn.Module, draft_vocab_size: int) -> Eagle3Head:
         """The seeded-random head of this (resolved) config for a target with HF config ``arch`` around ``embed``,
         on the CPU in float32 (a family built on the EAGLE-3 head returns its own)."""
-        return build_eagle3(arch, embed, draft_vocab_size, self.seed, self.num_layers, **self.norms)
+        return build_eagle3(arch, embed, draft_vocab_size, self.seed, self.num_layers, **self.head_options)
 
     def runtime(self, module: Eagle3Head, target: Target) -> EagleDrafter:
         cfg = dataclasses.replace(self.resolve(target), draft_vocab_size=int(module.d2t.shape[0]), draft_vocab="")

@@ -158,4 +158,4 @@ class PEagleConfig(Eagle3Config):
 
     def new_head(self, arch: Any, embed: nn.Module, draft_vocab_size: int) -> PEagleHead:
         return build_eagle3(arch, embed, draft_vocab_size, self.seed, self.num_layers, head=PEagleHead,
-                            mask_token_id=self.mask_token_id, **self.norms)
+                            mask_token_id=self.mask_token_id, **self.head_options)

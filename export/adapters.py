@@ -8,7 +8,9 @@ skip names they do not know), which is exactly the "trains well, accepts nothing
 
 A rule is a pair of templates; ``{h}``/``{l}`` match one dotted component (a digit run),
 ``{p}`` the rest of the name, and any other ``{X}`` is a constant taken from the adapter's
-``constants`` (Medusa's final projection index is the head's block count). Native names that
+``constants`` (Medusa's final projection index is the head's block count). ``{l+1}`` is the
+index ``l`` one higher on that side (speculators counts an EAGLE-3 head's layers from its
+first, ``layers.0``, draftsmith its layers after the first, ``next_layers.0`` = ``layers.1``). Native names that
 are frozen copies of the target (``skip``) are left out of the export: the engine takes them
 from the target model it serves (EAGLE-3's embedding in SGLang/vLLM), unless the format
 needs them (speculators).
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from ..errors import DraftsmithError
 
-_FIELD = re.compile(r"\{(\w+)\}")
+_FIELD = re.compile(r"\{(\w+)(?:\+(\d+))?\}")
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,14 @@ def _compile(template: str, constants: dict[str, str]) -> re.Pattern:
     return re.compile(out + re.escape(template[pos:]) + r"\Z")
 
 
+def _offsets(template: str) -> dict[str, int]:
+    """The index fields of ``template`` written ``{l+K}``: name → K."""
+    return {m.group(1): int(m.group(2)) for m in _FIELD.finditer(template) if m.group(2)}
+
+
 def _fill(template: str, values: dict[str, str]) -> str:
-    return _FIELD.sub(lambda m: values[m.group(1)], template)
+    return _FIELD.sub(lambda m: str(int(values[m.group(1)]) + int(m.group(2))) if m.group(2) else values[m.group(1)],
+                      template)
 
 
 @dataclass
@@ -68,7 +76,11 @@ class StateDictAdapter:
             src, dst = (rule.native, rule.engine) if forward else (rule.engine, rule.native)
             m = _compile(src, consts).match(name)
             if m:
-                return _fill(dst, {**consts, **m.groupdict()})
+                found = dict(m.groupdict())
+                shifted = {k: int(found[k]) - shift for k, shift in _offsets(src).items()}  # as the other side counts
+                if any(v < 0 for v in shifted.values()):
+                    continue
+                return _fill(dst, {**consts, **found, **{k: str(v) for k, v in shifted.items()}})
         side = "draftsmith" if forward else self.format
         raise DraftsmithError(f"the {self.family} → {self.format} name table has no rule for the {side} tensor '{name}'")
 
@@ -87,15 +99,22 @@ class StateDictAdapter:
 # hot_token_id = d2t + arange). Both take the embedding from the target when the file has none.
 # input_norm (norm_before_fc) is for llama.cpp's converter, which reads this layout too (conversion/llama.py: input_norm
 # → enc.output_norm); the engines above have no such tensor, and export/eagle3.py refuses such a head --to eagle3.
+# The layers after the first (a multi-layer head): SGLang (same file at 03d5a777) builds them as additional_layers.{j}
+# (BasicDecoderLayer: its pre-attention norm is hidden_norm, it has no input_layernorm), which vLLM does not know (its
+# loader raises on the name); vLLM's own name for them is layers.{i} (i ≥ 1), which SGLang skips silently. draftsmith
+# writes SGLang's (export/eagle3.py: a head that computes what SGLang computes) and reads both.
 EAGLE3 = [Rule("fc.{p}", "fc.{p}"), Rule("input_norm.{p}", "input_norm.{p}"), Rule("midlayer.{p}", "midlayer.{p}"),
+          Rule("midlayer.{p}", "layers.0.{p}"),  # read only (vLLM's name of the first layer; the rule above writes)
+          Rule("next_layers.{l}.input_layernorm.{p}", "additional_layers.{l}.hidden_norm.{p}"),
+          Rule("next_layers.{l}.{p}", "additional_layers.{l}.{p}"), Rule("next_layers.{l}.{p}", "layers.{l+1}.{p}"),
           Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
-# speculators 0.9.0 Eagle3DraftModel: embed_tokens, fc, layers.0 (LlamaDecoderEagle3FirstLayer), norm,
-# lm_head, d2t, t2d, and with the EAGLE-3.1 flags input_norm (norm_before_fc) and fc_norm.{0,1,2};
-# verifier_norm / verifier_lm_head are training-only and not stored.
+# speculators 0.9.0 Eagle3DraftModel: embed_tokens, fc, layers.0 (LlamaDecoderEagle3FirstLayer), layers.1… (transformers'
+# LlamaDecoderLayer), norm, lm_head, d2t, t2d, and with the EAGLE-3.1 flags input_norm (norm_before_fc) and
+# fc_norm.{0,1,2}; verifier_norm / verifier_lm_head are training-only and not stored.
 SPECULATORS = [Rule("embed_tokens.{p}", "embed_tokens.{p}"), Rule("fc.{p}", "fc.{p}"),
                Rule("input_norm.{p}", "input_norm.{p}"), Rule("fc_norm.{l}.{p}", "fc_norm.{l}.{p}"),
-               Rule("midlayer.{p}", "layers.0.{p}"), Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"),
-               Rule("d2t", "d2t"), Rule("t2d", "t2d")]
+               Rule("midlayer.{p}", "layers.0.{p}"), Rule("next_layers.{l}.{p}", "layers.{l+1}.{p}"),
+               Rule("norm.{p}", "norm.{p}"), Rule("lm_head.{p}", "lm_head.{p}"), Rule("d2t", "d2t"), Rule("t2d", "t2d")]
 # speculators 0.9.0 PEagleDraftModel: Eagle3DraftModel's names plus mask_hidden [1, 1, 3H] (the masked rows' features).
 # Medusa reference (FasterDecoding/Medusa, TGI): medusa_lm_head.safetensors holds head h's residual
 # block l as {h}.{l}.linear.* and its projection as {h}.{L}.weight (L = blocks per head).

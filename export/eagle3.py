@@ -17,7 +17,14 @@ speculators 0.9.0 from PyPI):
   vocabulary (a full-vocabulary head has no such buffers, so the tensors would be unexpected).
 * config: ``tie_word_embeddings: false`` (SGLang ties lm_head to the embedding otherwise), no
   attention / fc bias (SGLang builds the 2H-input qkv without bias and drops a bias tensor
-  silently), ``draft_vocab_size``, ``target_hidden_size``, ``num_hidden_layers: 1``.
+  silently), ``draft_vocab_size``, ``target_hidden_size``, ``num_hidden_layers`` (the head's layers).
+* layers after the first (a multi-layer head): speculators ``layers.{i}.*`` (transformers' Llama layer: H-input
+  attention, ``input_layernorm``), each reading the previous layer's whole output, as vLLM computes them too; SGLang
+  (the eagle3 layout) ``additional_layers.{i-1}.*`` (``hidden_norm`` its pre-attention norm, no ``input_layernorm``),
+  each reading the previous layer's MLP output alone. The two compute different functions of the same tensors: a
+  head is written only in the format whose engines compute what it computes (:data:`LAYER_STACKS`,
+  ``Eagle3Head.residual_between_layers``), and import sets the option from the names it finds (the eagle3 layout
+  under vLLM's ``layers.{i}`` names reads as vLLM computes it). llama.cpp takes one-layer heads only.
 * norm flags, all written: ``norm_before_residual`` as the head has it (false by default: the residual is
   the fc output before ``hidden_norm``, as in EAGLE-3 and SGLang; true: ``hidden_norm``'s output, as
   speculators can train it, which vLLM and llama.cpp read — the original layout refuses it, as SGLang's
@@ -66,15 +73,15 @@ SPECULATIVE_TOKENS = 3
 """speculators_config.proposal_methods[0].speculative_tokens: vLLM's default num_speculative_tokens."""
 
 
-def layer_fields(layer_config: Any) -> dict[str, Any]:
-    """The one-layer Llama config of the head, as engine config keys."""
+def layer_fields(layer_config: Any, num_layers: int = 1) -> dict[str, Any]:
+    """The Llama config of the head's ``num_layers`` decoder layers, as engine config keys."""
     c = layer_config
     rope = dict(getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     return {
         "model_type": "llama",
         "hidden_size": int(c.hidden_size),
         "intermediate_size": int(c.intermediate_size),
-        "num_hidden_layers": 1,
+        "num_hidden_layers": int(num_layers),
         "num_attention_heads": int(c.num_attention_heads),
         "num_key_value_heads": int(c.num_key_value_heads),
         "head_dim": int(c.head_dim),
@@ -108,7 +115,7 @@ def eagle3_config(source: Any) -> dict[str, Any]:
     vllm_ids, sglang_ids = _ids(source)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
-        **layer_fields(head.layer_config),
+        **layer_fields(head.layer_config, head.num_layers),
         "draft_vocab_size": int(head.d2t.shape[0]),
         "target_hidden_size": int(source.target.hidden_size),
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
@@ -160,7 +167,7 @@ def speculators_config(source: Any) -> dict[str, Any]:
     names = {**PEAGLE, "mask_token_id": int(head.mask_token_id)} if peagle else EAGLE3_SPECULATORS
     return {
         **names,
-        "transformer_layer_config": layer_fields(head.layer_config),
+        "transformer_layer_config": layer_fields(head.layer_config, head.num_layers),
         "draft_vocab_size": int(head.d2t.shape[0]),
         "target_hidden_size": int(source.target.hidden_size),
         "eagle_aux_hidden_state_layer_ids": vllm_ids,
@@ -184,10 +191,7 @@ def write(source: Any, fmt: str, out: str, reader: str = "") -> None:
     it (``UNREAD_FLAGS``; default the format's own engines)."""
     from .tensors import cast_floats
 
-    layers = source.drafter.module.num_layers
-    if layers > 1:
-        raise DraftsmithError(f"this head has {layers} decoder layers; the {fmt} export writes one-layer EAGLE-3 heads only "
-                              f"(a multi-layer head decodes in draftsmith; its export is not written yet)")
+    refuse_layers(source.drafter.module, reader or fmt)
     used = [flag for flag in UNREAD_FLAGS[reader or fmt] if norm_flags(source.drafter.module)[flag]]
     if used and reader == "llamacpp":
         raise DraftsmithError(f"this head uses {', '.join(used)}, which llama.cpp cannot compute: "
@@ -203,6 +207,28 @@ def write(source: Any, fmt: str, out: str, reader: str = "") -> None:
     tensors = cast_floats(adapter(source.family, fmt).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
     write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
+
+
+LAYER_STACKS = {
+    "eagle3": (False, "SGLang (LlamaForCausalLMEagle3 at 03d5a777, the only engine that loads the eagle3 layout's "
+                      "additional_layers) computes each layer after the first from the previous layer's MLP output "
+                      "alone (BasicDecoderLayer drops the residual stream), and this head reads the previous layer's "
+                      "whole output; export it with --to speculators (vLLM)"),
+    "speculators": (True, "speculators' Eagle3DraftModel and vLLM compute each layer after the first from the previous "
+                          "layer's whole output, and this head reads its MLP output alone (SGLang's computation); export "
+                          "it with --to eagle3 (SGLang)"),
+    "llamacpp": (None, "llama.cpp's eagle3 graph has one decoder layer (src/models/eagle3.cpp: GGML_ASSERT(n_layer == "
+                       "1)); serve it with vLLM (--to speculators) or SGLang (--to eagle3), as its layer stack reads"),
+}
+"""Per reader of an EAGLE-3 export: what the layers after the first read there (``residual_between_layers``; None: no
+multi-layer head at all) and why a head that computes otherwise is refused (``drafters/eagle3.py``, "Layers after the
+first")."""
+
+
+def refuse_layers(head: Any, reader: str) -> None:
+    """Refuse, in one line, a multi-layer head ``reader`` would compute another way (:data:`LAYER_STACKS`)."""
+    if head.num_layers > 1 and LAYER_STACKS[reader][0] is not bool(head.residual_between_layers):
+        raise DraftsmithError(f"this head has {head.num_layers} decoder layers, and {LAYER_STACKS[reader][1]}")
 
 
 def as_exported(source: Any, fmt: str) -> None:
@@ -250,20 +276,17 @@ def expected_tensors(cfg: dict[str, Any], fmt: str) -> dict[str, TensorSpec]:
     q, kv = int(lc["num_attention_heads"]) * int(lc["head_dim"]), int(lc["num_key_value_heads"]) * int(lc["head_dim"])
     vd, v, ht = int(cfg["draft_vocab_size"]), int(lc["vocab_size"]), int(cfg.get("target_hidden_size") or h)
     f = DTYPES[cfg.get("torch_dtype", "float32")]
-    layer = "layers.0." if fmt == "speculators" else "midlayer."
-    out: dict[str, TensorSpec] = {
-        "fc.weight": ((h, 3 * ht), f),
-        "norm.weight": ((h,), f),
-        "lm_head.weight": ((vd, h), f),
-        **{f"{layer}{n}.weight": ((h,), f) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-        f"{layer}self_attn.q_proj.weight": ((q, 2 * h), f),
-        f"{layer}self_attn.k_proj.weight": ((kv, 2 * h), f),
-        f"{layer}self_attn.v_proj.weight": ((kv, 2 * h), f),
-        f"{layer}self_attn.o_proj.weight": ((h, q), f),
-        f"{layer}mlp.gate_proj.weight": ((i, h), f),
-        f"{layer}mlp.up_proj.weight": ((i, h), f),
-        f"{layer}mlp.down_proj.weight": ((h, i), f),
-    }
+    out: dict[str, TensorSpec] = {"fc.weight": ((h, 3 * ht), f), "norm.weight": ((h,), f), "lm_head.weight": ((vd, h), f)}
+    for n in range(int(lc.get("num_hidden_layers", 1))):  # the first reads concat(embedding, hidden) [2H]
+        layer = f"layers.{n}." if fmt == "speculators" else "midlayer." if n == 0 else f"additional_layers.{n - 1}."
+        width = 2 * h if n == 0 else h
+        norms = ("input_layernorm", "hidden_norm") if n == 0 else ("input_layernorm",) if fmt == "speculators" \
+            else ("hidden_norm",)  # SGLang's additional layers: hidden_norm is their pre-attention norm
+        out.update({f"{layer}{name}.weight": ((h,), f) for name in (*norms, "post_attention_layernorm")})
+        out.update({f"{layer}self_attn.q_proj.weight": ((q, width), f), f"{layer}self_attn.k_proj.weight": ((kv, width), f),
+                    f"{layer}self_attn.v_proj.weight": ((kv, width), f), f"{layer}self_attn.o_proj.weight": ((h, q), f),
+                    f"{layer}mlp.gate_proj.weight": ((i, h), f), f"{layer}mlp.up_proj.weight": ((i, h), f),
+                    f"{layer}mlp.down_proj.weight": ((h, i), f)})
     if fmt == "speculators":
         out["embed_tokens.weight"] = ((v, h), f)
     if cfg.get("norm_before_fc") is True:
@@ -306,7 +329,8 @@ def static_check(folder: str, fmt: str, target: Target) -> list[str]:
             mask = cfg.get("mask_token_id")
             need(isinstance(mask, int) and 0 <= mask < target.vocab_size,
                  f"mask_token_id = {mask}, a token of the target's vocabulary")
-    need(lc.get("model_type") == "llama" and int(lc.get("num_hidden_layers", 0)) == 1, "one Llama decoder layer")
+    layers = int(lc.get("num_hidden_layers", 0))
+    need(lc.get("model_type") == "llama" and layers >= 1, f"{layers} Llama decoder layer{'s' if layers > 1 else ''}")
     need(int(lc.get("vocab_size", -1)) == target.vocab_size, f"vocab_size = the target's {target.vocab_size}")
     need(int(cfg.get("target_hidden_size", -1)) == target.hidden_size, f"target_hidden_size = {target.hidden_size}")
     need(lc.get("tie_word_embeddings") is False, "tie_word_embeddings = false (SGLang would tie lm_head to the embedding)")
@@ -353,7 +377,8 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     lc = dict(_layer_section(cfg, fmt))
     peagle = _is_peagle(cfg)
     engine = adapter("peagle" if peagle else "eagle3", fmt)
-    native = engine.from_engine(read_safetensors(os.path.join(folder, WEIGHTS)))
+    stored = read_safetensors(os.path.join(folder, WEIGHTS))
+    native = engine.from_engine(stored)
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "attention_bias", "mlp_bias")
     ours = draft_layer_config(target.config)
@@ -364,10 +389,12 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     if "embed_tokens.weight" in native:  # speculators carries its own copy
         embed.weight.data = native.pop("embed_tokens.weight").to(embed.weight.dtype)
     options: dict[str, Any] = {flag: bool(cfg.get(flag)) for flag in NORM_FLAGS}
+    num_layers = int(lc.get("num_hidden_layers", 1))
+    options["residual_between_layers"] = residual_between_layers(stored, fmt, num_layers)
     if peagle:
         options["mask_token_id"] = int(cfg["mask_token_id"])
     head = (PEagleHead if peagle else Eagle3Head)(embed, layer_config, int(cfg["draft_vocab_size"]), int(lc["vocab_size"]),
-                                                  **options)
+                                                  num_layers=num_layers, **options)
     head.to(device=target.device, dtype=target.dtype)
     full = () if "d2t" in native else ("d2t", "t2d")  # without them: the identity mapping the head starts with
     _load_exact(head, native, skip=("embed_tokens.", "rotary_emb.", *full), where=folder)
@@ -375,9 +402,19 @@ def _load_config(folder: str, cfg: dict[str, Any], fmt: str, target: Target) -> 
     if peagle:
         depths = int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
         config = PEagleConfig(feature_layers=list(layers), num_depths=depths, mask_token_id=head.mask_token_id,
-                              draft_vocab_size=int(cfg["draft_vocab_size"]), **{f: options[f] for f in NORM_FLAGS})
+                              draft_vocab_size=int(cfg["draft_vocab_size"]), num_layers=num_layers,
+                              **{f: options[f] for f in (*NORM_FLAGS, "residual_between_layers")})
         return PEagleDrafter(head.eval(), tuple(layers), config)
     return EagleDrafter(head.eval(), tuple(layers), None)
+
+
+def residual_between_layers(stored: dict[str, Tensor], fmt: str, num_layers: int) -> bool:
+    """What the layers after the first of a checkpoint in ``fmt`` read, from the names its file (``stored``) holds them
+    under: SGLang's ``additional_layers`` — the previous layer's MLP output alone (False, :data:`LAYER_STACKS`); vLLM's
+    and speculators' ``layers.{i}`` — its whole output (True, as for a one-layer head, where nothing reads it)."""
+    if fmt != "eagle3" or num_layers == 1:
+        return True
+    return not any(k.startswith("additional_layers.") for k in stored)
 
 
 def _load_exact(module: torch.nn.Module, state: dict[str, Tensor], skip: tuple[str, ...], where: str) -> None:
@@ -424,7 +461,8 @@ def refuse_foreign(cfg: dict[str, Any], tensors: dict[str, Tensor], fmt: str, ta
     does not fit ``target`` or that draftsmith's head cannot compute: another vocabulary or hidden size, feature layers
     the target does not have, an embedding other than the target's (speculators stores the verifier's: the one
     fingerprint its folder carries), a layer config other than the one draftsmith builds for the target (another
-    layer family, such as speculators' Qwen3 layer with q/k norms), or more than one decoder layer."""
+    layer family, such as speculators' Qwen3 layer with q/k norms), or an eagle3-layout file holding its layers after
+    the first under both SGLang's and vLLM's names (which compute them differently)."""
     lc = _layer_section(cfg, fmt)
     vocab, hidden = lc.get("vocab_size"), cfg.get("target_hidden_size") or lc.get("hidden_size")
     if int(vocab or -1) != target.vocab_size or int(hidden or -1) != target.hidden_size:
@@ -433,9 +471,11 @@ def refuse_foreign(cfg: dict[str, Any], tensors: dict[str, Tensor], fmt: str, ta
     if lc.get("model_type", "llama") != "llama":
         raise DraftsmithError(f"{where}: its decoder layer is a {lc.get('model_type')} layer; draftsmith's EAGLE-3 head "
                               f"computes a Llama layer (another layer family is not imported yet)")
-    if int(lc.get("num_hidden_layers", 1)) != 1:
-        raise DraftsmithError(f"{where}: a {lc.get('num_hidden_layers')}-layer head; import reads one-layer EAGLE-3 heads "
-                              f"(the name table of layers 1… is not written yet)")
+    sglang, vllm = (any(k.startswith(p) for k in tensors) for p in ("additional_layers.", "layers.1."))
+    if fmt == "eagle3" and sglang and vllm:
+        raise DraftsmithError(f"{where}: its layers after the first are stored under both SGLang's names "
+                              f"(additional_layers.*) and vLLM's (layers.*), which compute them differently "
+                              f"(drafters/eagle3.py); keep one set")
     refuse_layer_config(lc, target, where, LAYER_KEYS)
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids:  # SGLang's ids (eagle_config) must name the same layers; refuses ids the target does not have
@@ -492,7 +532,8 @@ def imported(folder: str, fmt: str, target: Target) -> tuple[Any, Any, dict[str,
     drafter = _load_config(folder, cfg, fmt, target)
     head = drafter.module
     config = drafter.config or Eagle3Config(feature_layers=list(drafter.feature_layers),  # a P-EAGLE head's is made
-                                            draft_vocab_size=int(head.d2t.shape[0]),
+                                            draft_vocab_size=int(head.d2t.shape[0]), num_layers=head.num_layers,
+                                            residual_between_layers=bool(head.residual_between_layers),
                                             **{flag: bool(cfg.get(flag)) for flag in NORM_FLAGS})
     verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
     return config, head, {"verifier": verifier.get("name_or_path"),

@@ -12,6 +12,8 @@ reads (its source, ``conversion/llama.py`` and ``src/models/eagle3.cpp``):
 * ``eagle3.target_hidden_size``, ``eagle3.norm_before_residual`` and ``eagle3.norm_before_fc``
   (the head's; ``norm_before_fc``'s ``input_norm.weight`` becomes ``enc.output_norm``); a head with fc_norm or
   norm_output is refused, as llama.cpp cannot compute them (``eagle3.LLAMACPP_CANNOT``).
+* one decoder layer (``src/models/eagle3.cpp`` asserts ``n_layer == 1``): a multi-layer head is refused
+  (``eagle3.LAYER_STACKS``).
 * ``d2t`` (a reduced draft vocabulary; without it the head drafts over the target's vocabulary);
   ``t2d`` is dropped; the token embedding is the target's.
 
@@ -63,6 +65,8 @@ def write(source: Any, fmt: str, out: str, gguf_type: str = "auto") -> None:
     """Write ``source`` (an eagle3, dflash or draft_lm drafter) as ``out/draft.gguf``."""
     kind = outtype(gguf_type, source.dtype)
     target_dir = resolve_target_folder(source.target.name)
+    if source.family == "eagle3":
+        eagle3.refuse_layers(source.drafter.module, "llamacpp")
     if source.family in ("eagle3", *BLOCK_FAMILIES):
         engine_layer_ids(source.drafter.feature_layers, source.target.num_layers, "llamacpp")  # refuses what llama.cpp skips
     with tempfile.TemporaryDirectory(prefix=".hf-layout.", dir=out) as tmp:

@@ -26,9 +26,10 @@ from .architecture import (MIN_TRANSFORMERS, check_architecture, check_cache_arg
 from .config import TargetConfig
 from .conventions import default_eagle3_layers, end_of_sequence_ids, resolve_layer
 from .fingerprint import files_fingerprint, model_fingerprint, safetensors_files, tokenizer_fingerprint
-from .load import load_target, load_target_files
+from .load import load_causal_lm, load_target, load_target_files
 from .model import Target, TargetFiles, TargetOutput, describe, render_chat
-from .sources import BUILTINS, Builtin, builtin_gguf, resolve_target_folder
+from .sources import (BUILTINS, Builtin, builtin_gguf, load_pickled, pickled_weight_files, resolve_target_folder,
+                      unsafe_pickle)
 
 __all__ = [
     "BUILTINS",
@@ -48,13 +49,17 @@ __all__ = [
     "files_fingerprint",
     "freeze",
     "keep_cache_rows",
+    "load_causal_lm",
+    "load_pickled",
     "load_target",
     "load_target_files",
     "model_fingerprint",
+    "pickled_weight_files",
     "render_chat",
     "resolve_layer",
     "resolve_target_folder",
     "rollback_cache",
     "safetensors_files",
     "tokenizer_fingerprint",
+    "unsafe_pickle",
 ]

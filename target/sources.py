@@ -95,3 +95,50 @@ def _convert_gguf(path: str) -> str:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return folder
+
+
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+"""transformers' pickled weights of a folder: one file, or the index naming its shards (what ``save_pretrained`` writes
+with ``safe_serialization=False``, and axolotl unless told ``save_safetensors: true``)."""
+
+
+def pickled_weight_files(folder: str) -> list[str]:
+    """The pickled weight files transformers loads ``folder``'s model from (the index's shards, or
+    ``pytorch_model.bin``) when it holds no safetensors; empty when there are none."""
+    index = os.path.join(folder, PICKLED_WEIGHTS[1])
+    if os.path.isfile(index):
+        import json
+
+        with open(index, encoding="utf-8") as f:
+            return [os.path.join(folder, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    single = os.path.join(folder, PICKLED_WEIGHTS[0])
+    return [single] if os.path.isfile(single) else []
+
+
+def unsafe_pickle(where: str, error: Exception) -> DraftsmithError:
+    """The one-line refusal of a pickle that ``torch.load(weights_only=True)`` would not read (``error``): it holds more
+    than tensors (a global it would have to import and call, the way a malicious ``__reduce__`` runs code)."""
+    text = " ".join(str(error).split())
+    start = text.find("WeightsUnpickler error:")
+    why = text[start:].split(". ")[0] if start >= 0 else text[:200]
+    return DraftsmithError(f"{where} holds more than tensors ({why}): draftsmith reads pickled weights only with "
+                           f"torch.load(weights_only=True), which runs no code and refuses it; get its weights as "
+                           f"safetensors from a source you trust")
+
+
+def load_pickled(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a pickled weight file, read with ``torch.load(weights_only=True)`` only (memory-mapped where the
+    file is a zip archive, as ``torch.save`` writes it): a pickle that holds anything but tensors and plain containers is
+    refused in one line (:func:`unsafe_pickle`), never run."""
+    import pickle
+    import zipfile
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        raise unsafe_pickle(path, e) from e
+    except (OSError, RuntimeError, EOFError) as e:
+        raise DraftsmithError(f"{path} cannot be read as a torch.save file ({' '.join(str(e).split())[:200]})") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise DraftsmithError(f"{path} holds no state dict (a mapping of names to tensors)")
+    return state

@@ -270,15 +270,15 @@ def test_eagle3_layer_with_zero_embedding_matches_transformers(eagle3):
         ref = hf(inputs_embeds=h, attention_mask=pad, position_ids=pos).last_hidden_state
         cos, sin = head.rotary_emb(h, pos)
         mask = causal_mask(7, 0, h.dtype, h.device, pad)
-        ours = layer(torch.zeros_like(h), h, cos, sin, mask)
+        ours = sum(layer(torch.zeros_like(h), h, cos, sin, mask))  # (stream, MLP output): the layer's output is their sum
         assert torch.allclose(ours[0], ref[0], atol=1e-5)
         assert torch.allclose(ours[1, 2:], ref[1, 2:], atol=1e-5)
         # through a cache in two chunks = one pass
         cache = head.new_cache()
         p = torch.arange(7)[None]
         cos, sin = head.rotary_emb(h, p)
-        a = layer(torch.zeros_like(h[:1, :3]), h[:1, :3], cos[:, :3], sin[:, :3], causal_mask(3, 0, h.dtype, h.device), cache)
-        b = layer(torch.zeros_like(h[:1, 3:]), h[:1, 3:], cos[:, 3:], sin[:, 3:], causal_mask(4, 3, h.dtype, h.device), cache)
+        a = sum(layer(torch.zeros_like(h[:1, :3]), h[:1, :3], cos[:, :3], sin[:, :3], causal_mask(3, 0, h.dtype, h.device), cache))
+        b = sum(layer(torch.zeros_like(h[:1, 3:]), h[:1, 3:], cos[:, 3:], sin[:, 3:], causal_mask(4, 3, h.dtype, h.device), cache))
         ref = hf(inputs_embeds=h[:1]).last_hidden_state
         assert torch.allclose(torch.cat([a, b], 1), ref, atol=1e-5)
 

@@ -100,7 +100,7 @@ def test_draft_vocab_checks_refuse_what_an_engine_would_misread(vocab, target):
 @pytest.mark.parametrize("family, fmt", [("eagle3", "eagle3"), ("eagle3", "speculators"), ("medusa", "medusa"),
                                          ("medusa", "medusa-vllm"), ("medusa", "medusa2"), ("draft_lm", "hf")])
 def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
-    config = {"eagle3": Eagle3Config(feature_layers=EAGLE3_LAYERS), "medusa": MedusaConfig(num_heads=3, num_layers=2),
+    config = {"eagle3": Eagle3Config(feature_layers=EAGLE3_LAYERS, num_layers=3), "medusa": MedusaConfig(num_heads=3, num_layers=2),
               "draft_lm": DraftLMConfig(num_layers=2)}[family]
     module = config.build_module(target, vocab) if family == "eagle3" else config.build_module(target)
     state = module.state_dict()
@@ -115,10 +115,16 @@ def test_state_dict_adapters_round_trip(target, vocab, family, fmt):
         assert {"0.1.linear.weight", "2.2.weight"} <= set(engine)
     if fmt == "medusa2":
         assert {"medusa_head.0.1.linear.weight", "medusa_head.2.2.weight"} <= set(engine)
-    if fmt == "speculators":
+    if fmt == "speculators":  # speculators counts the layers from the first: draftsmith's next_layers.i is its layers.i+1
         assert "layers.0.hidden_norm.weight" in engine and "embed_tokens.weight" in engine
-    if fmt == "eagle3":
+        assert {"layers.1.input_layernorm.weight", "layers.2.self_attn.q_proj.weight"} <= set(engine)
+        assert engine["layers.2.self_attn.q_proj.weight"] is state["next_layers.1.self_attn.q_proj.weight"]
+    if fmt == "eagle3":  # SGLang's additional_layers.i, whose pre-attention norm is hidden_norm; vLLM's layers.i read too
         assert "midlayer.hidden_norm.weight" in engine and "embed_tokens.weight" not in engine
+        assert engine["additional_layers.1.hidden_norm.weight"] is state["next_layers.1.input_layernorm.weight"]
+        assert not any(k.startswith("layers.") or ".input_layernorm" in k and "midlayer" not in k for k in engine)
+        assert table.from_engine({"layers.2.mlp.up_proj.weight": state["fc.weight"]}) == {
+            "next_layers.1.mlp.up_proj.weight": state["fc.weight"]}
     if fmt != "hf":  # a plain transformers model keeps its own names: that table is the identity
         with pytest.raises(DraftsmithError, match="no rule"):
             table.from_engine({"model.unknown.weight": torch.zeros(1)})
@@ -478,10 +484,36 @@ def test_export_from_a_checkpoint_equals_export_from_the_saved_drafter(tmp_path,
         assert any("proposes the source drafter's" in line for line in check(str(tmp_path / "from_ckpt")))
 
 
-@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])  # gguf writes through the eagle3 layout
-def test_a_multi_layer_eagle3_head_is_refused_in_one_line(tmp_path, target, vocab, fmt):
-    config = Eagle3Config(feature_layers=EAGLE3_LAYERS, num_layers=2)
-    drafters.save(str(tmp_path / "deep"), config, config.build_module(target, vocab), target)
-    with pytest.raises(DraftsmithError, match=f"2 decoder layers; the {fmt} export writes one-layer"):
-        export(str(tmp_path / "deep"), fmt, str(tmp_path / "out"))
-    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+@pytest.mark.parametrize("residual", [True, False])
+def test_a_multi_layer_head_is_exported_only_where_its_layer_stack_is_computed(tmp_path, target, vocab, residual):
+    """A two-layer head whose second layer reads the first's whole output (speculators', vLLM's) is exported --to
+    speculators and proven there by speculators' own class (two layers, every tensor loaded, equal logits); one whose
+    second layer reads the first's MLP output alone (SGLang's) --to eagle3 as SGLang's additional_layers, loaded back
+    into the same head. Each is refused, in one line, by the format whose engines compute the other stack, and both
+    by llama.cpp (one decoder layer)."""
+    from safetensors.torch import load_file
+
+    config = Eagle3Config(feature_layers=EAGLE3_LAYERS, num_layers=2, residual_between_layers=residual)
+    module = config.build_module(target, vocab)
+    perturb(module)
+    source = str(tmp_path / "deep")
+    drafters.save(source, config, module, target)
+    fmt, other = ("speculators", "eagle3") if residual else ("eagle3", "speculators")
+    export(source, fmt, str(tmp_path / fmt))
+    cfg = json.load(open(tmp_path / fmt / "config.json"))
+    assert (cfg["transformer_layer_config"] if residual else cfg)["num_hidden_layers"] == 2
+    stored = set(load_file(str(tmp_path / fmt / "model.safetensors")))
+    lines = check(str(tmp_path / fmt))
+    assert "2 Llama decoder layers" in lines and any("proposes the source drafter's 4 tokens" in line for line in lines)
+    if residual:
+        assert {"layers.1.input_layernorm.weight", "layers.1.self_attn.q_proj.weight"} <= stored
+        assert any("speculators Eagle3DraftModel loads all 25 tensors" in line for line in lines)
+        assert any("speculators' forward on the same hidden states" in line for line in lines)
+    else:
+        assert {"additional_layers.0.hidden_norm.weight", "additional_layers.0.self_attn.q_proj.weight"} <= stored
+        assert not any(k.startswith("additional_layers.0.input_layernorm") for k in stored)
+    why = "SGLang .* drops the residual stream" if residual else "speculators' Eagle3DraftModel and vLLM compute"
+    for to, match in ((other, why), ("gguf", r"llama.cpp's eagle3 graph has one decoder layer")):
+        with pytest.raises(DraftsmithError, match=f"this head has 2 decoder layers, and {match}") as e:
+            export(source, to, str(tmp_path / to))
+        assert "\n" not in str(e.value) and not os.path.exists(tmp_path / to / "model.safetensors")

@@ -40,10 +40,13 @@ DFLASH2 = {"num_layers": 1, "block_size": 4, "feature_layers": [0, 2], "conv_gro
 """A tiny DFlash2 (its convolutions and selector included) for the 64-wide tiny target."""
 
 
-SOURCES = {  # case → (export format, the drafter it holds); a case is named by its format, or format-family
+SOURCES = {  # case → (export format, the drafter it holds); a case is named by its format, or format-family, or
+    # format-"deep": a two-layer EAGLE-3 head, whose second layer reads what that format's engines give it
     "speculators": ("speculators", lambda: Eagle3Config(feature_layers=LAYERS, norm_before_residual=True)),
+    "speculators-deep": ("speculators", lambda: Eagle3Config(feature_layers=LAYERS, num_layers=2, norm_before_fc=True)),
     "speculators-peagle": ("speculators", lambda: PEagleConfig(feature_layers=LAYERS, num_depths=4, fc_norm=True)),
     "eagle3": ("eagle3", lambda: Eagle3Config(feature_layers=LAYERS)),
+    "eagle3-deep": ("eagle3", lambda: Eagle3Config(feature_layers=LAYERS, num_layers=3, residual_between_layers=False)),
     "medusa": ("medusa", lambda: MedusaConfig(num_heads=3, num_layers=2)),
     "medusa-vllm": ("medusa-vllm", lambda: MedusaConfig(num_heads=2, num_layers=1)),
     "medusa2": ("medusa2", lambda: MedusaConfig(num_heads=2, num_layers=1)),
@@ -136,11 +139,12 @@ def test_an_imported_checkpoint_goes_through_eval_and_report(tmp_path, tiny_targ
 
 
 def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids: list[int], seed: int = 3,
-                           depths: int = 0, **flags: bool) -> str:
+                           depths: int = 0, layers: int = 1, **flags: bool) -> str:
     """A foreign checkpoint: speculators' own ``Eagle3DraftModel`` (with ``depths``: its ``PEagleDraftModel`` drafting
     that many tokens per forward, the last id of the vocabulary its mask token), built from its config class the way
-    its ``from_training_args`` builds it (the verifier's config as the layer config, norm_before_residual on, and the
-    norm ``flags`` given), weights moved off their init, written by its own ``save_pretrained``."""
+    its ``from_training_args`` builds it (the verifier's config as the layer config with ``layers`` decoder layers,
+    norm_before_residual on, and the norm ``flags`` given), weights moved off their init, written by its own
+    ``save_pretrained``."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -148,7 +152,7 @@ def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids:
     from transformers import AutoConfig
 
     layer = AutoConfig.from_pretrained(target_dir)
-    layer.num_hidden_layers = 1
+    layer.num_hidden_layers = layers
     layer._attn_implementation = "eager"
     config_class, model_class, extra = (PEagleSpeculatorConfig, PEagleDraftModel, {"mask_token_id": layer.vocab_size - 1}) \
         if depths else (Eagle3SpeculatorConfig, Eagle3DraftModel, {})
@@ -176,6 +180,13 @@ def speculators_checkpoint(folder: str, target_dir: str, target, vocab, aux_ids:
 def foreign(tmp_path_factory, tiny_target_dir, target, vocab):
     return speculators_checkpoint(str(tmp_path_factory.mktemp("foreign") / "spec"), tiny_target_dir, target, vocab,
                                   aux_ids=[1, 2, 4])
+
+
+@pytest.fixture(scope="module")
+def foreign_deep(tmp_path_factory, tiny_target_dir, target, vocab):
+    """speculators' own two-layer head (its second layer transformers' LlamaDecoderLayer)."""
+    return speculators_checkpoint(str(tmp_path_factory.mktemp("foreign") / "deep"), tiny_target_dir, target, vocab,
+                                  aux_ids=[1, 2, 4], layers=2)
 
 
 def logits_gap(folder: str, drafter, target) -> float:
@@ -207,8 +218,23 @@ def test_a_speculators_checkpoint_imports_with_its_own_classes_logits(tmp_path, 
     assert logits_gap(foreign, drafter, target) > 100
 
 
-def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(tmp_path, target, foreign):
-    """SpecForge / SGLang's layout of that head: midlayer.*, no embedding, SGLang's ids in eagle_config (ours)."""
+def test_a_two_layer_speculators_checkpoint_imports_with_its_own_classes_logits(tmp_path, target, foreign_deep):
+    """speculators' Eagle3DraftModel with two decoder layers: imported as a two-layer head whose second layer reads the
+    first's whole output, with its class's logits over three unrolled steps; the same weights with SGLang's layer
+    stack (the second layer reading the first's MLP output alone) are not equal."""
+    meta = import_drafter(foreign_deep, str(tmp_path / "imported"), target)
+    assert meta["drafter"]["num_layers"] == 2 and meta["drafter"]["residual_between_layers"] is True
+    drafter = drafters.load(str(tmp_path / "imported"), target)
+    assert logits_gap(foreign_deep, drafter, target) <= 1
+    drafter.module.residual_between_layers = False
+    assert logits_gap(foreign_deep, drafter, target) > 100
+
+
+@pytest.mark.parametrize("checkpoint", ["foreign", "foreign_deep"])
+def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(request, tmp_path, target, checkpoint):
+    """The EAGLE-3 layout of that head: midlayer.*, no embedding, SGLang's ids in eagle_config (ours); a second layer
+    stays under vLLM's name layers.1.* (what vLLM's LlamaForCausalLMEagle3 loads, and computes as speculators does)."""
+    foreign = request.getfixturevalue(checkpoint)
     cfg = json.load(open(os.path.join(foreign, "config.json")))
     layout = {"architectures": ["LlamaForCausalLMEagle3"], **cfg["transformer_layer_config"],
               "draft_vocab_size": 1000, "target_hidden_size": 64, "norm_before_residual": True,
@@ -222,6 +248,8 @@ def test_the_eagle3_layout_of_the_same_head_imports_with_the_same_logits(tmp_pat
     out = str(tmp_path / "imported")
     meta = import_drafter(str(folder), out, target)
     assert meta["imported"]["format"] == "eagle3" and meta["feature_layers"] == LAYERS
+    assert meta["drafter"]["num_layers"] == cfg["transformer_layer_config"]["num_hidden_layers"]
+    assert meta["drafter"]["residual_between_layers"] is True
     assert logits_gap(foreign, drafters.load(out, target), target) <= 1
 
 
@@ -241,11 +269,14 @@ def test_a_speculators_export_naming_eagle3speculator_still_checks_and_imports(t
 
 def sglang_eagle3_drafts(folder: str, target, ids: list[int], steps: int = 2) -> tuple[torch.Tensor, list[int]]:
     """SGLang's EAGLE-3 draft model on an eagle3-layout folder (its tensors, the target's embedding), written from
-    ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``) in plain torch: the draft extend over
-    ``ids`` (row t: the token ids[t + 1], the target's fused features of position t through ``fc``), then
+    ``python/sglang/srt/models/llama_eagle3.py`` at 03d5a777 (``LlamaForCausalLMEagle3``) in plain torch: the draft
+    extend over ``ids`` (row t: the token ids[t + 1], the target's fused features of position t through ``fc``), then
     ``steps`` - 1 draft decode steps, each reading the previous step's pre-norm state (``hidden_states_to_aux``) and
-    token and attending to the rows before it. Returns the extend's logits [S - 1, Vd] and the greedy drafts (target
-    ids: ``hot_token_id = d2t + arange``)."""
+    token and attending to the rows before it. A head of ``num_hidden_layers`` > 1 runs its ``additional_layers``
+    after ``midlayer`` as ``BasicDecoderLayer.forward`` does: each takes the MLP output the layer before returned as its
+    input and as its residual (the residual it is passed is dropped), ``hidden_norm`` its pre-attention norm, its own
+    KV cache. Returns the extend's logits [S - 1, Vd] and the greedy drafts (target ids: ``hot_token_id = d2t +
+    arange``)."""
     cfg = json.load(open(os.path.join(folder, "config.json")))
     w = load_file(os.path.join(folder, "model.safetensors"))
     eps, nh, nkv, d = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -262,63 +293,85 @@ def sglang_eagle3_drafts(folder: str, target, ids: list[int], steps: int = 2) ->
         half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
         return x * angle.cos() + half * angle.sin()
 
-    cache_k, cache_v = [], []
+    caches: dict[str, tuple[list, list]] = {}  # per layer (its RadixAttention's layer_id): keys, values
 
-    def midlayer(embeds, hidden, pos):  # LlamaDecoderLayer.forward of llama_eagle3.py, then LlamaModel's norm
-        residual = hidden
-        x = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(hidden, "midlayer.hidden_norm.weight")], -1)
-        q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, d), pos)
-        cache_k.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, nkv, d), pos))
-        cache_v.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, nkv, d))
+    def attention(x, layer, pos):  # LlamaAttention: qkv_proj, RoPE, causal over the layer's cache, o_proj
+        cache_k, cache_v = caches.setdefault(layer, ([], []))
+        q = rope((x @ w[f"{layer}self_attn.q_proj.weight"].T).view(-1, nh, d), pos)
+        cache_k.append(rope((x @ w[f"{layer}self_attn.k_proj.weight"].T).view(-1, nkv, d), pos))
+        cache_v.append((x @ w[f"{layer}self_attn.v_proj.weight"].T).view(-1, nkv, d))
         k, v = (torch.cat(c).repeat_interleave(nh // nkv, dim=1) for c in (cache_k, cache_v))  # [T, nh, d]
         scores = torch.einsum("snd,tnd->nst", q, k) / d ** 0.5
         past = k.shape[0] - q.shape[0]
         scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(past + 1), float("-inf"))
         attn = torch.einsum("nst,tnd->snd", scores.softmax(-1), v).reshape(q.shape[0], nh * d)
-        residual = attn @ w["midlayer.self_attn.o_proj.weight"].T + residual  # post_attention_layernorm(h, residual)
-        x = rms(residual, "midlayer.post_attention_layernorm.weight")
-        x = (torch.nn.functional.silu(x @ w["midlayer.mlp.gate_proj.weight"].T) * (x @ w["midlayer.mlp.up_proj.weight"].T)
-             ) @ w["midlayer.mlp.down_proj.weight"].T
-        aux = x + residual  # norm(hidden_states, residual): the sum, then the norm
+        return attn @ w[f"{layer}self_attn.o_proj.weight"].T
+
+    def mlp(residual, layer):  # post_attention_layernorm's normed output through LlamaMLP
+        x = rms(residual, f"{layer}post_attention_layernorm.weight")
+        return (torch.nn.functional.silu(x @ w[f"{layer}mlp.gate_proj.weight"].T) * (x @ w[f"{layer}mlp.up_proj.weight"].T)
+                ) @ w[f"{layer}mlp.down_proj.weight"].T
+
+    def model(embeds, hidden, pos):  # LlamaModel.forward of llama_eagle3.py
+        x = torch.cat([rms(embeds, "midlayer.input_layernorm.weight"), rms(hidden, "midlayer.hidden_norm.weight")], -1)
+        residual = attention(x, "midlayer.", pos) + hidden  # post_attention_layernorm(hidden_states, residual)
+        out = mlp(residual, "midlayer.")  # LlamaDecoderLayer returns (mlp output, residual)
+        for j in range(cfg["num_hidden_layers"] - 1):  # BasicDecoderLayer.forward(positions, out, …, residual)
+            layer = f"additional_layers.{j}."
+            residual = out  # residual = hidden_states: the residual passed in is not read
+            residual = attention(rms(out, f"{layer}hidden_norm.weight"), layer, pos) + residual
+            out = mlp(residual, layer)
+        aux = out + residual  # norm(hidden_states, residual): the sum, then the norm
         return aux, rms(aux, "norm.weight") @ w["lm_head.weight"].T
 
     with torch.no_grad():
         feats = target.forward(torch.tensor([ids[:-1]]), feature_layers=tuple(layers)).features[0]  # [S - 1, 3H]
         n = feats.shape[0]
-        aux, logits = midlayer(embed[ids[1:]], feats @ w["fc.weight"].T, torch.arange(n, dtype=torch.float32))
+        aux, logits = model(embed[ids[1:]], feats @ w["fc.weight"].T, torch.arange(n, dtype=torch.float32))
         extend, drafts = logits, [int(hot[logits[-1].argmax()])]
         for step in range(1, steps):
-            aux, logits = midlayer(embed[drafts[-1:]], aux[-1:], torch.tensor([n - 1.0 + step]))
+            aux, logits = model(embed[drafts[-1:]], aux[-1:], torch.tensor([n - 1.0 + step]))
             drafts.append(int(hot[logits[-1].argmax()]))
     return extend, drafts
 
 
-def test_the_eagle3_layout_computes_what_sglangs_forward_computes(tmp_path, target, exported):
+@pytest.mark.parametrize("case", ["eagle3", "eagle3-deep"])
+def test_the_eagle3_layout_computes_what_sglangs_forward_computes(tmp_path, target, exported, case):
     """The eagle3-layout head, imported, against SGLang's own draft model on the same folder (a reference forward
     written from its code): the draft extend's logits over a prompt and the drafts of two chain steps, which the
-    runtime proposes; the same head on the features one layer up is not equal."""
+    runtime proposes; the same head on the features one layer up is not equal. A three-layer head (SGLang's
+    additional_layers) is imported with SGLang's layer stack, and the same weights with the residual stream carried
+    between the layers (speculators' and vLLM's stack) are not equal."""
     from draftsmith.decode.sampling import Warp
 
-    folder = exported["eagle3"][1]
+    folder = exported[case][1]
     out = str(tmp_path / "imported")
-    import_drafter(folder, out, target)
+    meta = import_drafter(folder, out, target)
     drafter = drafters.load(out, target)
     prompt = default_prompts(target)[0]
     with torch.no_grad():
         out_t = target.forward(torch.tensor([prompt]), feature_layers=tuple(drafter.feature_layers))
     ids = prompt + [int(out_t.logits[0, -1].argmax())]  # the prefill commits the target's first token
-    theirs, their_drafts = sglang_eagle3_drafts(folder, target, ids)
-    with torch.no_grad():
-        _, ours = drafter.module(torch.tensor([ids[1:]]), out_t.features)
-    assert float((ours[0] - theirs).abs().max()) <= LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max()))
+    theirs, their_drafts = sglang_eagle3_drafts(folder, target, ids, steps=3)
+
+    def gap() -> float:
+        with torch.no_grad():
+            _, ours = drafter.module(torch.tensor([ids[1:]]), out_t.features)
+        return float((ours[0] - theirs).abs().max()) / (LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max())))
+
+    assert gap() <= 1
     drafter.reset()
     drafter.update(torch.tensor(ids), out_t.features[0])
-    assert drafter.propose(2, Warp(), None).tokens.tolist() == their_drafts
+    assert drafter.propose(3, Warp(), None).tokens.tolist() == their_drafts
     shifted = [min(i + 1, target.num_layers - 1) for i in drafter.feature_layers]  # the features one layer up
     with torch.no_grad():
         _, off = drafter.module(torch.tensor([ids[1:]]), target.forward(torch.tensor([prompt]),
                                                                          feature_layers=tuple(shifted)).features)
     assert float((off[0] - theirs).abs().max()) > 100 * LOGIT_TOLERANCE
+    if case == "eagle3-deep":
+        assert meta["drafter"]["num_layers"] == 3 and meta["drafter"]["residual_between_layers"] is False
+        drafter.module.residual_between_layers = True
+        assert gap() > 100
 
 
 def zlab_dflash_block(folder: str, target, ids: list[int]) -> torch.Tensor:
@@ -433,7 +486,8 @@ def test_a_gemma_targets_zlab_export_carries_its_embedding_scale(tmp_path, smoll
         ours = m.lm_head(m(block, positions[:, n:], m.context(out.features, positions[:, :n]))[0])[1:]
     theirs = zlab_dflash_block(zlab, gemma, ids)
     assert float((ours - theirs).abs().max()) <= LOGIT_TOLERANCE * max(1.0, float(theirs.abs().max()))
-    assert import_drafter(zlab, str(tmp_path / "imported"), gemma)["drafter"]["type"] == "dflash"
+    # no layer check: its chat prompts hold tokenizer ids past the tiny model's 2,048 rows
+    assert import_drafter(zlab, str(tmp_path / "imported"), gemma, check_ids=False)["drafter"]["type"] == "dflash"
     del cfg["dflash_config"]["input_embedding_scale"]
     json.dump(cfg, open(os.path.join(zlab, "config.json"), "w"))
     with pytest.raises(DraftsmithError, match=r"input_embedding_scale 1 .* the target embedding's own 5.65685") as e:
@@ -568,7 +622,7 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target
                                                                 foreign_peagle, foreign_dflash2):
     spec = exported["speculators"][1]
     other_embedding = lambda s: {**s, "embed_tokens.weight": s["embed_tokens.weight"] + 0.5}  # noqa: E731
-    d2, sg, zl = foreign_dflash2, exported["eagle3"][1], exported["dflash"][1]
+    d2, sg, zl, deep = foreign_dflash2, exported["eagle3"][1], exported["dflash"][1], exported["eagle3-deep"][1]
     cases = {  # name: (folder, target, config changes, tensor changes, message)
         "fingerprint": (spec, other_target, None, None, "exported for target fingerprint .* pass that one with --target"),
         "embedding": (foreign, target, None, other_embedding, "is not .*'s: it was trained for another target"),
@@ -595,6 +649,12 @@ def test_a_checkpoint_for_another_target_is_refused_in_one_line(tmp_path, target
                                                         "use_aux_hidden_state": True}}, None, "sglang layer id 9 names no decoder"),
         "eagle3-rope": (sg, target, {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
                         None, "rope_theta 500000.0 is not the 10000.0"),
+        # SpecForge's unmerged multi-layer branch names its first layer fuse_layer.*, which SGLang does not load either
+        "eagle3-fuse-layer": (sg, target, None, lambda st: {k.replace("midlayer.", "fuse_layer."): v for k, v in st.items()},
+                              "has no rule for the eagle3 tensor 'fuse_layer"),
+        "eagle3-both-stacks": (deep, target, None, lambda st: {**st, **{k.replace("additional_layers.0.", "layers.1."): v.clone()
+                                                                         for k, v in st.items()}},
+                               "under both SGLang's names .* and vLLM's"),
         "dflash-vocabulary": (zl, target, {"vocab_size": 32000}, None, "vocab_size 32000 .* another target"),
         "dflash-layers": (zl, target, _dflash_config(zl, target_layer_ids=[0, 9]), None, "layer id 9 names no decoder"),
         "dflash-rope": (zl, target, {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
@@ -655,6 +715,67 @@ def test_a_head_whose_layer_ids_are_shifted_is_refused(target):
                                               r"\(ours \[1, 2, 3\]\) and at 100% from \[0, 1, 2\]") as e:
         check_layers(SimpleNamespace(module=head, feature_layers=(1, 2, 3)), target, "head")
     assert "\n" not in str(e.value)
+
+
+class _LayerBoundBlocks(torch.nn.Module):
+    """The DFlash stand-in of :class:`_LayerBoundHead`: the block anchored at every position drafts the target's next
+    prediction at its first masked position exactly from the features of the layers it was trained on, and wrongly
+    from any others (hidden rows are one-hot over the vocabulary; its lm_head passes them through)."""
+
+    draft_ids = None  # the full vocabulary
+
+    def __init__(self, target, layers: list[int]):
+        super().__init__()
+        self.vocab, self.block_size = target.vocab_size, 4
+        self.lm_head = torch.nn.Identity()
+        self.known = {}
+        with torch.no_grad():
+            for ids in default_prompts(target):
+                out = target.forward(torch.tensor([ids]), feature_layers=tuple(layers))
+                self.known[len(ids)] = (out.features, out.logits[0, 1:].argmax(-1))
+
+    def train_blocks(self, input_ids, features, anchors):
+        feats, want = self.known[features.shape[1]]
+        assert torch.equal(anchors[0], torch.arange(1, features.shape[1]))  # a block at every position with context
+        hidden = torch.zeros(1, anchors.shape[1], self.block_size, self.vocab)  # [B, N, Bs, V]
+        hidden[0, torch.arange(len(want)), 1, want if torch.equal(feats, features) else (want + 1) % self.vocab] = 1.0
+        return hidden
+
+
+def test_a_dflash_drafter_whose_layer_ids_are_shifted_is_refused(target):
+    """As for EAGLE-3: a DFlash drafter trained on our layers [0, 2] is taken named so; named [1, 3] (speculators' ids,
+    input-of-layer, read as z-lab's output-of-layer ones) it is refused in one line naming the layers it fits."""
+    from types import SimpleNamespace
+
+    from draftsmith.export.importer import check_layers
+
+    blocks = _LayerBoundBlocks(target, [0, 2])
+    lines = check_layers(SimpleNamespace(module=blocks, feature_layers=(0, 2)), target, "dflash")
+    assert lines == ["feature layers [0, 2]: first drafts 100% right, [1, 3] 0%"]
+    with pytest.raises(DraftsmithError, match=r"feature layers look shifted: it drafts .* at 0% from the layers it names "
+                                              r"\(ours \[1, 3\]\) and at 100% from \[0, 2\]") as e:
+        check_layers(SimpleNamespace(module=blocks, feature_layers=(1, 3)), target, "dflash")
+    assert "\n" not in str(e.value)
+
+
+def test_every_drafter_of_named_layers_is_probed_on_import_and_the_flag_skips_it(tmp_path, target, exported,
+                                                                                monkeypatch):
+    """The import runs the layer check on the drafter it builds (the real module, its named layers) for every format
+    that holds one reading named target layers, and on no other; --no-layer-check skips it."""
+    import draftsmith.export.importer as importer
+
+    probed = []
+    check = importer.check_layers
+    monkeypatch.setattr(importer, "check_layers", lambda d, t, w: probed.append((w, list(d.feature_layers))) or check(d, t, w))
+    for case in SOURCES:
+        import_drafter(exported[case][1], str(tmp_path / case), target)
+    names = {case for case in SOURCES if SOURCES[case][1]().type in ("eagle3", "peagle", "dflash", "dflash2")}
+    assert {w for w, _ in probed} == {exported[case][1] for case in names}
+    assert {"dflash", "speculators-dflash", "speculators-dflash2"} <= names
+    assert (exported["dflash"][1], [0, 2]) in probed
+    probed.clear()
+    import_drafter(exported["dflash"][1], str(tmp_path / "unchecked"), target, check_ids=False)
+    assert probed == []
 
 
 @pytest.mark.parametrize("files", [("config.json", "pytorch_model.bin"), ("config.json", "medusa_lm_head.pt"),

@@ -258,3 +258,171 @@ def test_a_head_with_different_blocks_is_refused_for_medusa2_in_one_line(tmp_pat
                                               r" or --to medusa-vllm") as e:
         export(source, "medusa2", str(tmp_path / "out"))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "out")
+
+
+# ---------------------------------------------------------------- pickled, malicious and LoRA-only Medusa-2 checkpoints
+
+
+class _Payload:
+    """A pickle payload: unpickled without weights_only, its ``__reduce__`` runs ``open(marker, "w")`` (it creates a
+    file: harmless, and visible)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def save_pickled(model: nn.Module, folder: str, tokenizer, extra: dict | None = None) -> str:
+    """The Medusa-2 model as ``save_pretrained(safe_serialization=False)`` writes it (axolotl without ``save_safetensors:
+    true``): ``torch.save`` shards named in ``pytorch_model.bin.index.json``, the backbone in one and the heads (a
+    repeated block under one name) in the other, with ``extra`` entries in the heads' shard."""
+    os.makedirs(folder)
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    state = dict(model.state_dict())
+    heads = {k: state.pop(k) for k in sorted(state) if k.startswith("medusa_head.")}
+    shared: dict[int, list[str]] = {}
+    for name, t in heads.items():
+        shared.setdefault(t.data_ptr(), []).append(name)
+    heads = {names[-1]: heads[names[-1]] for names in shared.values()}
+    shards = {"pytorch_model-00001-of-00002.bin": state, "pytorch_model-00002-of-00002.bin": {**heads, **(extra or {})}}
+    for name, part in shards.items():
+        torch.save(part, os.path.join(folder, name))
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    json.dump(index, open(os.path.join(folder, "pytorch_model.bin.index.json"), "w"))
+    return folder
+
+
+def test_a_pickled_medusa2_checkpoint_imports_as_its_safetensors_twin(tmp_path, checkpoint, backbone):
+    """Its pickled shards are read with torch.load(weights_only=True) — the backbone by transformers, the heads'
+    shard by the import — not refused: the same backbone (fingerprint) and the same heads as the safetensors one."""
+    from safetensors.torch import load_file
+
+    model, folder = checkpoint
+    pickled = save_pickled(model, str(tmp_path / "pickled"), backbone.tokenizer)
+    assert detect(pickled) == "medusa2" and not any(f.endswith(".safetensors") for f in os.listdir(pickled))
+    meta = import_drafter(pickled, str(tmp_path / "from-pickles"), pickled)
+    assert meta["target"]["fingerprint"] == backbone.fingerprint
+    import_drafter(folder, str(tmp_path / "from-safetensors"), backbone)
+    a, b = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("from-pickles", "from-safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("given", ["folder", "loaded backbone"])
+def test_a_pickle_with_a_payload_is_refused_in_one_line_and_never_run(tmp_path, checkpoint, backbone, given):
+    """A heads' shard that carries a __reduce__ payload: the import refuses it in one line naming torch.load's reason
+    (whether the backbone is loaded from the folder by transformers, or given loaded and the heads' shard is the first
+    pickle read), writes nothing, and the payload never runs."""
+    model, _ = checkpoint
+    marker = str(tmp_path / "payload-ran")
+    folder = save_pickled(model, str(tmp_path / "evil"), backbone.tokenizer, {"medusa_head.note": _Payload(marker)})
+    with pytest.raises(DraftsmithError, match=r"holds more than tensors \(WeightsUnpickler error: Unsupported global: "
+                                              r"GLOBAL io\.open.*torch\.load\(weights_only=True\)") as e:
+        import_drafter(folder, str(tmp_path / "out"), folder if given == "folder" else backbone)
+    assert "\n" not in str(e.value) and not os.path.exists(marker) and not os.path.exists(tmp_path / "out")
+    assert ("target '" in str(e.value)) == (given == "folder")  # who read it first: transformers, or the import
+
+
+def lora_medusa2(base_dir: str, folder: str, tokenizer, pickled: bool = False) -> nn.Module:
+    """A LoRA-only Medusa-2 checkpoint (LoRAX's Medusa LoRA adapter, Medusa-2 trained with a LoRA backbone): peft's
+    ``save_pretrained`` of a LoRA on q/v (its B moved off zero, as training moves it) — adapter_config.json and
+    adapter_model.safetensors (``pickled``: adapter_model.bin) — with the heads in the same file under
+    ``base_model.model.medusa_head.*``, and the base's config with Medusa's keys; no backbone weights. Returns the model
+    it stands for: the base with the LoRA merged (peft's merge_and_unload) and the heads."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    heads = medusa_model(1, seed=9).medusa_head
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama(layers=4, seed=5).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)  # peft records where it came from
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    lora.save_pretrained(folder)
+    path = os.path.join(folder, "adapter_model.safetensors")
+    state = {**load_file(path), **{f"base_model.model.medusa_head.{k}": v.detach().clone()
+                                   for k, v in heads.state_dict().items()}}
+    if pickled:
+        os.remove(path)
+        torch.save(state, os.path.join(folder, "adapter_model.bin"))
+    else:
+        save_file(state, path)
+    config = base.config.to_dict()
+    json.dump({**config, "medusa_num_heads": HEADS, "medusa_num_layers": 1}, open(os.path.join(folder, "config.json"), "w"))
+    merged = lora.merge_and_unload()
+    merged.medusa_head = heads
+    merged.config.medusa_num_heads = HEADS
+    return merged.eval()
+
+
+@pytest.mark.parametrize("pickled", [False, True], ids=["safetensors", "pickled adapter"])
+def test_a_lora_only_medusa2_checkpoint_is_merged_through_peft_when_its_base_is_given(tmp_path, smollm2_tokenizer,
+                                                                                      pickled):
+    """Without its base: refused in one line naming --base and the base the adapter records. With it: the adapter is
+    merged into it through peft and written beside the drafter as its target (out/backbone, a Medusa-2 checkpoint), whose
+    logits are those of the base with the LoRA merged (and not the base's), and the imported heads give the Medusa
+    code's logits on it."""
+    base_dir, folder, out = (str(tmp_path / name) for name in ("base", "adapter", "imported"))
+    reference = lora_medusa2(base_dir, folder, smollm2_tokenizer, pickled)
+    assert detect(folder) == "medusa2"
+    with pytest.raises(DraftsmithError, match=rf"LoRA-only Medusa-2 checkpoint .* pass --base {base_dir} \(the model it "
+                                              rf"was trained from\) to merge it through peft") as e:
+        import_drafter(folder, out, base_dir)
+    assert "\n" not in str(e.value) and not os.path.exists(out)
+    if pickled:
+        meta = import_drafter(folder, out, None, base=base_dir)
+    else:
+        assert main(["import", folder, "--out", out, "--base", base_dir]) == 0
+        meta = json.load(open(os.path.join(out, "config.json")))
+    backbone_dir = os.path.join(out, "backbone")
+    assert meta["target"]["name"] == os.path.abspath(backbone_dir) and meta["imported"]["base"] == base_dir
+    merged = load_target(backbone_dir, "float32", "cpu")
+    assert meta["target"]["fingerprint"] == merged.fingerprint
+    x = torch.tensor([default_prompts(merged)[0]])
+    with torch.no_grad():
+        want = reference(x).logits
+        assert float((merged.model(x).logits - want).abs().max()) <= 1e-4
+        assert float((load_target(base_dir, "float32", "cpu").model(x).logits - want).abs().max()) > 1e-2
+        drafter = drafters.load(out, merged)
+        ours = drafter.module(merged.forward(x, feature_layers=drafter.feature_layers).features)
+        theirs = medusa_logits(reference, x)
+    assert float((ours - theirs).abs().max()) <= 1e-4 * float(theirs.abs().max())
+
+
+def test_loading_a_medusa2_folder_reports_every_unexpected_tensor_but_the_heads(tmp_path, checkpoint):
+    """transformers lists the tensors it does not load as UNEXPECTED; a Medusa-2 folder's heads are known (not the
+    model's) and left out of that report, any other tensor stays in it, and the model class is left as it was."""
+    import io
+    import logging
+
+    from transformers import LlamaForCausalLM
+
+    model, _ = checkpoint
+    state = {**dict(model.state_dict()), "stray.weight": torch.zeros(3)}
+    folder = save_medusa2(model, str(tmp_path / "stray"), load_target_files(checkpoint[1]).tokenizer, state)
+    before = LlamaForCausalLM.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset")
+    from transformers.utils import logging as hf_logging
+
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # the report's level (the CLI, run before in this process, sets error)
+    logging.getLogger("transformers").addHandler(handler)  # where transformers logs its load report
+    try:
+        load_target(folder, "float32", "cpu")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+        hf_logging.set_verbosity(level)
+    report = log.getvalue()
+    assert "stray.weight" in report and "UNEXPECTED" in report and "medusa_head" not in report
+    assert LlamaForCausalLM.__dict__.get("_keys_to_ignore_on_load_unexpected", "unset") == before
