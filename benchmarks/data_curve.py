@@ -14,7 +14,8 @@ checkpoints and held-out evaluations every tenth of the run, ``drafter-best`` by
 overrides that name the data (``train.dataset``, ``drafter.draft_vocab``) and the budget's batch and learning rate.
 
 ``table`` adds to :mod:`levers`' row the records and answer tokens (loss-mask tokens) each point trained on.
-Figures: benchmarks/RESULTS.md, "data curve" (this CPU); "GPU check" says why the first run at scale was void.
+Figures: benchmarks/RESULTS.md, "data curve" (the H200 run; the CPU run: benchmarks/history/2026.md, "data curve");
+"GPU check" says why the first run at scale was void.
 """
 
 from __future__ import annotations

@@ -223,6 +223,27 @@ def test_a_section_without_its_commit_or_machine_is_found():
     assert section_misses(page) == ["b: no machine", "b: no commit", "c: no command", "c: no date"]
 
 
+def history_misses(results: str, history: str) -> list[str]:
+    """The sections RESULTS sends a reader to in its history (``history, "ceiling"``, the name possibly broken over a
+    line) that the history has no ``## `` or ``### `` heading for: a heading is the name, or starts with it followed
+    by a space, a comma or a colon."""
+    named = {" ".join(m.group(1).split()) for m in re.finditer(r'history[,:]\s+"([^"]+)"', results)}
+    headings = re.findall(r"^#{2,3} (.+)$", history, re.M)
+    return sorted(n for n in named if not any(h == n or re.match(re.escape(n) + r"[ ,:]", h) for h in headings))
+
+
+def test_what_results_sends_to_its_history_is_there():
+    """Superseded runs leave RESULTS for benchmarks/history/ with a pointer in their place: each pointer names a
+    section the history has."""
+    assert history_misses(read("benchmarks/RESULTS.md"), read("benchmarks/history/2026.md")) == []
+
+
+def test_a_pointer_to_a_missing_history_section_is_found():
+    results = 'runs before: history, "ceiling". Older: history,\n"data curve"; (history: "c"); history, "tree".'
+    history = "# H\n\n## ceiling — the oracle\n\n## cpu_linear — a linear\n\n### data curves, all\n\n## tree\n"
+    assert history_misses(results, history) == ["c", "data curve"]
+
+
 def test_the_layout_table_has_a_row_for_every_folder_of_the_package():
     """docs/conventions.md's Layout table is where a newcomer looks a folder up: every package folder has its row
     (``engines/``, every layer's home of the engine constants, had none)."""
