@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "does not end faster than the target alone. Resumes where a killed run stopped.")
     p.add_argument("--size", choices=sorted(SIZES), default="default",
                    help="default: a short run on 2 CPU cores (sized down where fp32 is the faster dtype); full: more data and "
-                        "steps, higher bars; times and figures measured: benchmarks/RESULTS.md, demo (default: default)")
+                        "steps, higher bars; both sizes' figures and the default's time: benchmarks/RESULTS.md, \"demo\" "
+                        "(default: default)")
     p.add_argument("--run-dir", default=None, help="where every stage writes (default: runs/demo, runs/demo-full)")
     for name, kind, what in (("conversations", int, "ShareGPT conversations whose first answer the target regenerates"),
                              ("steps", int, "EAGLE-3 training steps"), ("prompts", int, "MT-bench prompts decoded"),

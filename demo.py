@@ -17,8 +17,9 @@ target and data, ending with a drafter that makes the target faster, measured.
 
 Two sizes (``--size``, :data:`SIZES`): ``default`` is sized for a short run on a 2-core CPU and
 must end faster than the target alone; ``full`` regenerates the answers of about 4× the conversations, trains
-4× the steps and evaluates on more prompts, with higher bars (the measured times and figures of both:
-benchmarks/RESULTS.md, "demo"). Every stage reuses what a previous run finished
+4× the steps and evaluates on more prompts, with higher bars (the figures of both and the default's time:
+benchmarks/RESULTS.md, "demo"; the full size's last whole run and its time: benchmarks/history/2026.md, "demo").
+Every stage reuses what a previous run finished
 (prepare skips done stages, training resumes from its last checkpoint), so a killed demo continues where it
 stopped. Each stage is the code the CLI runs (``draftsmith prepare | train | eval``) with the
 recipe overrides printed, so every figure can be reproduced stage by stage.
@@ -54,7 +55,8 @@ class DemoSize:
     """Who answers, when regenerating: ``generate`` (the target in this process, batched: ``data.regenerate.method``)
     or ``server`` (a llama-server started on the target's GGUF for the stage, :data:`REGENERATE_SERVER`; the
     client builds no model). A BF16 server answers as a bf16 target does, not token for token as HF's bf16 kernels
-    (30/96 answers equal; an F32 GGUF gives the fp32 target's; docs/prepare.md, "Regeneration through a server")."""
+    (far from every answer equal: benchmarks/RESULTS.md, "prepare"; an F32 GGUF gives the fp32 target's;
+    docs/prepare.md, "Regeneration through a server")."""
     max_length: int = 512
     """Tokens per training sequence (prompt + answer); longer records are cut."""
     draft_vocab: int = 8192
@@ -108,8 +110,8 @@ whose probability is at least 0.1, verified together (depth 1, one head forward 
 three siblings cost little more than one draft and are accepted more often; a second level costs a head forward
 every round for little acceptance (benchmarks/RESULTS.md, "tree"). Conversations and steps are sized for a
 device with native bf16; where the pipeline runs in fp32 (an AVX2-only CPU, slower per token) :func:`sized`
-takes ``FP32_SHARE`` of both, which keeps the time about the same. Measured times and speedups of both sizes:
-benchmarks/RESULTS.md, "demo"."""
+takes ``FP32_SHARE`` of both, which keeps the time about the same. Measured speedups of both sizes and the
+default's time: benchmarks/RESULTS.md, "demo"."""
 
 
 DFLASH = {"num_layers": 3, "block_size": 8, "feature_layers": [1, 14, 26], "anchors": 32, "lr": 6.0e-4,

@@ -1,5 +1,6 @@
 """What the benchmark scripts' ``main()`` share, written once: the parser with the script's docstring as its help,
-the target and thread options, the thread count, and the MT-bench first turns rendered for a target.
+the target and thread options, the thread count and the environment of a script that loads the target, the MT-bench
+first turns rendered for a target, and the result file.
 
 benchmarks/ is not a package: a script imports this file by its folder, as ``data_curve.py`` imports ``levers``::
 
@@ -10,6 +11,7 @@ benchmarks/ is not a package: a script imports this file by its folder, as ``dat
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,25 @@ def set_threads(threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def offline(threads: int) -> None:
+    """The environment of a script that loads the target, unless the caller's says otherwise: the Hugging Face hub
+    offline (builtin and local targets need no network, and a missing file fails at once instead of waiting on a
+    download), tokenizers without their own thread pool (it warns and may deadlock once the script forks), and
+    ``threads`` torch threads (:func:`set_threads`)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_threads(threads)
+
+
+def save_result(path: str, result: Any) -> None:
+    """The script's result as JSON at ``path`` (its folder made, the file replaced whole: ``files.write_json``), and a
+    line that says where."""
+    from draftsmith.files import write_json
+
+    write_json(path, result)
+    print(f"wrote {path}")
 
 
 def first_turns(target: Any, questions: Sequence[Any]) -> list[list[int]]:

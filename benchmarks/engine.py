@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--ngram", default="ngram-simple,ngram-cache,ngram-mod")
+    p.add_argument("--ngram", default=None, help="llama.cpp's n-gram methods served beside the drafters, comma-separated "
+                                                 "('' for none; default: all of engines.llamacpp.NGRAM_METHODS)")
     p.add_argument("--builtin-k", type=int, default=0, help="k of the built-in decoder comparison (0: the largest --k)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "engine.json"))
     args = p.parse_args(argv)
@@ -44,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.decode.stats import DecodeStats
     from draftsmith.drafters import load
     from draftsmith.engines import llamacpp
-    from draftsmith.files import write_json
     from draftsmith.measure.engine import measure, table
     from draftsmith.engines.targets import target_gguf_for
     from draftsmith.measure.prompts import load_questions
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(x) for x in args.k.split(",")]
     p_mins = [float(x) for x in args.p_min.split(",")]
     types = [t for t in args.target_types.split(",") if t]
-    ngram = [n for n in args.ngram.split(",") if n]
+    ngram = list(llamacpp.NGRAM_METHODS) if args.ngram is None else [n for n in args.ngram.split(",") if n]
     target = load_target(args.target, "float32", "cpu")
     prompts = [target.render_chat(q.messages()) for q in load_questions("mtbench", args.prompts)]
     llamacpp.binaries()
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"| llama.cpp (F32) {a['llamacpp_f32']} tau {a['llamacpp_tau']}")
         results["drafters"][name] = entry
     results["load_after"] = os.getloadavg()
-    write_json(args.out, results)
-    print(f"wrote {args.out}")
+    save_result(args.out, results)
     return 0
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from draftsmith.engines import llamacpp
-    from draftsmith.files import write_json
     from draftsmith.measure.engine import TARGET, Method, measure_methods
     from draftsmith.measure.prompts import load_questions
     from draftsmith.export import export, gguf
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{m.name:<10} {x.get('tau', 0):>6.2f} {x['speedup']:>7.2f}x {x.get('round_cost_steps') or 0:>11.2f}",
                           flush=True)
     results["load_after"] = os.getloadavg()
-    write_json(args.out, results)
-    print(f"wrote {args.out}")
+    save_result(args.out, results)
     return 0
 
 

@@ -38,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import offline, save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -315,9 +315,7 @@ def bench_regenerate_stage(args) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    set_threads(args.threads)
+    offline(args.threads)
     from transformers import AutoTokenizer
 
     from draftsmith.target import load_target, resolve_target_folder
@@ -346,10 +344,7 @@ def main(argv: list[str]) -> int:
     if "regenerate" not in skip:
         result["regenerate_stage"] = bench_regenerate_stage(args)
         print(json.dumps({"regenerate_stage": result["regenerate_stage"]}, indent=1), flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    save_result(args.out, result)
     return 0
 
 

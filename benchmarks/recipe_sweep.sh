@@ -1,5 +1,5 @@
 #!/bin/bash
-# The EAGLE-3 recipe sweep of RESULTS.md ("demo", recipe sweep): short runs, one change each from the demo's recipe,
+# The EAGLE-3 recipe sweep of RESULTS.md ("train", Recipe sweep; its tables: history/2026.md, "train"): short runs, one change each from the demo's recipe,
 # on data prepared by `draftsmith demo` (or `draftsmith prepare`); the figures are the runs' held-out accuracies in
 # OUT/<variant>/train_summary.json (load does not change them).
 #   bash benchmarks/recipe_sweep.sh runs/demo/prepare/data runs/sweep [steps]

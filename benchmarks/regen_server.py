@@ -24,7 +24,6 @@ target's policy only approximately). Prints a table and writes ``--out`` (JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import offline, save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -76,16 +75,12 @@ def regenerate(convs: Any, target: Any, cfg: Any, max_length: int) -> tuple[floa
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
+    offline(args.torch_threads)
     from draftsmith.data.config import RegenerateConfig, ServerConfig
     from draftsmith.engines import llamacpp
     from draftsmith.engines.targets import target_gguf
     from draftsmith.target import load_target
 
-    torch.set_num_threads(args.torch_threads)
     dtype, batch, shard = args.inproc.split(",")
     convs = conversations(args.conversations)
     target = load_target(args.target, dtype=dtype, device="cpu")
@@ -131,9 +126,7 @@ def main(argv: list[str]) -> int:
     for row in rows:
         print(f"{row['config']:<24} {row['new_tok_s']:>10.1f} {row['ratio']:>13.2f} {row['new_tokens']:>11} "
               f"{row['identical_answers']:>13}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    save_result(args.out, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -46,7 +46,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import offline, save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -212,18 +212,12 @@ def short_run(args: argparse.Namespace, data: dict[str, str]) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    set_threads(args.threads)
+    offline(args.threads)
     data = prepare_data(args)
     result = throughput(args, data) if args.mode == "throughput" else short_run(args, data)
     result["command"] = "python benchmarks/train.py " + " ".join(argv)
-    os.makedirs(args.out_dir, exist_ok=True)
     name = args.mode.replace("-", "_") + ("_dtype" if args.mode == "throughput" and args.compare == "dtype" else "")
-    path = os.path.join(args.out_dir, f"train_{name}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    save_result(os.path.join(args.out_dir, f"train_{name}.json"), result)
     return 0
 
 

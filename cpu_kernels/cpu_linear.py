@@ -25,8 +25,8 @@ Three routes, chosen per layer by its dtype when :func:`install` runs:
 
 The bf16 kernel: on an AVX2 CPU without AVX-512 (this project's 2-core machine, most laptops), torch's bf16
 ``F.linear`` runs one matrix-vector product per row, so a target forward over k+1 tokens costs
-about k+1 one-token steps in its linears, and speculative verification never pays (benchmarks/RESULTS.md,
-"ceiling"). ``bf16_linear.cpp`` streams each weight once for every 8 rows (fp32 accumulation): about one
+about k+1 one-token steps in its linears, and speculative verification never pays (benchmarks/history/2026.md,
+"ceiling", "Why verification is not free here"). ``bf16_linear.cpp`` streams each weight once for every 8 rows (fp32 accumulation): about one
 row's cost for 1–8 rows, and no slower than torch's own kernel at one row (benchmarks/RESULTS.md,
 "cpu_linear").
 
@@ -53,7 +53,7 @@ import os
 import types
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -104,42 +104,45 @@ _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[int, int], Tensor]] = 
 from; outside the module, so that deepcopy, state_dict and ``.to`` never meet an opaque oneDNN tensor."""
 
 
-def _probe_case(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """The small seeded linear (weight [24, 40], input [3, 40], bias [24]) a route is checked on before it is used."""
-    g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(*shape, generator=g).to(dtype) for shape in ((24, 40), (3, 40), (24,)))  # type: ignore[return-value]
+def _route_ok(dtype: torch.dtype, available: Callable[[], bool], route: Callable[[Tensor, Tensor, Tensor], Tensor],
+              exact: bool) -> bool:
+    """Whether ``route`` may stand in for ``F.linear`` on ``dtype`` in this process: ``available()`` (torch has its
+    op on this CPU), and on a small seeded linear (weight [24, 40], input [3, 40], bias [24]) it computes what
+    ``F.linear`` does, bit for bit where ``exact``, else within 1e-4. A torch without the op, or a CPU oneDNN
+    refuses, is a no."""
+    try:
+        if not available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((24, 40), (3, 40), (24,)))
+        got, want = route(x, w, b), F.linear(x, w, b)
+        return bool(torch.equal(got, want) if exact else torch.allclose(got, want, atol=1e-4, rtol=1e-4))
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def onednn_wanted() -> bool:
-    """Whether fp32 CPU linears should go to oneDNN: torch has it, it computes a small linear right,
-    and ``DRAFTSMITH_CPU_KERNELS=0`` is not set."""
+    """Whether fp32 CPU linears should go to oneDNN: torch has it, it computes a small linear right
+    (checked once per process), and ``DRAFTSMITH_CPU_KERNELS=0`` is not set."""
     global _onednn_ok
     if switched_off():
         return False
     if _onednn_ok is None:
-        try:
-            w, x, b = _probe_case(torch.float32)
-            _onednn_ok = bool(torch.backends.mkldnn.is_available()
-                              and torch.allclose(onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4))
-        except (RuntimeError, AttributeError):  # a torch without the op, or a CPU oneDNN refuses
-            _onednn_ok = False
+        _onednn_ok = _route_ok(torch.float32, torch.backends.mkldnn.is_available, onednn_linear, exact=False)
     return _onednn_ok
 
 
 def packed_wanted() -> bool:
     """Whether bf16 CPU linears should go to oneDNN on packed weights: oneDNN has a bf16 path on this CPU
-    (AVX512-BF16, AMX), the packed linear equals ``F.linear`` on a small case, and
+    (AVX512-BF16, AMX), the packed linear equals ``F.linear`` on a small case (checked once per process), and
     ``DRAFTSMITH_CPU_KERNELS=0`` is not set."""
     global _packed_ok
     if switched_off():
         return False
     if _packed_ok is None:
-        try:
-            w, x, b = _probe_case(torch.bfloat16)
-            _packed_ok = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                              and torch.equal(packed_linear(x, pack(w), b), F.linear(x, w, b)))
-        except (RuntimeError, AttributeError):  # a torch without the ops, or a CPU oneDNN refuses
-            _packed_ok = False
+        _packed_ok = _route_ok(torch.bfloat16,
+                               lambda: torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                               lambda x, w, b: packed_linear(x, pack(w), b), exact=True)
     return _packed_ok
 
 

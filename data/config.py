@@ -107,8 +107,8 @@ class ServerConfig:
     threads: int = 1
     """launch=llamacpp: CPU threads (``-t``/``-tb``); always explicit, llama.cpp's default spins on a busy machine."""
     flash_attn: bool = True
-    """launch=llamacpp: llama.cpp's flash attention (``-fa on``): 181 against 153 new tok/s with 32 slots of a BF16
-    GGUF on a 2-core CPU (benchmarks/RESULTS.md, "prepare")."""
+    """launch=llamacpp: llama.cpp's flash attention (``-fa on``): faster with 32 slots of a BF16 GGUF on a 2-core
+    CPU (benchmarks/RESULTS.md, "prepare", through a server)."""
     concurrency: int = 8
     """Requests in flight at once (a thread pool); at least the server's slots to keep them all busy."""
     timeout_s: float = 600.0

@@ -16,7 +16,7 @@ history (e.g. drops earlier reasoning) is reported, not guessed.
 
 The renders are compared as text and mapped to tokens through the tokenizer's offsets
 (one tokenization per conversation instead of two per turn; the two compared in
-benchmarks/RESULTS.md, "prepare"); a token that straddles the divergence point belongs to the
+benchmarks/history/2026.md, "prepare"); a token that straddles the divergence point belongs to the
 assistant. Truncation to ``max_length`` cuts ``input_ids`` and ``loss_mask`` at the same
 token, so every kept mask bit still sits on its own token; a conversation left with no
 assistant token is skipped and counted.

@@ -47,10 +47,11 @@ before ``fc`` (parameters ``fc_norm.{0,1,2}.weight``); ``norm_before_fc`` — on
 concatenation, ``input_norm(concat(f_a, f_b, f_c))`` (``input_norm.weight``; the two exclude each
 other); ``norm_output`` — the hidden state a step passes on (to the next unrolled step, or the next
 draft) is ``norm(out)``, the same tensor the lm_head reads, instead of the pre-norm ``out``. They are
-for targets whose features reach the head unnormalized at a large scale (Gemma-3's RMS ~850 against
-SmolLM2's ~50): a norm makes fc see features of one scale whatever the layer. Measured here, ``fc_norm`` did not
-pay: no clear gain on SmolLM2, a lower held-out sim τ than without it on Gemma-3 (benchmarks/RESULTS.md,
-"EAGLE-3.1 norms"), so no recipe sets them; they load and export checkpoints trained with them elsewhere.
+for targets whose features reach the head unnormalized at a large scale (Gemma-3's, far above SmolLM2's): a norm
+makes fc see features of one scale whatever the layer. Measured here, ``fc_norm`` did not pay: no clear gain on
+SmolLM2, a lower held-out sim τ than without it on Gemma-3 (both targets' feature scales and the runs:
+benchmarks/RESULTS.md, "EAGLE-3.1 norms"), so no recipe sets them; they load and export checkpoints trained with
+them elsewhere.
 
 ``norm_before_residual`` (speculators' and vLLM's flag, read by llama.cpp too): the first layer's residual is
 ``hidden_norm(hidden)`` instead of ``hidden``, the attention input unchanged (parameter-free: the same tensors). Off

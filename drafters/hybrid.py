@@ -118,8 +118,9 @@ class HybridConfig:
     min_confidence: float = 0.1
     """The model-free drafter drafts a round when its confidence in its first draft is at least this. 0.1
     (the suffix drafter's own ``min_prob``: whenever it proposes at all): a model-free draft costs tens of
-    µs while the model's costs c ≈ 0.07 of a target step, so where verification is nearly free (a GPU; a
-    CPU with ``cpu_kernels/cpu_linear.py``) a lookup draft right 10 % of the time already pays. At 0.5 the
+    µs while the model's costs a share of a target step (its c: benchmarks/RESULTS.md, "c"), so where
+    verification is nearly free (a GPU; a CPU with ``cpu_kernels/cpu_linear.py``) a lookup draft that is
+    seldom right already pays. At 0.5 the
     hybrid ran below the suffix drafter alone, its model drafting most rounds on MT-bench
     (benchmarks/history/2026.md, "model-free drafters")."""
 
@@ -132,7 +133,7 @@ class HybridConfig:
     model_depth: int = 1
     """Tree decoding: the model's tree is at most this deep (each level is one model forward), while the
     model-free chain may reach the decoder's depth; 0 = the decoder's depth. 1 (the default): on a CPU each
-    level costs c ≈ 0.05–0.07 of a target step, and at depth 3 the head's rounds stopped paying (the same
+    level costs the head's c, a share of a target step, and at depth 3 the head's rounds stopped paying (the same
     runs: the graft fell under the model-free drafters on copy-heavy prompts). Where the model's forward is
     cheap against the target's (a large target on a GPU), 0 lets it use the decoder's depth."""
 

@@ -6,7 +6,8 @@ token over the cache):
     speedup(k) = τ(k) / (v(k) + k · c)
 
 * ``v(k)`` — one verification forward over k + 1 tokens, relative to a one-token step
-  (:func:`verify_costs`). In bf16 on a 2-core CPU v(4) ≈ 1.0: verifying is nearly free.
+  (:func:`verify_costs`). In bf16 on a 2-core CPU verifying a few tokens costs about one step: nearly free
+  (benchmarks/RESULTS.md, "cpu_linear" and "ceiling").
 * ``c`` — one draft step of the drafter, relative to a one-token target step
   (:class:`TimedDrafter` adds up the drafter's seconds; :func:`target_step_seconds` is the unit).
 * ``τ(k)`` — tokens per round, bonus counted: 1 + Σ_{i≤k} Π_{j≤i} α_j with α_j the

@@ -140,6 +140,40 @@ def test_every_script_builds_its_parser_with_the_shared_preamble():
     assert [n for n in scripts if "ArgumentParser(" in open(os.path.join(folder, n), encoding="utf-8").read()] == []
 
 
+def test_the_scripts_take_their_environment_and_result_file_from_the_shared_preamble(monkeypatch, tmp_path, capsys):
+    """``bench_common.offline`` sets the environment of a script that loads the target (hub offline, tokenizers on one
+    thread: the caller's own values kept) and its threads; ``save_result`` writes the JSON (its folder made) and says
+    where. prepare.py, train.py and regen_server.py wrote the same three lines each, and five scripts their own result
+    file."""
+    import os
+
+    import torch
+
+    import draftsmith
+
+    common = benchmark_script("bench_common")
+    try:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+        before = torch.get_num_threads()
+        try:
+            common.offline(1)
+            assert torch.get_num_threads() == 1
+        finally:
+            torch.set_num_threads(before)
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+        path = str(tmp_path / "out" / "r.json")
+        common.save_result(path, {"load_after": (0.5, 1.0), "n": 3})
+        assert json.load(open(path)) == {"load_after": [0.5, 1.0], "n": 3}
+        assert capsys.readouterr().out == f"wrote {path}\n"
+    finally:
+        del sys.modules["draftsmith_bench_bench_common"]
+    folder = os.path.join(os.path.dirname(os.path.abspath(draftsmith.__file__)), "benchmarks")
+    texts = {n: open(os.path.join(folder, n), encoding="utf-8").read()
+             for n in ("prepare.py", "train.py", "regen_server.py", "engine.py", "engine_cost.py")}
+    assert [n for n, t in texts.items() if "HF_HUB_OFFLINE" in t or "wrote {" in t or "write_json" in t] == []
+
+
 def run_main(module, argv: list[str], monkeypatch, *stubs: str) -> list[tuple]:
     """``module.main()`` with ``argv`` as the command line, each of ``stubs`` (the script's functions) recording its
     call instead of running."""

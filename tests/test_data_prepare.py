@@ -88,8 +88,9 @@ def test_prepare_end_to_end_on_sharegpt(tmp_path, smollm2, capsys):
 
 
 def test_the_printed_summary_fits_80_columns():
-    """The ninth session's default-size prepare (RESULTS.md "demo"), with a skip and a long note: one line per
-    stage within 80 columns (rich wrapped each cell into many lines when stdout was not a wide TTY)."""
+    """An earlier default-size prepare (benchmarks/history/2026.md, "demo", "The pipeline in native bf16"), with a
+    skip and a long note: one line per stage within 80 columns (rich wrapped each cell into many lines when stdout
+    was not a wide TTY)."""
     from draftsmith.data.prepare import PrepareSummary, StageRow, format_summary
 
     s = PrepareSummary("/home/someone/projects/draftsmith/runs/demo/prepare/data")

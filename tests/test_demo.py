@@ -185,7 +185,8 @@ def test_tiny_demo_prepares_trains_and_evaluates_losslessly(tmp_path):
 
 
 def realistic_rows(size: DemoSize, k: int = 1) -> list[dict]:
-    """The rows run_demo builds, with the ninth session's default-size figures (RESULTS.md "demo")."""
+    """The rows run_demo builds, with the figures of an earlier default-size run (benchmarks/history/2026.md, "demo",
+    "The pipeline in native bf16")."""
     acc = [0.37, 0.21, 0.12, 0.06, 0.02][:k]
     return [
         {"name": "target alone", "drafter": "target alone (its own greedy generate)", "k": None, "tau_with_bonus": None,

@@ -98,8 +98,10 @@ def test_the_readme_and_docs_leave_figures_to_results():
     assert [(p, f) for p in PAGES if p.startswith("docs/") for f in dated_figures(read(p), hashes=False)] == []
 
 
-MEASURED = re.compile(r"\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?[x×](?![\w\d])|τ (?:of )?\d+\.\d+|\bc = \d+\.\d+|\d+ tok/s")
-"""What in a docstring, comment or recipe reads as a measured figure: a ratio, a τ, a draft cost, a speed."""
+MEASURED = re.compile(r"\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?[x×](?![\w\d])|(?:τ|\btau) (?:of )?\d+\.\d+"
+                      r"|\b[cv](?:\(\d+\))? [=≈] \d+\.\d+|\d+ (?:new )?tok/s")
+"""What in a docstring, comment or recipe reads as a measured figure: a ratio, a τ, a draft or verification cost,
+a speed."""
 NOT_MEASURED = ("about 4× the conversations", "4× the steps", "~5× the memory", "expected 3×{", "above 1×",
                 "f\"{r['speedup']:.2f}x\"", "~2.8× the EAGLE-3 head's", "~2.5× the EAGLE-3 head's")
 """Ratios of design, not of a run: a size's multiple, a shape, an arithmetic estimate, a printed format."""
@@ -115,6 +117,8 @@ def test_the_code_and_recipes_leave_figures_to_results():
     there (two docstrings gave different figures of one measurement)."""
     assert measured_figures("a block costs c = 0.136 and trains 3x faster, 10-15× slower, sim τ 1.10, 49 tok/s;\n"
                             "about 4× the conversations") == ["c = 0.136", "3x", "10-15×", "τ 1.10", "49 tok/s"]
+    assert measured_figures("# sim tau 1.15 against 1.10; the model's costs c ≈ 0.07; v(4) ≈ 1.0; 181 against 153 new "
+                            "tok/s") == ["tau 1.15", "c ≈ 0.07", "v(4) ≈ 1.0", "153 new tok/s"]
     found = []
     for folder, dirs, files in os.walk(ROOT):
         dirs[:] = [d for d in dirs if d not in ("tests", "benchmarks", "docs") and not d.startswith((".", "_"))]
@@ -242,6 +246,66 @@ def test_a_pointer_to_a_missing_history_section_is_found():
     results = 'runs before: history, "ceiling". Older: history,\n"data curve"; (history: "c"); history, "tree".'
     history = "# H\n\n## ceiling — the oracle\n\n## cpu_linear — a linear\n\n### data curves, all\n\n## tree\n"
     assert history_misses(results, history) == ["c", "data curve"]
+
+
+POINTER = re.compile(r'(RESULTS(?:\.md)?|history(?:/2026\.md)?)[,:]?\s+\(?("[^"\n]+"(?:(?:,|\s+and)\s+"[^"\n]+")*)')
+"""A pointer to a section of RESULTS or of its history: ``RESULTS.md, "ceiling"``, ``[RESULTS "tree"](…)``,
+``history/2026.md, "demo", "The pipeline in native bf16"`` (a subsection of "demo"), ``RESULTS.md, "levers" and
+"EAGLE-3.1 norms"`` (two sections)."""
+
+
+def headings(page: str) -> list[tuple[str, str]]:
+    """Each ``## `` and ``### `` heading of a Markdown text (code blocks left out), with the ``## `` it stands under."""
+    out, top = [], ""
+    for hashes, title in re.findall(r"^(#{2,3}) (.+)$", re.sub(r"```.*?```", "", page, flags=re.S), re.M):
+        top = title if hashes == "##" else top
+        out.append((title, top if hashes == "###" else ""))
+    return out
+
+
+def pointer_misses(text: str, results: str, history: str) -> list[str]:
+    """The pointers of ``text`` (lines joined, comment marks dropped) whose sections RESULTS or its history lacks: a
+    name matches a heading that is the name or starts with it and a space, comma or colon; a name after a comma is a
+    ``### `` under the ``## `` the first one names, or a ``## `` of its own (a list of sections)."""
+    def named(name: str, title: str) -> bool:
+        return title == name or bool(re.match(re.escape(name) + r"[ ,:]", title))
+
+    misses = []
+    for m in POINTER.finditer(re.sub(r"\s*\n\s*(?:#+\s)?", " ", text)):
+        page = headings(results if m.group(1).startswith("RESULTS") else history)
+        for group in re.split(r"\s+and\s+", m.group(2)):
+            first, *subs = re.findall(r'"([^"]+)"', group)
+            tops = [t for t, parent in page if named(first, t)]
+            if not tops:
+                misses.append(f"{m.group(1)}: {first!r}")
+            misses += [f"{m.group(1)}: {first!r}, {s!r}" for s in subs
+                       if not any(named(s, t) and (not parent or named(first, parent)) for t, parent in page)]
+    return misses
+
+
+def test_what_the_tree_sends_to_results_and_its_history_is_there():
+    """Docstrings, comments, recipes, tests and pages name RESULTS' or its history's section, never its figure: each
+    section they name is there (superseded runs move to the history, and a pointer left behind names the section it
+    went to). RESULTS' history is past text, left as it was written."""
+    results, history = read("benchmarks/RESULTS.md"), read("benchmarks/history/2026.md")
+    found = {}
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        for name in files:
+            rel = os.path.relpath(os.path.join(folder, name), ROOT)
+            if (name.endswith((".py", ".yaml", ".sh", ".toml", ".md")) or name == "Makefile") and \
+                    rel not in ("benchmarks/history/2026.md", "tests/test_docs.py"):
+                found.update({rel: m for m in [pointer_misses(read(rel), results, history)] if m})
+    assert found == {}
+
+
+def test_a_pointer_to_a_missing_section_or_subsection_is_found():
+    results = "# R\n\n## demo\n\n### sub\n\n## ceiling\n\n## gemma-3\n\n### EAGLE-3.1 norms\n"
+    history = "# H\n\n## demo — the main job\n\n### The pipeline in native bf16: more data\n\n## train\n"
+    text = ('(benchmarks/RESULTS.md, "demo") [RESULTS "tree"](x) # RESULTS.md,\n    # "ceiling" and "EAGLE-3.1 norms"\n'
+            'history/2026.md, "demo", "The pipeline in native bf16"; history/2026.md, "train", "The pipeline"; '
+            'RESULTS.md, "demo", "ceiling"')
+    assert pointer_misses(text, results, history) == ["RESULTS: 'tree'", "history/2026.md: 'train', 'The pipeline'"]
 
 
 def test_the_layout_table_has_a_row_for_every_folder_of_the_package():

@@ -188,6 +188,26 @@ def test_a_trainable_bf16_weight_never_takes_the_packed_copy():
         assert torch.equal(lin(x), F.linear(x, new, lin.bias))
 
 
+def test_a_route_is_taken_only_where_it_computes_what_f_linear_does():
+    """Both oneDNN routes are checked by one probe: available, then F.linear's result on a small seeded case, to the
+    bit or within 1e-4; a route that raises (a torch without the op) or is not available (never run) is refused."""
+    def shifted(eps: float):
+        return lambda x, w, b: F.linear(x, w, b) + eps
+
+    def refused(x, w, b):
+        raise RuntimeError("could not create a primitive")
+
+    ran = []
+    assert cpu_linear._route_ok(torch.float32, lambda: True, shifted(0.0), exact=True)
+    assert cpu_linear._route_ok(torch.bfloat16, lambda: True, shifted(0.0), exact=True)
+    assert cpu_linear._route_ok(torch.float32, lambda: True, shifted(1e-6), exact=False)
+    assert not cpu_linear._route_ok(torch.float32, lambda: True, shifted(1e-6), exact=True)
+    assert not cpu_linear._route_ok(torch.float32, lambda: True, shifted(1e-2), exact=False)
+    assert not cpu_linear._route_ok(torch.float32, lambda: True, refused, exact=False)
+    assert not cpu_linear._route_ok(torch.float32, lambda: False, lambda *a: ran.append(a), exact=False) and ran == []
+    assert not cpu_linear._route_ok(torch.float32, lambda: torch.ops.mkldnn._no_such_op(), shifted(0.0), exact=True)
+
+
 def test_nothing_is_installed_when_switched_off(monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_CPU_KERNELS", "0")
     assert not cpu_linear.wanted() and not cpu_linear.onednn_wanted() and not cpu_linear.packed_wanted()

@@ -32,8 +32,8 @@ def test_a_legend_entry_wraps_with_an_indent():
 
 
 def test_the_eval_summary_fits_80_columns():
-    """What `draftsmith eval` prints (a gated run of the demo's head, RESULTS.md "demo") wraps within 80 columns
-    and keeps every figure."""
+    """What `draftsmith eval` prints (an earlier full-size head as a chain of 4: benchmarks/history/2026.md, "demo",
+    "The full size on the target's own answers") wraps within 80 columns and keeps every figure."""
     from draftsmith.eval.run import eval_lines
 
     m = {"sequences": 20, "new_tokens": 1920, "k": 4, "tau_with_bonus": 1.4831, "acceptance_rate": 0.2714,

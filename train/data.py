@@ -92,8 +92,8 @@ class BatchOrder:
     With ``lengths`` and ``group`` > 0, records of similar length share a micro-batch (HF's
     ``group_by_length``): each epoch's shuffled order is cut into groups of ``group`` optimizer steps'
     records, each group sorted by length and dealt into steps, and the steps of the epoch shuffled
-    again. A micro-batch is padded to its longest record, so random batches of records 130–510
-    tokens long spent ~45 % of their rows on padding (the demo's data); grouping keeps the
+    again. A micro-batch is padded to its longest record, so random batches of records of very
+    different lengths (the demo's) spend much of their rows on padding; grouping keeps the
     randomness of which records meet from epoch to epoch, and the ranks of a step get records of
     similar length (no rank waits on one long sequence)."""
 

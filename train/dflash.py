@@ -167,15 +167,12 @@ def block_metrics(accept: Tensor, top1: Tensor, k: Tensor, valid: Tensor, anchor
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    run = setup.start(recipe, world)
-    config = setup.trainable(recipe.drafter).resolve(run.target)
-    module = config.build_module(run.target)
+    run, config, module = setup.begin(recipe, world)
     layers, bs, vocab = tuple(config.feature_layers), config.block_size, run.target.vocab_size
     draft_ids = None if module.draft_ids is None else module.draft_ids.clone()  # a reduced vocabulary's target ids
     decay = torch.tensor(position_weights(bs, cfg.dflash.decay_gamma))
-    engine = setup.build_engine(run, module)
     run.max_drafts = bs - 1  # a round drafts at most the block's masked positions (the simulated τ's cap)
-    setup.restore(run, engine, resume)
+    engine = setup.engine_for(run, module, resume)
 
     def blocks(batch: Batch, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q logits [M, V'] of the valid block rows (V' = Vd with a draft vocabulary), the target's p logits

@@ -86,14 +86,11 @@ def selector_loss(scores: Tensor, place: Tensor, valid: Tensor, w: Tensor, weigh
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    run = setup.start(recipe, world)
-    config = setup.trainable(recipe.drafter).resolve(run.target)
-    module = config.build_module(run.target)
+    run, config, module = setup.begin(recipe, world)
     layers, bs, top_k = tuple(config.feature_layers), config.block_size, config.selector_top_k
     decay = torch.tensor(position_weights(bs, cfg.dflash.decay_gamma))
-    engine = setup.build_engine(run, module)
     run.max_drafts = bs - 1  # a round drafts at most the block's masked positions (the simulated τ's cap)
-    setup.restore(run, engine, resume)
+    engine = setup.engine_for(run, module, resume)
 
     def blocks(batch: Batch, anchors: Tensor, serving: bool = False) -> tuple[Tensor, ...]:
         """For the valid block rows: (unary logits [M, V], the target's p logits [M, V], block position [M], valid

@@ -33,10 +33,8 @@ from .distributed import World
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = setup.trainable(recipe.drafter)
-    run = setup.start(recipe, world)
-    engine = setup.build_engine(run, config.build_module(run.target))
-    setup.restore(run, engine, resume)
+    run, _, module = setup.begin(recipe, world)
+    engine = setup.engine_for(run, module, resume)
     eos, pad = sorted(run.target.eos_token_ids), setup.pad_id(run.target)
 
     def scored(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:

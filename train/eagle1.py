@@ -27,11 +27,9 @@ from .distributed import World
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = setup.trainable(recipe.drafter)
-    run = setup.start(recipe, world)
-    engine = setup.build_engine(run, config.build_module(run.target))
+    run, _, module = setup.begin(recipe, world)
+    engine = setup.engine_for(run, module, resume)
     last_layer = (run.target.num_layers - 1,)
-    setup.restore(run, engine, resume)
 
     def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, heldout.Metrics]:
         """feature_weight · smooth-L1 + token_weight · token loss, summed over the rows of ``mask``."""

@@ -69,13 +69,10 @@ def still_aligned(alive: Tensor, rows: Tensor, logits: Tensor, draft_ids: Tensor
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    run = setup.start(recipe, world)
-    config = setup.trainable(recipe.drafter).resolve(run.target)
-    head = config.build_module(run.target)
+    run, config, head = setup.begin(recipe, world)
     layers, draft_ids = tuple(config.feature_layers), head.draft_ids.clone()
     weights = losses.decayed_weights(cfg.ttt_steps, cfg.loss.step_decay)
-    engine = setup.build_engine(run, head)
-    setup.restore(run, engine, resume)
+    engine = setup.engine_for(run, head, resume)
 
     def unroll(batch: Batch, noise: float) -> tuple[list[tuple[Tensor, Tensor]], Targets]:
         """The head's steps, with logits only at the rows a loss or metric reads, and the target's side."""

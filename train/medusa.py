@@ -27,14 +27,11 @@ from .distributed import World
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    config = setup.trainable(recipe.drafter)
-    run = setup.start(recipe, world)
-    heads = config.build_module(run.target)
+    run, _, heads = setup.begin(recipe, world)
     num_heads, last_layer = heads.num_heads, (run.target.num_layers - 1,)
     weights = losses.decayed_weights(num_heads, cfg.loss.step_decay)
-    engine = setup.build_engine(run, heads)
     run.max_drafts = num_heads  # the heads are all the drafts a round gets (the simulated τ's cap)
-    setup.restore(run, engine, resume)
+    engine = setup.engine_for(run, heads, resume)
 
     def per_head(batch: Batch) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """For each head k: (its logits at the rows that count [N_k, V], the target's there, the row mask)."""

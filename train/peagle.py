@@ -81,13 +81,10 @@ def cod_layout(loss_mask: Tensor, attention_mask: Tensor | None, num_depths: int
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train
-    run = setup.start(recipe, world)
-    config = setup.trainable(recipe.drafter).resolve(run.target)
-    head = config.build_module(run.target)
+    run, config, head = setup.begin(recipe, world)
     layers, depths, draft_ids = tuple(config.feature_layers), config.num_depths, head.draft_ids.clone()
-    engine = setup.build_engine(run, head)
     run.max_drafts = depths  # one forward drafts the K depths (the simulated τ's cap)
-    setup.restore(run, engine, resume)
+    engine = setup.engine_for(run, head, resume)
 
     def layout(batch: Batch, heldout_batch: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """The batch's (anchor, depth, valid) [B, T]: the same for a batch at a given step (counting and loss agree)."""

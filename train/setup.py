@@ -1,12 +1,12 @@
 """Run setup for the training recipes: the run folder, seeds, the frozen target, the data, the engine.
 
-A recipe reads top to bottom (``draft_lm.py`` and ``eagle1.py`` as written; ``medusa.py`` and ``eagle3.py``
-build their module in a few lines between ``start`` and ``build_engine``)::
+A recipe reads top to bottom; between ``begin`` and ``engine_for`` it reads what it needs off its config and module
+(layer ids, a block size, a draft vocabulary's ids), and a drafter that drafts a fixed number per round sets
+``run.max_drafts``::
 
-    config = setup.trainable(recipe.drafter)          # the recipe's trainable drafter config       (this file)
-    run = setup.start(recipe, world)                  # run folder, seeds, frozen target, data      (this file)
-    engine = setup.build_engine(run, config.build_module(run.target))  # DeepSpeed, drafter only (this file)
-    setup.restore(run, engine, resume)                # latest checkpoint of the run folder         (this file)
+    run, config, module = setup.begin(recipe, world)  # run folder, seeds, frozen target, data; the drafter's
+                                                      # config (resolved against the target) and module (this file)
+    engine = setup.engine_for(run, module, resume)    # DeepSpeed, drafter only; the latest checkpoint (this file)
     save.baseline(run, engine, evaluate)              # held-out metrics of the untrained drafter   (save.py)
     for micro in step.step_batches(run, rows):        # one optimizer step's micro-batches, from the
                                                       # saved data position, valid rows counted     (step.py)
@@ -28,7 +28,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -110,6 +110,26 @@ def trainable(drafter: DrafterConfig) -> TrainableConfig:
         raise ConfigError(f"drafter.type = '{drafter.type}' cannot be trained; the methods are: "
                           f"{', '.join(trainable_families())}")
     return drafter
+
+
+@runtime_checkable
+class ResolvesAgainstTarget(Protocol):
+    """A family config whose fields depend on the target (EAGLE-3's and DFlash's layer ids and vocabulary)."""
+
+    def resolve(self, target: Target) -> Any:
+        """The config checked against ``target``, every target-dependent field made explicit."""
+        ...
+
+
+def begin(recipe: TrainRecipe, world: World) -> tuple[Run, Any, torch.nn.Module]:
+    """Every recipe's start: the run (:func:`start`), the recipe's drafter config, resolved against the target
+    where its family resolves one (the layer ids, block size and vocabulary a recipe reads off it), and the fresh
+    module it builds, on the target's device and dtype."""
+    config: Any = trainable(recipe.drafter)  # refused before the target loads
+    run = start(recipe, world)
+    if isinstance(config, ResolvesAgainstTarget):
+        config = config.resolve(run.target)
+    return run, config, config.build_module(run.target)
 
 
 def start(recipe: TrainRecipe, world: World) -> Run:
@@ -204,6 +224,14 @@ def restore(run: Run, engine: Any, resume: str | None = None) -> None:
         if saved_lr != run.cfg.optimizer.lr:
             run.monitor.note(f"learning rate: peak {run.cfg.optimizer.lr:g} (train.optimizer.lr) instead of the "
                              f"checkpoint's {saved_lr:g}, from step {run.state.step} on")
+
+
+def engine_for(run: Run, module: torch.nn.Module, resume: str | None = None) -> Any:
+    """The DeepSpeed engine around ``module`` (:func:`build_engine`), restored from ``resume`` or the run folder's
+    latest checkpoint (:func:`restore`)."""
+    engine = build_engine(run, module)
+    restore(run, engine, resume)
+    return engine
 
 
 def identity(run: Run) -> dict[str, Any]:
