@@ -87,6 +87,11 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+all_tokens+top_layer+ttt3+noise": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                                   "drafter.feature_layers=[1,14,28]", "train.ttt_steps=3",
                                                   "train.feature_noise=0.1"],
+    # CORAL's cross-step representation alignment on the best head: an InfoNCE pulling the head's states at one row
+    # together across the unrolled steps (train/losses.py:cross_step_alignment), weight 0.1 and τ 0.07 (the paper's own
+    # values could not be read: ours, the term then ~10 % of the objective)
+    "init_last+all_tokens+top_layer+coral": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                             "drafter.feature_layers=[1,14,28]", "train.coral_weight=0.1"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 

@@ -190,3 +190,14 @@ def tiny_train_data(tmp_path_factory, tiny_target_dir, make_tokenized) -> str:
         ids.append(row[cut : 8 + n_answer])
         masks.append([0] * (8 - cut) + [1] * n_answer)
     return make_tokenized(tmp_path_factory.mktemp("tiny_train_data"), ids, masks)
+
+
+@pytest.fixture(scope="session")
+def draft_vocab(tmp_path_factory, tiny_train_data) -> str:
+    """A 2048-token EAGLE-3 draft vocabulary built from the tiny data's loss-masked tokens."""
+    from draftsmith.data.tokenized import load_tokenized
+    from draftsmith.data.vocab import build_draft_vocab
+
+    path = str(tmp_path_factory.mktemp("vocab") / "draft_vocab.safetensors")
+    build_draft_vocab(load_tokenized(tiny_train_data), 49152, 2048).save(path)
+    return path

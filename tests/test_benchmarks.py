@@ -105,6 +105,7 @@ def test_every_lever_is_a_valid_override_of_the_eagle3_recipe():
             assert name == "base" or flags, name
             if "train.loss.kind=lk_alpha" in flags:
                 assert recipe.train.loss.kind == "lk_alpha"
+            assert recipe.train.coral_weight == (0.1 if name.endswith("+coral") else 0.0), name
     finally:
         del sys.modules["draftsmith_bench_levers"]
 

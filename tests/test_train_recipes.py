@@ -76,17 +76,6 @@ def test_eagle1_learns_and_saves_a_loadable_drafter(tmp_path, tiny_target_dir, t
     assert out.tokens == target_greedy(target, prompt, 12)[: len(out.tokens)]
 
 
-@pytest.fixture(scope="module")
-def draft_vocab(tmp_path_factory, tiny_train_data) -> str:
-    """A 2048-token EAGLE-3 draft vocabulary built from the tiny data's loss-masked tokens."""
-    from draftsmith.data.tokenized import load_tokenized
-    from draftsmith.data.vocab import build_draft_vocab
-
-    path = str(tmp_path_factory.mktemp("vocab") / "draft_vocab.safetensors")
-    build_draft_vocab(load_tokenized(tiny_train_data), 49152, 2048).save(path)
-    return path
-
-
 @pytest.mark.parametrize("method, gain, extra", [
     ("eagle3", 1.2, ["train.ttt_steps=3", "train.loss.kind=soft_ce", "drafter.feature_layers=[0,1,2]"]),
     # levers of benchmarks/levers.py: the LK losses, GRIFFIN's mask (the head started as the target's layer has its

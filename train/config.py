@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 from ..errors import ConfigError
 from ..measure.config import EvalRecipe
-from .losses import TokenLoss
+from .losses import CORAL_TEMPERATURE, TokenLoss
 
 
 @dataclass
@@ -251,6 +251,13 @@ class TrainConfig:
     0 = every row (EAGLE-3)."""
     feature_noise: float = 0.0
     """EAGLE-1/-3: add uniform noise U(−a, a) to the target features fed to the head (EAGLE: 0.1)."""
+    coral_weight: float = 0.0
+    """EAGLE-3, CORAL's cross-step representation alignment (Weng et al. 2025): the weight of an InfoNCE term that pulls
+    the head's states at one position together across the unrolled steps (the other positions of the sequence are the
+    negatives; ``train/losses.py:cross_step_alignment``), over the rows the token loss counts at each step, added per
+    row to the token loss; 0 = off (EAGLE-3). Needs ``ttt_steps`` ≥ 2. ``benchmarks/levers.py`` measures 0.1."""
+    coral_temperature: float = CORAL_TEMPERATURE
+    """τ of that InfoNCE over cosine similarities (0.07, the contrastive default; CORAL's own could not be read)."""
     loss_positions: Literal["answer", "all"] = "answer"
     """Which tokens a training step learns to predict: ``answer`` (the records' loss mask: the assistant's tokens,
     as EAGLE and the reference trainers do) or ``all`` (every real token but the first, the prompt's included: the
@@ -284,6 +291,13 @@ class TrainConfig:
             raise ConfigError(f"train.align_top_k = {self.align_top_k} must be ≥ 0 (0 = off)")
         if self.feature_noise < 0:
             raise ConfigError(f"train.feature_noise = {self.feature_noise} must be ≥ 0")
+        if self.coral_weight < 0:
+            raise ConfigError(f"train.coral_weight = {self.coral_weight} must be ≥ 0 (0 = off)")
+        if self.coral_weight and self.ttt_steps < 2:
+            raise ConfigError(f"train.coral_weight = {self.coral_weight} aligns the head's states across unrolled steps: "
+                              f"it needs train.ttt_steps ≥ 2, got {self.ttt_steps}")
+        if self.coral_temperature <= 0:
+            raise ConfigError(f"train.coral_temperature = {self.coral_temperature} must be > 0")
 
 
 class TrainRecipe(EvalRecipe, Protocol):

@@ -17,6 +17,13 @@ j ≥ 1 only while the target's token was among the head's top k at every earlie
 or a top-k tree never drafts past a miss, so those rows are never reached when decoding, and their loss only pulls
 the head towards inputs it will not see. Held-out figures are over every row, as without it.
 
+With ``train.coral_weight`` = w > 0 (CORAL's cross-step representation alignment, Weng et al. 2025), the objective
+adds w · Σ_rows an InfoNCE that pulls the state the head passes on at row t (``unroll``'s hidden, before the lm_head)
+together across the steps whose token loss counts row t, the sequence's other counted states being the negatives
+(``losses.cross_step_alignment``): step j ≥ 1 reads the head's own state where step 0 read the target's feature, and
+CORAL asks the head to produce the same representation either way. It is normalized with the token loss (by the
+step-0 rows), and logged as ``loss/coral`` per row with two counted steps or more.
+
 Held-out metrics per unrolled step j: expected acceptance Σ min(p, q) of the head's q
 (zero outside the draft vocabulary) against the target's full p, and top-1 agreement
 (see ``heldout.heldout_metrics`` for the summary figures derived from them).
@@ -90,20 +97,29 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
         return shift_left(batch.loss_mask, 2, fill=False)
 
     def objective(steps: list[tuple[Tensor, Tensor]], t: Targets, batch: Batch) -> tuple[Tensor, heldout.Metrics]:
-        """Σ_j w_j · (step j's token loss summed over its rows); parts: each step's (sum, rows)."""
+        """Σ_j w_j · (step j's token loss summed over its rows), plus CORAL's term summed over its rows when on; parts:
+        each step's (sum, rows), and ``loss/coral``'s."""
         # p over the draft vocabulary, and where the target's argmax is in it, once for all steps
         p_draft, in_vocab = losses.restrict_to_draft_vocab(t.logits, draft_ids, t.logits.new_ones(len(t.logits), dtype=torch.bool))
-        total, parts = None, {}
+        total, parts, counted = None, {}, []
         alive = torch.ones_like(batch.loss_mask, dtype=torch.bool)  # [B, S]: rows whose earlier steps were in the top k
         for j, (_, logits) in enumerate(steps):  # logits: [N_j, Vd] at the rows of t.keep[j]
             at = t.at(j)  # the target's row at t+j+1 for each of them
             ok = in_vocab[at] & alive[t.keep[j]]
+            if cfg.coral_weight:  # [B, S]: the rows step j's token loss counts
+                counted.append(torch.zeros_like(alive).masked_scatter(t.keep[j], ok))
             if cfg.align_top_k:  # GRIFFIN: step j+1 trains only the rows this step kept within its top k
                 alive = still_aligned(alive, t.keep[j], logits, draft_ids, t.logits[at].argmax(-1), cfg.align_top_k)
             step_sum = losses.token_loss(cfg.loss.kind, logits[ok], p_draft[at][ok], ok[ok], cfg.loss.temperature,
                                          cfg.loss.jsd_beta, reduction="sum", eta=cfg.loss.lk_eta)  # 0 past short sequences' ends
             total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
             parts[f"loss/step{j}"] = (step_sum.item(), float(ok.sum()))
+        if cfg.coral_weight:  # CORAL: the head's states at one row pulled together across the steps that count it
+            views = torch.stack(counted)  # [K, B, S]
+            coral = losses.cross_step_alignment(torch.stack([h for h, _ in steps]), views, cfg.coral_temperature,
+                                                reduction="sum")
+            total = total + cfg.coral_weight * coral
+            parts["loss/coral"] = (coral.item(), float((views.sum(0) >= 2).sum()))
         return total, parts
 
     def evaluate(engine: Any, batch: Batch) -> heldout.Metrics:

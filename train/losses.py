@@ -14,7 +14,8 @@ target's argmax and soft cross-entropy −Σ p log q (EAGLE's classification los
 LK losses (Samarin et al. 2026) that aim at the acceptance rate α = Σ min(p, q) itself:
 −log α, and the hybrid λ·KL(p‖q) + (1 − λ)·TV with λ = exp(−η·sg[α]); optionally over a
 reduced draft vocabulary. :data:`TOKEN_LOSS_FNS` is their one table (name → function). :func:`smooth_l1` is EAGLE's feature
-regression. :func:`expected_acceptance` Σ_x min(p, q) is the probability that one
+regression; :func:`cross_step_alignment` is CORAL's InfoNCE between the head's states at the unrolled steps of
+EAGLE-3's training-time test. :func:`expected_acceptance` Σ_x min(p, q) is the probability that one
 sampled draft token is accepted by speculative sampling (= 1 − TVD); it is a metric.
 
 A mean whose mask selects no position raises :class:`EmptyBatchError`: a mean over
@@ -212,6 +213,56 @@ def smooth_l1(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0, red
     return masked_reduce(per_elem.mean(-1), mask, reduction)
 
 
+CORAL_TEMPERATURE = 0.07
+"""τ of :func:`cross_step_alignment`'s InfoNCE: the usual contrastive default (MoCo, SupCon); CORAL's own value
+could not be read (see there)."""
+
+_NOT_A_PAIR = -1e9
+"""A similarity/τ that exp() takes to 0 in float32: the pairs an anchor may not pick (itself, uncounted views).
+Finite, unlike −inf, so an anchor with no valid pair gives finite values and zero gradients, never NaN."""
+
+
+def cross_step_alignment(states: Tensor, mask: Tensor, temperature: float = CORAL_TEMPERATURE,
+                         reduction: Reduction = "sum") -> Tensor:
+    """CORAL's cross-step representation alignment (CSRA; Weng et al., ACL 2025, arXiv 2502.16880): an InfoNCE loss
+    that makes the head's state at one position the same whichever unrolled step produced it.
+
+    states: [K, B, S, H], the state the head passes on at each of K unrolled steps (the hidden it hands the next
+    step, before the lm_head); mask: [K, B, S] bool, the views that count (step k, row t): the rows whose token loss
+    counts at step k. Each counted view (k, t) of sequence b is an anchor; its positives are the counted views of
+    the same row t at the other steps, and every other counted view of the same sequence (any step, any row) is a
+    negative. With cosine similarity s and temperature τ, an anchor's loss is SupCon's
+    −(1/|P|) Σ_{p∈P} log(exp(s_ap/τ) / Σ_{c≠a} exp(s_ac/τ)), which for two steps (one positive) is the paper's
+    −log(exp(sim(q, f⁺)/τ) / Σ_{f∈F} exp(sim(q, f)/τ)). A row's loss is the mean over its anchors; rows with fewer
+    than two counted views (nothing to align) give none. Returns the mean over the rows that have one, or their sum
+    (``reduction="sum"``: the EAGLE-3 recipe normalizes by the step's rows). Computed in float32; no side is
+    detached (the paper's positives are symmetric views, as in SimCLR): every counted view gets a gradient, the
+    others none. Memory: B · (K·S)² similarities.
+
+    From the paper (through its abstract and published summaries; its method section could not be read here):
+    the features aligned are the draft model's outputs per training step, F_t ∈ R^{B×S×D}; same position across
+    steps = positive pairs, other positions = negatives; InfoNCE with cosine similarity and a temperature. Ours, as
+    the most plausible reading: negatives from the same sequence (a per-sequence loss, whatever the micro-batch),
+    SupCon's average over several positives for K > 2, one loss per row (the mean of its anchors), τ =
+    :data:`CORAL_TEMPERATURE`, and only the views the token loss counts taking part.
+    """
+    if temperature <= 0:
+        raise DraftsmithError(f"cross-step alignment temperature must be > 0, got {temperature}")
+    k, b, s, _ = states.shape
+    z = F.normalize(states.float(), dim=-1).permute(1, 0, 2, 3).reshape(b, k * s, -1)  # [B, K·S, H]: view k·S + t
+    counted = mask.bool().permute(1, 0, 2).reshape(b, k * s)  # [B, K·S]
+    row = torch.arange(s, device=states.device).repeat(k)  # [K·S]: the row of each view
+    pair = counted.unsqueeze(2) & counted.unsqueeze(1) & ~torch.eye(k * s, dtype=torch.bool, device=states.device)
+    sim = (z @ z.transpose(1, 2) / temperature).masked_fill(~pair, _NOT_A_PAIR)  # [B, K·S, K·S]
+    log_p = sim - sim.logsumexp(-1, keepdim=True)  # [B, K·S, K·S]: log of the anchor's softmax over its pairs
+    positive = pair & (row.unsqueeze(1) == row.unsqueeze(0))  # same row, another step
+    n_pos = positive.sum(-1)  # [B, K·S]
+    anchor = -log_p.masked_fill(~positive, 0.0).sum(-1) / n_pos.clamp_min(1)  # [B, K·S]; 0 where no positive
+    is_anchor = (n_pos > 0).view(b, k, s)
+    per_row = anchor.view(b, k, s).sum(1) / is_anchor.sum(1).clamp_min(1)  # [B, S]
+    return masked_reduce(per_row, is_anchor.any(1), reduction)
+
+
 @torch.no_grad()
 def expected_acceptance(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> Tensor:
     """Σ_x min(p(x), q(x)) averaged over valid positions: the chance one sampled draft is accepted."""
@@ -254,7 +305,9 @@ def decayed_weights(n: int, decay: float) -> list[float]:
 __all__ = [
     "TOKEN_LOSSES",
     "TOKEN_LOSS_FNS",
+    "CORAL_TEMPERATURE",
     "EmptyBatchError",
+    "cross_step_alignment",
     "decayed_weights",
     "draft_vocab_agreement",
     "expected_acceptance",
