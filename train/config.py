@@ -256,6 +256,11 @@ class TrainConfig:
     as EAGLE and the reference trainers do) or ``all`` (every real token but the first, the prompt's included: the
     head learns the target's next-token distribution there too, more signal from each record). Held-out figures
     are over answer tokens either way."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the drafter's weights, with this decay per optimizer step (bias-corrected,
+    ``train/ema.py``), and train on as usual: held-out figures, ``drafter/`` and ``drafter-best/`` are the average's,
+    the raw weights' figures are logged beside them (``raw/…``) and their final drafter is ``drafter-raw/``. In (0, 1);
+    the window is about 1/(1 − d) steps (0.99: the last ~100). None = off. ZeRO 0–2 (every rank holds the drafter)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -284,6 +289,8 @@ class TrainConfig:
             raise ConfigError(f"train.align_top_k = {self.align_top_k} must be ≥ 0 (0 = off)")
         if self.feature_noise < 0:
             raise ConfigError(f"train.feature_noise = {self.feature_noise} must be ≥ 0")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in (0, 1) (e.g. 0.99), or null for no average")
 
 
 class TrainRecipe(EvalRecipe, Protocol):
