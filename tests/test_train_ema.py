@@ -181,3 +181,28 @@ def test_zero3_and_a_decay_outside_0_1_are_refused_in_one_line(tmp_path, tiny_ta
     for bad in ("1.0", "0.0", "-0.5"):
         with pytest.raises(ConfigError, match=rf"train.ema_decay = {bad} must be in \(0, 1\)"):
             ema_recipe(tmp_path, tiny_target_dir, tiny_train_data, f"train.ema_decay={bad}")
+
+
+FAMILIES = {
+    "eagle1": ["train.loss.feature_weight=1.0"],
+    "medusa": ["drafter.num_heads=2"],
+    "draft_lm": ["drafter.num_layers=1"],
+    "dflash": ["drafter.num_layers=1", "drafter.block_size=4", "drafter.feature_layers=[1,2]", "train.dflash.anchors=8"],
+    "dflash2": ["drafter.num_layers=1", "drafter.block_size=4", "drafter.feature_layers=[1,2]", "drafter.conv_group_size=8",
+                "drafter.selector_rank=16", "drafter.selector_top_k=8", "train.dflash.anchors=8"],
+    "peagle": ["drafter.num_layers=1", "drafter.feature_layers=[0,1,2]", "train.peagle.max_anchors=8"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_trains_with_the_average_and_hass_top_k_term(tmp_path, tiny_target_dir, tiny_train_data, family):
+    """The average and the top-K term live in the shared engine, step, save and loss paths: every trained family
+    keeps, evaluates and saves the average (drafter/ the last checkpoint's shadow, drafter-raw/ apart from it)."""
+    summary = run_training(tiny_recipe(tmp_path, tiny_target_dir, tiny_train_data, family, "train.steps=2",
+                                       "train.optimizer.lr=0.003", "train.loss.kind=soft_ce", "train.ema_decay=0.5",
+                                       "train.loss.top_k=4", *FAMILIES[family]))
+    assert summary["ema"]["updates"] == 2 and "raw/sim_tau" in summary["heldout"]
+    saved, raw = tensors(tmp_path / "drafter"), tensors(tmp_path / "drafter-raw")
+    shadow = checkpoint_weights(tmp_path, 2)
+    assert all(torch.equal(shadow[k], saved[k]) for k in saved)
+    assert not all(torch.equal(saved[k], raw[k]) for k in saved)
