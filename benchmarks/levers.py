@@ -1,8 +1,8 @@
 """Which training levers buy acceptance? One recipe trained with one lever changed at a time, and the table.
 
     python benchmarks/levers.py train CONFIG OUT [--only a,b] [override ...]   # OUT/<variant>, missing ones
-    python benchmarks/levers.py decode RUN_DIR [RUN_DIR ...] [--prompts 20] [--ks 3,4] [--max-new-tokens 96] \
-        [--questions mtbench|copyheavy|FILE.jsonl]
+    python benchmarks/levers.py decode RUN [RUN ...] [--prompts 20] [--ks 3,4] [--max-new-tokens 96] \
+        [--questions mtbench|copyheavy|FILE.jsonl]            # RUN: a run folder, or a drafter folder in one
     python benchmarks/levers.py table RUN_DIR [RUN_DIR ...]                     # a markdown row per run
 
 ``train`` runs ``draftsmith train -c CONFIG run_dir=OUT/<variant>`` for each variant of :data:`VARIANTS` (or those
@@ -16,12 +16,17 @@ over a given ``train.ttt_steps=2``); each lever is measured alone at a fixed bud
 ``decode`` runs each run's ``drafter-best`` in the built-in decoder, greedy, as plain chains of each k in ``--ks``
 (no gate, no tree) on the first ``--prompts`` MT-bench first turns, the target in bf16 (the dtype speed is measured
 in; τ in fp32 differs only where bf16 rounding moves a near-tie), and writes ``levers_decode.json`` into the run
-folder: τ (bonus counted) and the acceptance by position at each k. The target and prompts are loaded once.
+folder: τ (bonus counted) and the acceptance by position at each k. The target and prompts are loaded once. Given a
+drafter folder inside a run instead (``RUN/drafter-raw``: a run with ``train.ema_decay`` keeps its raw final weights
+there, beside the average in ``drafter/`` and ``drafter-best/``), it decodes that one and writes
+``levers_decode.<folder>.json`` into the run folder.
 
 ``table`` reads each run folder's ``train_summary.json``, ``logs/train.rank0.jsonl`` and, when present,
 ``levers_decode.json``: held-out sim τ at the end and at its best, held-out top-1 agreement and expected acceptance
-per unrolled step, the held-out loss, the training loss at steps 10 / 50 / 100 / last, and the decoded τ. None of
-these depends on the machine's load. Figures: benchmarks/RESULTS.md, "levers" and "EAGLE-3.1 norms".
+per unrolled step, the held-out loss, the training loss at steps 10 / 50 / 100 / last, and the decoded τ; for a run
+with ``train.ema_decay`` (whose held-out figures and drafter-best are the moving average's) also the raw weights'
+held-out sim τ at the end and at its best, and ``drafter-raw``'s decoded τ where decoded. None of these depends on
+the machine's load. Figures: benchmarks/RESULTS.md, "levers" and "EAGLE-3.1 norms".
 """
 
 from __future__ import annotations
@@ -92,6 +97,18 @@ VARIANTS: dict[str, list[str]] = {
     # values could not be read: ours, the term then ~10 % of the objective)
     "init_last+all_tokens+top_layer+coral": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                              "drafter.feature_layers=[1,14,28]", "train.coral_weight=0.1"],
+    # a bias-corrected moving average of the weights (train/ema.py): its drafter and held-out figures beside the raw
+    # weights' (drafter-raw, raw/sim_tau) in one run. 0.98 averages about the last 50 steps, under a tenth of the full
+    # budget's 600: its lag stays short while held-out figures still rise at the end; 0.99 would lag ~100 steps
+    "init_last+all_tokens+top_layer+ema": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                           "drafter.feature_layers=[1,14,28]", "train.ema_decay=0.98"],
+    # HASS's harmonized objective distillation at its defaults: + 1.0 · −Σ over the target's top 10 of p log q
+    "init_last+all_tokens+top_layer+hass": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                            "drafter.feature_layers=[1,14,28]", "train.loss.top_k=10",
+                                            "train.loss.top_k_weight=1.0"],
+    "init_last+all_tokens+top_layer+hass+ema": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                "drafter.feature_layers=[1,14,28]", "train.loss.top_k=10",
+                                                "train.loss.top_k_weight=1.0", "train.ema_decay=0.98"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
@@ -116,10 +133,35 @@ def train(config: str, out: str, only: list[str] | None, overrides: list[str]) -
             subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
+def decode_source(path: str) -> tuple[str, str, str]:
+    """(run folder, drafter folder, its name) of a ``decode`` argument: a run folder decodes its ``drafter-best``, a
+    drafter folder inside a run (``RUN/drafter-raw``) itself."""
+    from draftsmith.train.save import BEST
+
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, "config.yaml")):
+        return path, os.path.join(path, BEST), BEST
+    run_dir = os.path.dirname(path)
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        return run_dir, path, os.path.basename(path)
+    raise SystemExit(f"{path} is neither a run folder (config.yaml) nor a drafter folder inside one "
+                     f"(config.json, and config.yaml beside it)")
+
+
+def decode_file(drafter: str, source: str = "mtbench", prompts: int = 0) -> str:
+    """The name ``decode`` writes a drafter's figures under in its run folder (module docstring)."""
+    from draftsmith.train.save import BEST
+
+    set_name = os.path.splitext(os.path.basename(source))[0]
+    base = "levers_decode" if (source, prompts or DECODE_PROMPTS) == ("mtbench", DECODE_PROMPTS) else \
+        f"levers_decode-{set_name}{'' if prompts in (0, DECODE_PROMPTS) else prompts}"
+    return f"{base}.json" if drafter == BEST else f"{base}.{drafter}.json"
+
+
 def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int, source: str = "mtbench") -> None:
     """``levers_decode.json`` on :data:`DECODE_PROMPTS` MT-bench prompts; on another prompt set (``--questions``: the
     training data's own held-out prompts, say) or count, ``levers_decode-<set>[<count>].json`` beside it, which the
-    table does not read."""
+    table does not read; a drafter folder other than drafter-best: ``.<folder>`` before ``.json``."""
     from dataclasses import replace
 
     from draftsmith.config import load_recipe
@@ -127,15 +169,13 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
     from draftsmith.measure.evaluate import evaluate
     from draftsmith.measure.prompts import load_questions
     from draftsmith.target import load_target
-    from draftsmith.train.save import BEST
 
     target, questions = None, load_questions(source, prompts)
-    set_name = os.path.splitext(os.path.basename(source))[0]
-    name = "levers_decode.json" if (source, prompts) == ("mtbench", DECODE_PROMPTS) else \
-        f"levers_decode-{set_name}{'' if prompts == DECODE_PROMPTS else prompts}.json"
-    for run_dir in run_dirs:
+    for path in run_dirs:
+        run_dir, folder, drafter_name = decode_source(path)
+        name = decode_file(drafter_name, source, prompts)
         recipe = load_recipe(os.path.join(run_dir, "config.yaml"), [
-            "drafter.type=saved", f"drafter.path={os.path.join(run_dir, BEST)}", "target.dtype=bfloat16",
+            "drafter.type=saved", f"drafter.path={folder}", "target.dtype=bfloat16",
             f"decode.max_new_tokens={max_new_tokens}", "decode.min_confidence=0.0", "decode.tree=none",
             "decode.temperature=0.0"])
         target = target or load_target(recipe.target)
@@ -145,12 +185,14 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
             stats = evaluate(target, drafter, questions, replace(recipe.decode, k=k), progress=False).stats.summary()
             out["by_k"][str(k)] = {"tau_with_bonus": stats["tau_with_bonus"],
                                    "acceptance_at_position": stats["acceptance_at_position"]}
-            print(f"{run_dir}: k={k} tau {stats['tau_with_bonus']:.3f} acceptance "
+            print(f"{path}: k={k} tau {stats['tau_with_bonus']:.3f} acceptance "
                   + " ".join(f"{a:.3f}" for a in stats["acceptance_at_position"]), flush=True)
         write_json(os.path.join(run_dir, name), out)
 
 
 def row(run_dir: str) -> str:
+    from draftsmith.train.save import BEST, RAW_DRAFTER
+
     summary = json.load(open(os.path.join(run_dir, "train_summary.json")))
     losses: dict[int, float] = {}
     with open(os.path.join(run_dir, "logs", "train.rank0.jsonl")) as f:
@@ -163,19 +205,32 @@ def row(run_dir: str) -> str:
     top1 = " / ".join(f"{held[f'heldout/top1_step{s}']:.3f}" for s in steps)
     accept = " / ".join(f"{held[f'heldout/expected_accept_step{s}']:.3f}" for s in steps)
     curve = " / ".join(f"{losses[s]:.2f}" if s in losses else "–" for s in (10, 50, 100, last))
-    decoded = "–"
-    path = os.path.join(run_dir, "levers_decode.json")
-    if os.path.isfile(path):
-        by_k = json.load(open(path))["by_k"]
-        decoded = " / ".join(f"{by_k[k]['tau_with_bonus']:.3f}" for k in sorted(by_k, key=int))
+    raw = "–"
+    if "raw/sim_tau" in held:  # train.ema_decay: the figures above are the average's, these the raw weights'
+        points = [p for p in summary["sim_tau_curve"] if "raw_sim_tau" in p]
+        top = max(reversed(points), key=lambda p: p["raw_sim_tau"])
+        raw = f"{held['raw/sim_tau']:.4f}, best {top['raw_sim_tau']:.4f} (step {top['step']})"
+        if os.path.isfile(os.path.join(run_dir, decode_file(RAW_DRAFTER))):
+            raw += f"; decoded {decoded_taus(run_dir, RAW_DRAFTER)}"
     return (f"| {os.path.basename(os.path.normpath(run_dir))} | **{held['sim_tau']:.4f}** | {best['sim_tau']:.4f} "
-            f"(step {best['step']}) | {top1} | {accept} | {held['heldout/loss']:.2f} | {curve} | {decoded} |")
+            f"(step {best['step']}) | {top1} | {accept} | {held['heldout/loss']:.2f} | {curve} | "
+            f"{decoded_taus(run_dir, BEST)} | {raw} |")
+
+
+def decoded_taus(run_dir: str, drafter: str) -> str:
+    """τ at each decoded k of ``drafter``'s :func:`decode_file` on the default prompts, or – when not decoded."""
+    path = os.path.join(run_dir, decode_file(drafter))
+    if not os.path.isfile(path):
+        return "–"
+    by_k = json.load(open(path))["by_k"]
+    return " / ".join(f"{by_k[k]['tau_with_bonus']:.3f}" for k in sorted(by_k, key=int))
 
 
 def table(run_dirs: list[str]) -> None:
     print("| run | held-out sim τ | best (step) | top-1 per step | expected acceptance per step | held-out loss "
-          "| train loss at 10 / 50 / 100 / last | τ decoded, chain of k (bf16) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| train loss at 10 / 50 / 100 / last | τ decoded, chain of k (bf16) | raw weights of an EMA run: held-out "
+          "sim τ, best; decoded |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for run_dir in run_dirs:
         print(row(run_dir))
 

@@ -2,7 +2,8 @@
 
 Either way the result is the runtime drafter rebuilt on its target (fp32, CPU), with what the
 export records about where it came from. A checkpoint of any ZeRO stage is read without an
-engine or a process group (``train.checkpoint.read_checkpoint`` gathers ZeRO-3 partitions), and
+engine or a process group (``train.checkpoint.read_checkpoint`` gathers ZeRO-3 partitions, and takes
+the moving average of the weights where the run kept one, as its ``drafter/`` does), and
 its target is the one its run folder's ``config.yaml`` names unless ``--target`` says otherwise;
 either way the target's fingerprint must be the one the drafter was made for.
 """

@@ -110,6 +110,44 @@ def test_every_lever_is_a_valid_override_of_the_eagle3_recipe():
         del sys.modules["draftsmith_bench_levers"]
 
 
+def test_levers_decodes_a_drafter_folder_inside_a_run_and_tables_the_raw_weights_of_an_ema_run(tmp_path):
+    """``decode RUN/drafter-raw`` decodes that folder with its run's recipe, into a file of its own; the table shows a
+    run's raw weights beside its moving average (held-out at the end and best, decoded) and – for other runs."""
+    levers = benchmark_script("levers")
+    try:
+        run = tmp_path / "run"
+        (run / "drafter-raw").mkdir(parents=True)
+        (run / "config.yaml").write_text("{}")
+        (run / "drafter-raw" / "config.json").write_text("{}")
+        assert levers.decode_source(str(run)) == (str(run), str(run / "drafter-best"), "drafter-best")
+        assert levers.decode_source(str(run / "drafter-raw") + "/") == (str(run), str(run / "drafter-raw"), "drafter-raw")
+        with pytest.raises(SystemExit, match="neither a run folder"):
+            levers.decode_source(str(tmp_path))
+        assert [levers.decode_file(d, q, n) for d, q, n in [
+            ("drafter-best", "mtbench", 20), ("drafter-raw", "mtbench", 20), ("drafter-best", "copyheavy", 20),
+            ("drafter-raw", "some/H.jsonl", 80)]] == [
+            "levers_decode.json", "levers_decode.drafter-raw.json", "levers_decode-copyheavy.json",
+            "levers_decode-H80.drafter-raw.json"]
+
+        held = {"heldout/top1_step0": 0.5, "heldout/expected_accept_step0": 0.4, "heldout/loss": 6.0, "sim_tau": 1.7}
+        curve = [{"step": 0, "sim_tau": 1.1, "raw_sim_tau": 1.1}, {"step": 300, "sim_tau": 1.6, "raw_sim_tau": 1.68},
+                 {"step": 600, "sim_tau": 1.7, "raw_sim_tau": 1.65}]
+        summary = {"heldout": {**held, "raw/sim_tau": 1.65}, "best": {"step": 600, "sim_tau": 1.7}, "steps": 600,
+                   "sim_tau_curve": curve}
+        (run / "train_summary.json").write_text(json.dumps(summary))
+        (run / "logs").mkdir()
+        (run / "logs" / "train.rank0.jsonl").write_text(json.dumps({"step": 10, "loss": 9.0}) + "\n")
+        by_k = lambda *taus: json.dumps({"by_k": {str(k): {"tau_with_bonus": t} for k, t in zip((3, 4), taus)}})
+        (run / "levers_decode.json").write_text(by_k(1.55, 1.6))
+        (run / "levers_decode.drafter-raw.json").write_text(by_k(1.5, 1.52))
+        assert levers.row(str(run)) == ("| run | **1.7000** | 1.7000 (step 600) | 0.500 | 0.400 | 6.00 | 9.00 / – / – / – "
+                                        "| 1.550 / 1.600 | 1.6500, best 1.6800 (step 300); decoded 1.500 / 1.520 |")
+        (run / "train_summary.json").write_text(json.dumps({**summary, "heldout": held}))  # a run without the average
+        assert levers.row(str(run)).endswith("| 1.550 / 1.600 | – |")
+    finally:
+        del sys.modules["draftsmith_bench_levers"]
+
+
 # ---------------------------------------------------------------- the scripts' shared preamble
 
 

@@ -38,7 +38,11 @@ GOLDEN = {
     # λ = exp(−3·α); λ·KL(p‖q) + (1 − λ)·(1 − α)
     "lk_hybrid": math.exp(-3 * 0.625) * (0.5 * ln(0.5 / 0.125) + 0.25 * ln(0.25 / 0.375) + 0.25 * ln(0.25 / 0.5))
     + (1 - math.exp(-3 * 0.625)) * 0.375,
+    # HASS's top-K term at K = 1 (GOLDEN_K): the target's top token only, p not renormalized over it
+    "top_k_ce": -0.5 * ln(0.125),
 }
+GOLDEN_K = {"top_k_ce": 1}
+"""The K a golden value above is computed at (p's second and third tokens tie: K = 1 alone is unambiguous)."""
 
 
 def test_every_token_loss_has_a_golden_value():
@@ -59,7 +63,7 @@ def test_lk_hybrid_takes_no_gradient_through_its_weight():
 @pytest.mark.parametrize("kind", sorted(GOLDEN))
 def test_golden_values_ignore_masked_positions(kind):
     draft, target, mask = _pair()
-    got = L.token_loss(kind, draft, target, mask)
+    got = L.token_loss(kind, draft, target, mask, top_k=GOLDEN_K.get(kind, 0))
     assert got.item() == pytest.approx(GOLDEN[kind], abs=1e-6)
     assert math.isfinite(got.item())  # the NaN at the masked position never leaks in
 
@@ -182,3 +186,49 @@ def test_draft_vocab_agreement_equals_the_scattered_metrics_without_the_full_voc
     assert torch.allclose(accept, torch.minimum(q.softmax(-1), p.softmax(-1)).sum(-1), atol=1e-6)
     assert top1.tolist() == (q.argmax(-1) == p.argmax(-1)).tolist() and int(top1[:6].sum()) == 6
     assert float(top1.float().mean()) == pytest.approx(float(L.top1_accuracy(q, p.argmax(-1), every)))
+
+
+# HASS's top-K term over a reduced vocabulary: V = 6, draft vocabulary = target ids [0, 2, 3, 5]
+HASS_P = [0.30, 0.28, 0.25, 0.10, 0.04, 0.03]  # the target's p; its own top 2 is {0, 1}, and 1 is not a draft token
+HASS_Q = [0.1, 0.2, 0.3, 0.4]  # the drafter's q over the draft vocabulary
+
+
+def _hass_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    target = torch.tensor([[ln(x) for x in HASS_P], [float("nan")] * 6])  # row 1 masked out (garbage)
+    draft = torch.tensor([[ln(x) for x in HASS_Q], [float("nan")] * 4])
+    restricted, kept = L.restrict_to_draft_vocab(target, torch.tensor([0, 2, 3, 5]), torch.tensor([True, False]))
+    return draft, restricted, kept
+
+
+def test_the_top_k_term_is_hass_soft_ce_over_the_targets_k_likeliest_draft_tokens():
+    """p renormalized over the draft vocabulary is [0.30, 0.25, 0.10, 0.03] / 0.68 (the soft labels); its top 2 are
+    target ids 0 and 2, and the term is −Σ over them of p log q — not renormalized over the 2, not divided by K."""
+    draft, restricted, kept = _hass_case()
+    want = -(0.30 / 0.68 * ln(0.1) + 0.25 / 0.68 * ln(0.2))
+    assert want == pytest.approx(1.6076, abs=1e-4)
+    assert L.top_k_ce(draft, restricted, kept, k=2).item() == pytest.approx(want, abs=1e-6)
+    assert L.top_k_ce(draft, restricted, kept, k=9).item() == pytest.approx(L.soft_ce(draft, restricted, kept).item(),
+                                                                           abs=1e-6)  # K past the vocabulary: all of it
+    # beside another loss, weighed: soft CE + w · the term, over the same positions, summed or averaged
+    soft = -sum(p / 0.68 * ln(q) for p, q in zip([0.30, 0.25, 0.10, 0.03], HASS_Q))
+    for reduction in ("mean", "sum"):
+        got = L.token_loss("soft_ce", draft, restricted, kept, reduction=reduction, top_k=2, top_k_weight=0.5)
+        assert got.item() == pytest.approx(soft + 0.5 * want, abs=1e-6)
+    # kind top_k_ce is the term alone (not added twice); K = 0 is refused there, and adds nothing elsewhere, bit for bit
+    assert L.token_loss("top_k_ce", draft, restricted, kept, top_k=2, top_k_weight=0.5).item() == pytest.approx(want)
+    with pytest.raises(DraftsmithError, match="needs K ≥ 1"):
+        L.token_loss("top_k_ce", draft, restricted, kept)
+    assert torch.equal(L.token_loss("lk_alpha", draft, restricted, kept, top_k=0, top_k_weight=3.0),
+                       L.lk_alpha(draft, restricted, kept))
+
+
+def test_the_top_k_terms_gradient_pulls_up_the_k_tokens_by_their_p():
+    """d/dz_j of −Σ_{x ∈ Ω} p_x log q_x = (Σ_Ω p)·q_j − p_j·[j ∈ Ω]: the K tokens are pulled up by their own p, the
+    rest pushed down by q alone, and no gradient reaches a masked row."""
+    draft, restricted, kept = _hass_case()
+    draft = torch.where(draft.isnan(), torch.zeros_like(draft), draft).requires_grad_(True)
+    restricted = torch.where(restricted.isnan(), torch.zeros_like(restricted), restricted)
+    L.top_k_ce(draft, restricted, kept, k=2).backward()
+    p = [0.30 / 0.68, 0.25 / 0.68, 0.0, 0.0]
+    assert draft.grad[0].tolist() == pytest.approx([sum(p) * q - pj for q, pj in zip(HASS_Q, p)], abs=1e-6)
+    assert draft.grad[1].abs().sum().item() == 0.0

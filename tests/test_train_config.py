@@ -43,6 +43,12 @@ def test_bad_train_values_are_named():
         load_recipe(None, ["train.checkpoint.keep=0"])
     with pytest.raises(ConfigError, match="train.max_records = -1"):
         load_recipe(None, ["train.max_records=-1"])
+    with pytest.raises(ConfigError, match="train.loss.top_k = -1 must be ≥ 0"):
+        load_recipe(None, ["train.loss.top_k=-1"])
+    with pytest.raises(ConfigError, match="train.loss.top_k_weight = -0.5 must be ≥ 0"):
+        load_recipe(None, ["train.loss.top_k=10", "train.loss.top_k_weight=-0.5"])
+    with pytest.raises(ConfigError, match=r"train.loss.kind = top_k_ce needs train.loss.top_k ≥ 1, its K \(HASS: 10\)"):
+        load_recipe(None, ["train.loss.kind=top_k_ce"])
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3"])

@@ -69,9 +69,16 @@ def summary_of(run_dir, proc: subprocess.CompletedProcess) -> dict:
 
 
 def test_two_processes_zero2_under_torchrun(tmp_path, tiny_target_dir, tiny_train_data):
+    """Two ranks with ZeRO-2 and a moving average of the weights (each rank keeps its own, from the weights all ranks
+    share): the loss falls on both, and the drafter saved is the average the checkpoint holds."""
+    from safetensors.torch import load_file
+
+    from draftsmith.train.checkpoint import read_checkpoint
+
     run_dir = tmp_path / "run"
     proc = launch([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", free_port()],
-                  overrides(tiny_target_dir, tiny_train_data, run_dir, "train.steps=8", "train.deepspeed=zero2"))
+                  overrides(tiny_target_dir, tiny_train_data, run_dir, "train.steps=8", "train.deepspeed=zero2",
+                            "train.ema_decay=0.9", "train.eval.every=4"))
     summary = summary_of(run_dir, proc)
     assert (summary["world_size"], summary["zero_stage"], summary["steps"]) == (2, 2, 8)
     first, second = rank_losses(run_dir, 0), rank_losses(run_dir, 1)
@@ -79,6 +86,10 @@ def test_two_processes_zero2_under_torchrun(tmp_path, tiny_target_dir, tiny_trai
     assert first != second  # each rank trains on its own shard of the data
     for losses in (first, second):  # the loss goes down on both ranks
         assert sum(losses[-3:]) < sum(losses[:3]), losses
+    assert summary["ema"]["updates"] == 8 and "raw/sim_tau" in summary["heldout"]
+    saved, raw = (load_file(os.path.join(run_dir, d, "model.safetensors")) for d in ("drafter", "drafter-raw"))
+    _, shadow = read_checkpoint(os.path.join(run_dir, "checkpoints", "step_00000008"))
+    assert all(torch.equal(saved[k], shadow[k]) for k in saved) and not torch.equal(saved["fc.weight"], raw["fc.weight"])
 
 
 def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny_target_dir, tiny_train_data):
@@ -118,8 +129,10 @@ def test_zero3_under_the_deepspeed_launcher_saves_a_whole_drafter(tmp_path, tiny
 
 
 RESUME_ARGS = ["train.steps=10", "train.feature_noise=0.05", "train.checkpoint.keep=1", "train.schedule.kind=cosine",
-               "train.schedule.warmup_steps=2"]
-"""Gradient accumulation (the JSON below), feature noise (RNG) and a decaying LR are all in play."""
+               "train.schedule.warmup_steps=2", "train.ema_decay=0.8"]
+"""Gradient accumulation (the JSON below), feature noise (RNG), a decaying LR and a moving average of the weights
+(drafter/ holds it, drafter-raw/ the trained weights) are all in play."""
+RESUMED_DRAFTERS = ("drafter", "drafter-raw")
 
 
 def resume_args(tmp_path, *extra: str) -> list[str]:
@@ -130,8 +143,9 @@ def resume_args(tmp_path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_target_dir, tiny_train_data) -> dict[str, torch.Tensor]:
-    """The drafter weights of the resume tests' run, trained without interruption."""
+def uninterrupted(tmp_path_factory, tiny_target_dir, tiny_train_data) -> dict[str, dict[str, torch.Tensor]]:
+    """The drafter folders' weights (:data:`RESUMED_DRAFTERS`) of the resume tests' run, trained without
+    interruption."""
     from safetensors.torch import load_file
 
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -142,7 +156,7 @@ def uninterrupted(tmp_path_factory, tiny_target_dir, tiny_train_data) -> dict[st
                                  overrides(tiny_target_dir, tiny_train_data, tmp / "run", *resume_args(tmp))))
     finally:
         torch.set_num_threads(threads)
-    return load_file(os.path.join(tmp, "run", "drafter", "model.safetensors"))
+    return {d: load_file(os.path.join(tmp, "run", d, "model.safetensors")) for d in RESUMED_DRAFTERS}
 
 
 def interrupt(tmp_path, args: list[str], run_dir, sig: signal.Signals, after_step: int) -> subprocess.Popen:
@@ -163,8 +177,9 @@ def interrupt(tmp_path, args: list[str], run_dir, sig: signal.Signals, after_ste
     return proc
 
 
-def resume_and_compare(args: list[str], run_dir, uninterrupted: dict[str, torch.Tensor]) -> None:
-    """Re-run the same command; it must resume, finish, and end with the uninterrupted run's weights."""
+def resume_and_compare(args: list[str], run_dir, uninterrupted: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Re-run the same command; it must resume, finish, and end with the uninterrupted run's weights: the moving
+    average's (drafter/, restored from the checkpoint's shadow) and the trained ones (drafter-raw/)."""
     from safetensors.torch import load_file
 
     cmd = [os.path.join(BIN, "draftsmith"), "train", "--config", "smollm2-135m-eagle3", *args]
@@ -172,11 +187,13 @@ def resume_and_compare(args: list[str], run_dir, uninterrupted: dict[str, torch.
     assert "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
     summary = summary_of(run_dir, resumed)
     assert summary["steps"] == 10 and summary["micro_steps"] == 20
-    weights = load_file(os.path.join(run_dir, "drafter", "model.safetensors"))
-    assert weights.keys() == uninterrupted.keys()
-    worst = max(float((weights[k].float() - uninterrupted[k].float()).abs().max()) for k in weights)
-    print(f"resumed vs uninterrupted: max weight difference {worst}")
-    assert worst <= 1e-6, f"resumed weights differ from the uninterrupted run's by up to {worst}"
+    for name in RESUMED_DRAFTERS:
+        weights, want = load_file(os.path.join(run_dir, name, "model.safetensors")), uninterrupted[name]
+        assert weights.keys() == want.keys()
+        worst = max(float((weights[k].float() - want[k].float()).abs().max()) for k in weights)
+        print(f"{name}: resumed vs uninterrupted: max weight difference {worst}")
+        assert worst <= 1e-6, f"resumed {name} weights differ from the uninterrupted run's by up to {worst}"
+    assert summary["ema"]["updates"] == 10
 
 
 def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_target_dir, tiny_train_data, uninterrupted):

@@ -75,9 +75,10 @@ def test_summed_losses_are_the_mean_times_the_count_and_zero_when_empty():
     q, p = torch.randn(5, 7, requires_grad=True), torch.randn(5, 7)
     mask = torch.tensor([True, False, True, True, False])
     for kind in losses.TOKEN_LOSSES:
-        mean = losses.token_loss(kind, q, p, mask)
-        total = losses.token_loss(kind, q, p, mask, reduction="sum")
-        assert float(total.detach()) == pytest.approx(3 * float(mean.detach()), rel=1e-6), kind
+        for top_k in (0, 2) if kind != "top_k_ce" else (2,):  # with HASS's top-K term beside it too
+            mean = losses.token_loss(kind, q, p, mask, top_k=top_k)
+            total = losses.token_loss(kind, q, p, mask, reduction="sum", top_k=top_k)
+            assert float(total.detach()) == pytest.approx(3 * float(mean.detach()), rel=1e-6), (kind, top_k)
     empty = losses.token_loss("soft_ce", q[:0], p[:0], mask[:0], reduction="sum")
     empty.backward()  # a micro-batch with nothing to learn on this rank: zero gradient, not an error
     assert float(empty) == 0.0 and torch.equal(q.grad, torch.zeros_like(q))
@@ -243,3 +244,26 @@ def test_logging_and_checkpoint_cadence_and_0_for_only_the_last_step(tmp_path, t
     lines = [r for r in read_log(tmp_path) if "lr" in r]  # the training lines (held-out ones carry no lr)
     assert [r["step"] for r in lines] == logged
     assert sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.startswith("step_")) == saved
+
+
+def test_hass_top_k_term_rides_the_eagle3_rows_masks_and_step_weights(tmp_path, monkeypatch, tiny_target_dir,
+                                                                      uneven_data):
+    """With K the whole vocabulary the top-K term is soft CE itself: as the loss (kind top_k_ce) it gives soft CE's
+    first-step gradient, and added beside soft CE at w = 0.5 it gives 1.5 times it — the term goes through the same
+    rows, masks and unrolled-step weights (0.5^j here) as the token loss, not around them. At HASS's K = 10 it
+    changes the gradient."""
+    data, _ = uneven_data
+    common = ["train.steps=1", "train.batch_size=2", f"train.deepspeed={engine_json(tmp_path, 1)}",
+              "train.loss.step_decay=0.5", "train.loss_positions=all"]
+
+    def grads(name: str, *loss: str) -> list[torch.Tensor]:
+        return first_step_gradients(monkeypatch, lambda: run_training(recipe(tmp_path / name, tiny_target_dir, data,
+                                                                             *common, *loss)))
+
+    soft = grads("soft", "train.loss.kind=soft_ce")
+    alone = grads("alone", "train.loss.kind=top_k_ce", "train.loss.top_k=49152")
+    both = grads("both", "train.loss.kind=soft_ce", "train.loss.top_k=49152", "train.loss.top_k_weight=0.5")
+    hass = grads("hass", "train.loss.kind=soft_ce", "train.loss.top_k=10")
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(alone, soft))
+    assert all(torch.allclose(a, 1.5 * b, rtol=1e-4, atol=1e-7) for a, b in zip(both, soft))
+    assert not all(torch.allclose(a, b, rtol=1e-2) for a, b in zip(hass, soft))

@@ -2,7 +2,9 @@
 
 A checkpoint is one folder ``step_00000040/`` holding DeepSpeed's files (model,
 optimizer and scheduler state of every rank), each rank's RNG state
-(``rng_rank{r}.pt``) and ``trainer_state.json`` (step, data position, counters).
+(``rng_rank{r}.pt``), ``trainer_state.json`` (step, data position, counters) and, when
+the run keeps a moving average of the weights (``train.ema_decay``), ``ema.safetensors``
+(its float32 shadow, which every rank holds alike: rank 0 writes it).
 Every rank first writes into a hidden temporary folder; only when all ranks are done
 does rank 0 rename it into place and then point ``latest`` at it (both atomic
 renames), so a kill at any moment leaves the previous checkpoint intact and
@@ -47,6 +49,9 @@ from .distributed import World
 
 CHECKPOINTS = "checkpoints"
 CHECKSUMS = "checksums.json"
+EMA_FILE = "ema.safetensors"
+"""In a checkpoint of a run with ``train.ema_decay``: the shadow of the weights (``train/ema.py``), by the engine
+module's parameter names."""
 """In each checkpoint folder: ``{"sha256": {relative path: hex digest}}`` of every other file."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received: list[int] = []
@@ -104,8 +109,10 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return path
 
 
-def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, Any], keep: int) -> str:
-    """Write a checkpoint of the engine plus ``state`` (JSON-able); all ranks call this together."""
+def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, Any], keep: int,
+                    ema: dict[str, torch.Tensor] | None = None) -> str:
+    """Write a checkpoint of the engine plus ``state`` (JSON-able) and the EMA shadow ``ema`` (rank 0's is written: the
+    ranks' agree); all ranks call this together."""
     root = checkpoint_root(run_dir)
     tag = f"step_{int(state['step']):08d}"
     tmp_tag = f".tmp-{tag}"
@@ -120,6 +127,10 @@ def save_checkpoint(engine: Any, world: World, run_dir: str, state: dict[str, An
         distributed.barrier()
         if world.is_main:
             write_json(os.path.join(root, tmp_tag, "trainer_state.json"), {**state, "zero_stage": distributed.zero_stage(engine)})
+            if ema is not None:
+                from safetensors.torch import save_file
+
+                save_file(ema, os.path.join(root, tmp_tag, EMA_FILE), metadata={"format": "pt"})
             write_checksums(os.path.join(root, tmp_tag))
             # a rerun of a finished run saves its last step again: the folder ``latest`` names is exchanged, never
             # deleted first
@@ -156,6 +167,21 @@ def load_checkpoint(engine: Any, world: World, path: str, identity: dict[str, An
     return state
 
 
+def load_ema(path: str) -> dict[str, torch.Tensor]:
+    """The EMA shadow of the checkpoint ``path`` (checked by :func:`load_checkpoint` first); refused when it has none."""
+    file = os.path.join(os.path.abspath(path), EMA_FILE)
+    if not os.path.isfile(file):
+        raise DraftsmithError(f"checkpoint '{path}' holds no {EMA_FILE}: train.ema_decay is set, but the run that wrote "
+                              f"it kept no moving average; resume it with train.ema_decay unset, or start a new run_dir")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(file)
+    except SafetensorError as e:
+        raise DraftsmithError(f"checkpoint '{path}': {EMA_FILE} cannot be read ({e}); it is damaged: {_DAMAGED_FIX}") from e
+
+
 ENGINE_MODULE_PREFIX = "drafter."
 """The engine wraps the drafter in ``setup.Forward``, so checkpoint names start with this."""
 
@@ -171,7 +197,8 @@ def read_trainer_state(path: str) -> dict[str, Any]:
 
 
 def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The trainer state and the drafter's whole weights of a checkpoint folder, without an engine.
+    """The trainer state and the drafter's whole weights of a checkpoint folder, without an engine: the moving
+    average's where the run kept one (``ema.safetensors``; what its ``drafter/`` holds), else the trained ones.
 
     Any ZeRO stage: ZeRO-0 keeps the module whole in ``mp_rank_00_model_states.pt``; from ZeRO-1 on
     the fp32 master weights are partitioned over the ranks' files and gathered here
@@ -191,6 +218,8 @@ def read_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     else:
         with damaged(path):
             module = distributed.consolidated_weights(os.path.dirname(path), os.path.basename(path))
+    if os.path.isfile(os.path.join(path, EMA_FILE)):
+        module = {**module, **load_ema(path)}
     weights = {k[len(ENGINE_MODULE_PREFIX):]: v for k, v in module.items() if k.startswith(ENGINE_MODULE_PREFIX)}
     if not weights:
         raise DraftsmithError(f"checkpoint '{path}' holds no drafter weights (no '{ENGINE_MODULE_PREFIX}*' tensors)")

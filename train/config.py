@@ -13,7 +13,10 @@ from typing import Literal, Protocol
 
 from ..errors import ConfigError
 from ..measure.config import EvalRecipe
-from .losses import CORAL_TEMPERATURE, TokenLoss
+from torch import Tensor
+
+from . import losses
+from .losses import CORAL_TEMPERATURE, Reduction, TokenLoss
 
 
 @dataclass
@@ -60,7 +63,8 @@ class LossConfig:
     kind: TokenLoss = "forward_kl"
     """Token loss between the drafter's q and the target's p, one of ``train/losses.py:TOKEN_LOSS_FNS``: forward_kl,
     reverse_kl, jsd, tvd, ce (on the target's argmax), soft_ce (−Σ p log q; EAGLE's choice), or the LK losses that
-    aim at the acceptance Σ min(p, q) itself, lk_alpha (−log of it) and lk_hybrid (KL blended into TV as it grows)."""
+    aim at the acceptance Σ min(p, q) itself, lk_alpha (−log of it) and lk_hybrid (KL blended into TV as it grows), or
+    top_k_ce (HASS's top-K term alone, K = ``top_k``)."""
     temperature: float = 1.0
     """Both distributions are softmax(logits / temperature) inside the loss."""
     jsd_beta: float = 0.5
@@ -73,6 +77,13 @@ class LossConfig:
     """Weight of the smooth-L1 feature regression (EAGLE-1 only; 1.0 in the paper)."""
     step_decay: float = 0.8
     """Weight decay per unrolled step (EAGLE-3) or per head (Medusa): weights 1, d, d², …"""
+    top_k: int = 0
+    """HASS's harmonized objective distillation: K ≥ 1 adds ``top_k_weight`` · −Σ_{x ∈ top-K(p)} p(x) log q(x) to every
+    row's token loss (``losses.top_k_ce``; over a draft vocabulary, the top K of p renormalized there), weighed per
+    unrolled step / head like the rest. HASS: K = 10. 0 = off."""
+    top_k_weight: float = 1.0
+    """w of the top-K term beside ``kind``'s loss (HASS: 1.0). Inside EAGLE-1's token loss it is scaled by
+    ``token_weight`` too (HASS's own EAGLE head weighs the term 1 beside a classification loss of 0.1: w = 10 there)."""
 
     def validate(self) -> None:
         if self.temperature <= 0:
@@ -85,6 +96,18 @@ class LossConfig:
             raise ConfigError("train.loss.token_weight and feature_weight must be ≥ 0 and not both 0")
         if not 0.0 < self.step_decay <= 1.0:
             raise ConfigError(f"train.loss.step_decay = {self.step_decay} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"train.loss.top_k = {self.top_k} must be ≥ 0 (0 = no top-K term; HASS: 10)")
+        if self.top_k_weight < 0:
+            raise ConfigError(f"train.loss.top_k_weight = {self.top_k_weight} must be ≥ 0")
+        if self.kind == "top_k_ce" and self.top_k < 1:
+            raise ConfigError("train.loss.kind = top_k_ce needs train.loss.top_k ≥ 1, its K (HASS: 10)")
+
+    def token_loss(self, draft_logits: Tensor, target_logits: Tensor, mask: Tensor,
+                   reduction: Reduction = "mean") -> Tensor:
+        """This section's token loss (``losses.token_loss``: ``kind``, its temperature, β, η, and the top-K term)."""
+        return losses.token_loss(self.kind, draft_logits, target_logits, mask, self.temperature, self.jsd_beta,
+                                 reduction=reduction, eta=self.lk_eta, top_k=self.top_k, top_k_weight=self.top_k_weight)
 
 
 @dataclass
@@ -263,6 +286,11 @@ class TrainConfig:
     as EAGLE and the reference trainers do) or ``all`` (every real token but the first, the prompt's included: the
     head learns the target's next-token distribution there too, more signal from each record). Held-out figures
     are over answer tokens either way."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the drafter's weights, with this decay per optimizer step (bias-corrected,
+    ``train/ema.py``), and train on as usual: held-out figures, ``drafter/`` and ``drafter-best/`` are the average's,
+    the raw weights' figures are logged beside them (``raw/…``) and their final drafter is ``drafter-raw/``. In (0, 1);
+    the window is about 1/(1 − d) steps (0.99: the last ~100). None = off. ZeRO 0–2 (every rank holds the drafter)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -298,6 +326,8 @@ class TrainConfig:
                               f"it needs train.ttt_steps ≥ 2, got {self.ttt_steps}")
         if self.coral_temperature <= 0:
             raise ConfigError(f"train.coral_temperature = {self.coral_temperature} must be > 0")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in (0, 1) (e.g. 0.99), or null for no average")
 
 
 class TrainRecipe(EvalRecipe, Protocol):

@@ -133,8 +133,7 @@ def row_losses(run: setup.Run, q: Tensor, p: Tensor, k: Tensor, valid: Tensor, d
     ok = torch.ones_like(k, dtype=torch.bool)
     if draft_ids is not None:  # p over the draft vocabulary; a target argmax outside it has no loss
         p, ok = losses.restrict_to_draft_vocab(p, draft_ids, ok)
-    row = losses.token_loss(cfg.loss.kind, q, p, ok, cfg.loss.temperature, cfg.loss.jsd_beta, reduction="none",
-                             eta=cfg.loss.lk_eta)  # [M]
+    row = cfg.loss.token_loss(q, p, ok, reduction="none")  # [M]
     if cfg.dflash.weighting == "dpace":
         confidence = torch.zeros(valid.shape, device=q.device)  # an unreachable target token: confidence 0
         picked = q.float().log_softmax(-1).gather(-1, p.argmax(-1, keepdim=True))[:, 0].exp()

@@ -45,8 +45,7 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
 
     def objective(logits: Tensor, target_logits: Tensor, mask: Tensor) -> tuple[Tensor, heldout.Metrics]:
         """The token loss summed over the rows of ``mask``."""
-        return losses.token_loss(cfg.loss.kind, logits[mask], target_logits[mask], mask[mask],
-                                 cfg.loss.temperature, cfg.loss.jsd_beta, reduction="sum", eta=cfg.loss.lk_eta), {}
+        return cfg.loss.token_loss(logits[mask], target_logits[mask], mask[mask], reduction="sum"), {}
 
     def on_policy(batch: Batch) -> Batch:
         """The micro-batch trained on: with probability on_policy.fraction, the drafter's own samples."""

@@ -34,8 +34,8 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
     def objective(pred: Tensor, logits: Tensor, mask: Tensor, features: Tensor, target_logits: Tensor) -> tuple[Tensor, heldout.Metrics]:
         """feature_weight · smooth-L1 + token_weight · token loss, summed over the rows of ``mask``."""
         regression = losses.smooth_l1(pred, shift_left(features, 1), mask, reduction="sum")
-        token = losses.token_loss(cfg.loss.kind, logits[mask], target_side.rows_ahead(target_logits, 1, mask),
-                                  mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta, reduction="sum", eta=cfg.loss.lk_eta)
+        token = cfg.loss.token_loss(logits[mask], target_side.rows_ahead(target_logits, 1, mask), mask[mask],
+                                    reduction="sum")
         loss = cfg.loss.feature_weight * regression + cfg.loss.token_weight * token
         n = float(mask.sum())
         return loss, {"loss/feature": (regression.item(), n), "loss/token": (token.item(), n)}

@@ -110,8 +110,7 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
                 counted.append(torch.zeros_like(alive).masked_scatter(t.keep[j], ok))
             if cfg.align_top_k:  # GRIFFIN: step j+1 trains only the rows this step kept within its top k
                 alive = still_aligned(alive, t.keep[j], logits, draft_ids, t.logits[at].argmax(-1), cfg.align_top_k)
-            step_sum = losses.token_loss(cfg.loss.kind, logits[ok], p_draft[at][ok], ok[ok], cfg.loss.temperature,
-                                         cfg.loss.jsd_beta, reduction="sum", eta=cfg.loss.lk_eta)  # 0 past short sequences' ends
+            step_sum = cfg.loss.token_loss(logits[ok], p_draft[at][ok], ok[ok], reduction="sum")  # 0 past short sequences' ends
             total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
             parts[f"loss/step{j}"] = (step_sum.item(), float(ok.sum()))
         if cfg.coral_weight:  # CORAL: the head's states at one row pulled together across the steps that count it

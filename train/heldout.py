@@ -5,6 +5,8 @@ the figures of all batches and ranks combine exactly into means over valid posit
 
 Every held-out evaluation also logs ``sim_tau``, the acceptance length the held-out figures predict
 at the recipe's ``decode.k`` (:func:`sim_tau`); the run keeps its best drafter by it (``save.keep_best``).
+With ``train.ema_decay`` the figures are the moving average's, and the raw weights' are logged beside
+them under :data:`RAW` (``save.evaluate``).
 Per-step figures are CONDITIONAL (given correct earlier tokens): ``expected_accept_step{j}`` is
 E[Σ min(p, q)] at unrolled step / head j — not the decoder's cumulative ``acceptance_at_position``.
 """
@@ -119,14 +121,27 @@ def masked_metric(value: Callable[[], Tensor], mask: Tensor) -> tuple[float, flo
         return 0.0, 0.0
 
 
-def log_heldout(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
-    """Held-out metrics (``heldout/…``) and ``sim_tau`` (:func:`sim_tau` at the recipe's decode depth), logged."""
+RAW = "raw/"
+"""With ``train.ema_decay``, the prefix of the raw (trained, not averaged) weights' held-out figures: ``raw/sim_tau``,
+``raw/heldout/…``, logged beside the moving average's own."""
+
+
+def heldout_figures(run: Run, engine: Any, fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
+    """Held-out metrics (``heldout/…``) and ``sim_tau`` (:func:`sim_tau` at the recipe's decode depth) of the weights
+    the engine's module holds."""
     values = heldout_metrics(run, engine, fn)
     decode = run.recipe.decode
     tau = sim_tau(values, decode.depth, decode.warp.greedy, run.max_drafts)
-    metrics = {**{f"heldout/{k}": v for k, v in values.items()}, "sim_tau": tau}
+    return {**{f"heldout/{k}": v for k, v in values.items()}, "sim_tau": tau}
+
+
+def log_heldout(run: Run, metrics: dict[str, float]) -> dict[str, float]:
+    """Log held-out figures (:func:`heldout_figures`, and the raw weights' ``raw/…`` beside them); return them."""
     run.monitor.log(run.state.step, {}, metrics)
-    run.monitor.note(f"step {run.state.step} held-out: " + ", ".join(f"{k.split('/', 1)[-1]} {v:.4f}" for k, v in metrics.items()))
+    shown = ", ".join(f"{k.split('/', 1)[-1]} {v:.4f}" for k, v in metrics.items() if not k.startswith(RAW))
+    if f"{RAW}sim_tau" in metrics:
+        shown += f"; raw weights: sim_tau {metrics[f'{RAW}sim_tau']:.4f}"
+    run.monitor.note(f"step {run.state.step} held-out: {shown}")
     return metrics
 
 

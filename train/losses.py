@@ -12,7 +12,9 @@ The token losses are DistillSpec's set (Zhou et al. 2023): forward KL(p‖q), re
 KL(q‖p), generalized JSD(β) and total variation distance, plus cross-entropy on the
 target's argmax and soft cross-entropy −Σ p log q (EAGLE's classification loss), and the
 LK losses (Samarin et al. 2026) that aim at the acceptance rate α = Σ min(p, q) itself:
-−log α, and the hybrid λ·KL(p‖q) + (1 − λ)·TV with λ = exp(−η·sg[α]); optionally over a
+−log α, and the hybrid λ·KL(p‖q) + (1 − λ)·TV with λ = exp(−η·sg[α]), and HASS's top-K distillation
+−Σ_{x ∈ top-K(p)} p log q (Zhang et al. 2025), which :func:`token_loss` also adds beside any other loss
+(``train.loss.top_k``, ``top_k_weight``); optionally over a
 reduced draft vocabulary. :data:`TOKEN_LOSS_FNS` is their one table (name → function). :func:`smooth_l1` is EAGLE's feature
 regression; :func:`cross_step_alignment` is CORAL's InfoNCE between the head's states at the unrolled steps of
 EAGLE-3's training-time test. :func:`expected_acceptance` Σ_x min(p, q) is the probability that one
@@ -156,18 +158,36 @@ def lk_hybrid(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, tempera
     return masked_reduce(lam * _kl_terms(log_p, log_q) + (1 - lam) * (1 - alpha), mask, reduction)
 
 
+def top_k_ce(draft_logits: Tensor, target_logits: Tensor, mask: Tensor, k: int, temperature: float = 1.0,
+             reduction: Reduction = "mean") -> Tensor:
+    """HASS's harmonized objective distillation (Zhang et al., ICLR 2025, "Learning Harmonized Representations for
+    Speculative Sampling", its Top-K loss): −Σ_{x ∈ Ω_K} p(x) log q(x), Ω_K the target's K most likely tokens —
+    soft cross-entropy over those K alone, p neither renormalized over them nor divided by K (as the paper and its
+    code write it). The drafter is pulled to rank the tokens a tree or a sampled draft tries first as the target
+    does. Over a reduced vocabulary ``target_logits`` are already the draft vocabulary's (:func:`restrict_to_draft_vocab`),
+    so Ω_K is the top K of p renormalized there."""
+    if k < 1:
+        raise DraftsmithError(f"the top-K loss needs K ≥ 1 (train.loss.top_k), got {k}")
+    log_q, log_p = _log_probs(draft_logits, temperature), _log_probs(target_logits, temperature)
+    top = log_p.topk(min(k, log_p.shape[-1]), dim=-1).indices  # [..., K]
+    p, log_q = log_p.gather(-1, top).exp(), log_q.gather(-1, top)
+    return masked_reduce(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1), mask, reduction)
+
+
 TOKEN_LOSS_FNS: dict[str, Callable[..., Tensor]] = {
-    "forward_kl": lambda d, t, m, temperature, beta, eta, reduction: forward_kl(d, t, m, temperature, reduction),
-    "reverse_kl": lambda d, t, m, temperature, beta, eta, reduction: reverse_kl(d, t, m, temperature, reduction),
-    "jsd": lambda d, t, m, temperature, beta, eta, reduction: jsd(d, t, m, beta, temperature, reduction),
-    "tvd": lambda d, t, m, temperature, beta, eta, reduction: tvd(d, t, m, temperature, reduction),
-    "ce": lambda d, t, m, temperature, beta, eta, reduction: hard_ce(d, t.argmax(-1), m, temperature, reduction),
-    "soft_ce": lambda d, t, m, temperature, beta, eta, reduction: soft_ce(d, t, m, temperature, reduction),
-    "lk_alpha": lambda d, t, m, temperature, beta, eta, reduction: lk_alpha(d, t, m, temperature, reduction),
-    "lk_hybrid": lambda d, t, m, temperature, beta, eta, reduction: lk_hybrid(d, t, m, temperature, eta, reduction),
+    "forward_kl": lambda d, t, m, temperature, beta, eta, k, reduction: forward_kl(d, t, m, temperature, reduction),
+    "reverse_kl": lambda d, t, m, temperature, beta, eta, k, reduction: reverse_kl(d, t, m, temperature, reduction),
+    "jsd": lambda d, t, m, temperature, beta, eta, k, reduction: jsd(d, t, m, beta, temperature, reduction),
+    "tvd": lambda d, t, m, temperature, beta, eta, k, reduction: tvd(d, t, m, temperature, reduction),
+    "ce": lambda d, t, m, temperature, beta, eta, k, reduction: hard_ce(d, t.argmax(-1), m, temperature, reduction),
+    "soft_ce": lambda d, t, m, temperature, beta, eta, k, reduction: soft_ce(d, t, m, temperature, reduction),
+    "lk_alpha": lambda d, t, m, temperature, beta, eta, k, reduction: lk_alpha(d, t, m, temperature, reduction),
+    "lk_hybrid": lambda d, t, m, temperature, beta, eta, k, reduction: lk_hybrid(d, t, m, temperature, eta, reduction),
+    "top_k_ce": lambda d, t, m, temperature, beta, eta, k, reduction: top_k_ce(d, t, m, k, temperature, reduction),
 }
 """The token losses by name (``train.loss.kind``): each takes (draft logits, target logits, mask, temperature,
-JSD β, LK η, reduction). ``ce`` is cross-entropy on the target's argmax."""
+JSD β, LK η, top-K's K, reduction). ``ce`` is cross-entropy on the target's argmax; ``top_k_ce`` is HASS's term
+alone, which :func:`token_loss` adds beside the others."""
 
 TOKEN_LOSSES: tuple[str, ...] = tuple(TOKEN_LOSS_FNS)
 TokenLoss = Literal[TOKEN_LOSSES]  # type: ignore[valid-type]  # the config's choices, from the table
@@ -196,12 +216,19 @@ def token_loss(
     beta: float = 0.5,
     reduction: Reduction = "mean",
     eta: float = 3.0,
+    top_k: int = 0,
+    top_k_weight: float = 1.0,
 ) -> Tensor:
-    """The token loss ``kind`` of :data:`TOKEN_LOSS_FNS` (β: JSD's, η: LK hybrid's)."""
+    """The token loss ``kind`` of :data:`TOKEN_LOSS_FNS` (β: JSD's, η: LK hybrid's), plus, with ``top_k`` = K ≥ 1,
+    HASS's objective: ``top_k_weight`` · :func:`top_k_ce` over the same positions (``kind`` = ``top_k_ce`` is that
+    term alone, with K = ``top_k``). ``top_k`` = 0 adds nothing."""
     fn = TOKEN_LOSS_FNS.get(kind)
     if fn is None:
         raise DraftsmithError(f"unknown token loss '{kind}'; choose one of: {', '.join(TOKEN_LOSSES)}")
-    return fn(draft_logits, target_logits, mask, temperature, beta, eta, reduction)
+    loss = fn(draft_logits, target_logits, mask, temperature, beta, eta, top_k, reduction)
+    if top_k and kind != "top_k_ce":
+        loss = loss + top_k_weight * top_k_ce(draft_logits, target_logits, mask, top_k, temperature, reduction)
+    return loss
 
 
 def smooth_l1(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0, reduction: Reduction = "mean") -> Tensor:
@@ -324,5 +351,6 @@ __all__ = [
     "soft_ce",
     "token_loss",
     "top1_accuracy",
+    "top_k_ce",
     "tvd",
 ]

@@ -45,8 +45,7 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
         """Σ_k w_k · (head k's token loss summed over its rows); parts: each head's (sum, rows)."""
         total, parts = None, {}
         for k, (q, p, mask) in enumerate(zip(logits, targets, masks)):
-            head_sum = losses.token_loss(cfg.loss.kind, q, p, mask[mask], cfg.loss.temperature, cfg.loss.jsd_beta, eta=cfg.loss.lk_eta,
-                                         reduction="sum")  # 0 where sequences are too short for the far heads
+            head_sum = cfg.loss.token_loss(q, p, mask[mask], reduction="sum")  # 0 where sequences are too short for the far heads
             total = weights[k] * head_sum if total is None else total + weights[k] * head_sum
             parts[f"loss/head{k}"] = (head_sum.item(), float(mask.sum()))
         return total, parts

@@ -113,8 +113,7 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
     def objective(q: Tensor, p: Tensor, d: Tensor) -> tuple[Tensor, heldout.Metrics]:
         """Σ over counted entries of the token loss; parts: each depth's (sum, entries)."""
         p, ok = losses.restrict_to_draft_vocab(p, draft_ids, torch.ones_like(d, dtype=torch.bool))
-        row = losses.token_loss(cfg.loss.kind, q, p, ok, cfg.loss.temperature, cfg.loss.jsd_beta, reduction="none",
-                                 eta=cfg.loss.lk_eta)  # [M], 0 where the target's argmax is outside the draft vocab
+        row = cfg.loss.token_loss(q, p, ok, reduction="none")  # [M], 0 where the target's argmax is outside the draft vocab
         parts = {f"loss/depth{k}": (row[d == k].sum().item(), float((ok & (d == k)).sum())) for k in range(depths)}
         return row.sum(), parts
 

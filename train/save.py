@@ -8,10 +8,17 @@ its config.json (step, sim_tau, k, basis), written atomically with the weights. 
 best value so far: a resumed run reads it (a drafter-best written after the checkpoint it resumes
 from still counts) and never replaces drafter-best with a worse one; ties go to the later, more
 trained drafter. A run started afresh replaces whatever drafter-best an earlier run left.
+
+**With a moving average** (``train.ema_decay``, ``train/ema.py``) every evaluation is of the averaged
+weights, which also pick drafter-best by the same rule, and the raw weights' figures are logged beside
+them (``raw/sim_tau``, ``raw/heldout/…``) — both from one run. ``drafter/`` and ``drafter-best/`` hold the
+averaged weights (what a user gets; config.json says so under ``weights``), ``drafter-raw/`` the raw
+final ones, and each checkpoint the average's shadow. Off, nothing of this is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import asdict
@@ -20,31 +27,44 @@ from typing import Any
 from ..files import write_json
 from . import checkpoint, distributed
 from .data import Batch
-from .heldout import Metrics, decoder_eval, log_heldout
+from .heldout import RAW, Metrics, decoder_eval, heldout_figures, log_heldout
 from .setup import Run, identity
 
 
 def save_checkpoint(run: Run, engine: Any) -> str:
     """A resumable checkpoint of the engine and the run's state (all ranks together); its path."""
     state = {**asdict(run.state), "identity": identity(run)}
-    return checkpoint.save_checkpoint(engine, run.world, run.run_dir, state, run.cfg.checkpoint.keep)
+    ema = run.ema.state_dict() if run.ema is not None and run.world.is_main else None
+    return checkpoint.save_checkpoint(engine, run.world, run.run_dir, state, run.cfg.checkpoint.keep, ema=ema)
 
 
 BEST = "drafter-best"
+RAW_DRAFTER = "drafter-raw"
+"""With ``train.ema_decay``: the raw (not averaged) final weights, beside ``drafter/``'s average."""
 
 
-def save_drafter(run: Run, engine: Any, name: str = "drafter", extra: dict[str, Any] | None = None) -> str:
+def save_drafter(run: Run, engine: Any, name: str = "drafter", extra: dict[str, Any] | None = None,
+                 raw: bool = False) -> str:
     """Write the drafter in the drafters format to ``<run_dir>/<name>`` (ZeRO-3 weights gathered;
     ``extra``: more config.json entries). All ranks call this together; rank 0 writes the trained
-    module itself while its weights are whole (tied weights stay tied: stored once)."""
+    module itself while its weights are whole (tied weights stay tied: stored once). With a moving
+    average (``run.ema``) the averaged weights are written, unless ``raw``."""
     from ..drafters import save as save_folder
 
     path = os.path.join(run.run_dir, name)
-    with distributed.full_weights(engine) as module:
+    if run.ema is not None:
+        extra = {**(extra or {}), "weights": {"kind": "raw" if raw else "ema", "ema_decay": run.ema.decay,
+                                              "ema_updates": run.ema.updates}}
+    with averaged(run, not raw), distributed.full_weights(engine) as module:
         if run.world.is_main:
             save_folder(path, run.recipe.drafter, module.drafter, run.target, extra=extra)
     distributed.barrier()
     return path
+
+
+def averaged(run: Run, on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """The engine's module holds the moving average's weights in the block (when the run keeps one and ``on``)."""
+    return run.ema.applied() if on and run.ema is not None else contextlib.nullcontext()
 
 
 def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> None:
@@ -54,16 +74,26 @@ def baseline(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics])
 
 
 def evaluate(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -> dict[str, float]:
-    """Held-out metrics and sim_tau, logged; ``drafter-best`` kept (:func:`keep_best`)."""
-    metrics = log_heldout(run, engine, heldout_fn)
-    keep_best(run, engine, metrics["sim_tau"])
+    """Held-out metrics and sim_tau, logged; ``drafter-best`` kept (:func:`keep_best`). With a moving average: its
+    figures, and the raw weights' beside them as ``raw/…`` (before the first step both are the initial weights')."""
+    with averaged(run):
+        metrics = heldout_figures(run, engine, heldout_fn)
+    if run.ema is not None:
+        raw = heldout_figures(run, engine, heldout_fn) if run.ema.updates else metrics
+        metrics = {**metrics, **{f"{RAW}{k}": v for k, v in raw.items()}}
+    log_heldout(run, metrics)
+    keep_best(run, engine, metrics["sim_tau"], metrics.get(f"{RAW}sim_tau"))
     return metrics
 
 
 def selection_basis(run: Run) -> dict[str, Any]:
-    """What a sim_tau value is comparable under: the decode depth and whether it simulates greedy decoding."""
+    """What a sim_tau value is comparable under: the decode depth, whether it simulates greedy decoding, and the
+    moving average it is of (``train.ema_decay``; absent = the raw weights)."""
     decode = run.recipe.decode
-    return {"k": decode.depth, "greedy": decode.warp.greedy, "max_drafts": run.max_drafts}
+    basis = {"k": decode.depth, "greedy": decode.warp.greedy, "max_drafts": run.max_drafts}
+    if run.ema is not None:
+        basis["ema_decay"] = run.ema.decay
+    return basis
 
 
 def best_selection(run_dir: str) -> dict[str, Any] | None:
@@ -81,13 +111,16 @@ def best_selection(run_dir: str) -> dict[str, Any] | None:
     return selection if isinstance(selection, dict) else None
 
 
-def keep_best(run: Run, engine: Any, sim_tau: float) -> bool:
-    """Record (step, sim_tau) on the curve; write ``drafter-best`` when sim_tau is at least the best so far
-    (see the module docstring). All ranks call this together; rank 0's view of drafter-best decides."""
+def keep_best(run: Run, engine: Any, sim_tau: float, raw_sim_tau: float | None = None) -> bool:
+    """Record (step, sim_tau[, raw_sim_tau]) on the curve; write ``drafter-best`` when sim_tau is at least the best so
+    far (see the module docstring). All ranks call this together; rank 0's view of drafter-best decides."""
     step = run.state.step
     first_of_fresh_run = run.session.step == 0 and not run.state.sim_tau_curve
+    point: dict[str, float] = {"step": step, "sim_tau": sim_tau}
+    if raw_sim_tau is not None:  # with a moving average: the raw weights' beside it
+        point["raw_sim_tau"] = raw_sim_tau
     # a resumed run replays the steps after its checkpoint: their old points are replaced
-    run.state.sim_tau_curve = [p for p in run.state.sim_tau_curve if p["step"] < step] + [{"step": step, "sim_tau": sim_tau}]
+    run.state.sim_tau_curve = [p for p in run.state.sim_tau_curve if p["step"] < step] + [point]
     basis = selection_basis(run)
     better = 0.0
     if run.world.is_main:
@@ -108,6 +141,7 @@ def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -
     heldout = evaluate(run, engine, heldout_fn)
     save_checkpoint(run, engine)
     drafter_path = save_drafter(run, engine)
+    raw_path = save_drafter(run, engine, RAW_DRAFTER, raw=True) if run.ema is not None else None
     decoder = decoder_eval(run, drafter_path) if run.cfg.eval.decoder_at_end else None
     summary = {
         "method": run.recipe.drafter.type,
@@ -138,6 +172,10 @@ def finish(run: Run, engine: Any, heldout_fn: Callable[[Any, Batch], Metrics]) -
                         "at every position (EAGLE-1, draft LM)",
         "target_fingerprint": run.target.fingerprint,
     }
+    if run.ema is not None:
+        summary["ema"] = {"decay": run.ema.decay, "updates": run.ema.updates, "raw_drafter": raw_path,
+                          "note": "drafter, drafter-best and heldout are the bias-corrected moving average's; "
+                                  "heldout's raw/ figures and raw_drafter the raw final weights'"}
     if run.world.is_main:
         write_json(os.path.join(run.run_dir, "train_summary.json"), summary)
     run.monitor.close(summary={k: v for k, v in heldout.items()})

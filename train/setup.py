@@ -6,7 +6,8 @@ A recipe reads top to bottom; between ``begin`` and ``engine_for`` it reads what
 
     run, config, module = setup.begin(recipe, world)  # run folder, seeds, frozen target, data; the drafter's
                                                       # config (resolved against the target) and module (this file)
-    engine = setup.engine_for(run, module, resume)    # DeepSpeed, drafter only; the latest checkpoint (this file)
+    engine = setup.engine_for(run, module, resume)    # DeepSpeed, drafter only; the weights' moving
+                                                      # average (train.ema_decay); the latest checkpoint (this file)
     save.baseline(run, engine, evaluate)              # held-out metrics of the untrained drafter   (save.py)
     for micro in step.step_batches(run, rows):        # one optimizer step's micro-batches, from the
                                                       # saved data position, valid rows counted     (step.py)
@@ -41,6 +42,7 @@ from . import checkpoint, distributed
 from .config import TrainConfig, TrainRecipe
 from .data import Batch, BatchOrder, Split, collate, load_rows, record_lengths, split_heldout
 from .distributed import World
+from .ema import EMA
 from .monitor import Monitor
 
 
@@ -90,6 +92,8 @@ class Run:
     """A stop signal (SIGTERM / SIGUSR1) some rank received: checkpoint at the next step and stop."""
     max_drafts: int | None = None
     """The most drafts the trained drafter proposes per round (Medusa: its heads); None = any number."""
+    ema: EMA | None = None
+    """The moving average of the drafter's weights (``train.ema_decay``; :func:`build_engine` makes it), or None."""
 
     @property
     def cfg(self) -> TrainConfig:
@@ -140,6 +144,9 @@ def start(recipe: TrainRecipe, world: World) -> Run:
         save_recipe(recipe)
     ds_config = distributed.load_engine_config(  # fail before loading; "auto" precision follows the target's dtype
         cfg.deepspeed, cfg.batch_size, world.device, resolve_dtype(recipe.target.dtype, world.device))
+    if cfg.ema_decay is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        raise ConfigError(f"train.ema_decay averages the whole drafter on every rank, which ZeRO-3 (train.deepspeed = "
+                          f"'{cfg.deepspeed}') partitions; use zero2 (or 0, 1), or leave train.ema_decay unset")
     checkpoint.seed_everything(cfg.seed)
     target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
     rows = load_rows(cfg.dataset, cfg.features, target)
@@ -187,10 +194,11 @@ class Forward(torch.nn.Module):
 
 
 def build_engine(run: Run, module: torch.nn.Module) -> Any:
-    """The DeepSpeed engine around the drafter (wrapped in :class:`Forward`); the target stays outside, frozen."""
+    """The DeepSpeed engine around the drafter (wrapped in :class:`Forward`); the target stays outside, frozen.
+    With ``train.ema_decay`` also ``run.ema``, the moving average of the engine module's weights."""
     cfg = run.cfg
     sched = cfg.schedule
-    return distributed.build_engine(
+    engine = distributed.build_engine(
         Forward(module),
         run.ds_config,
         lr=cfg.optimizer.lr,
@@ -200,6 +208,9 @@ def build_engine(run: Run, module: torch.nn.Module) -> Any:
         lr_lambda=lr_lambda(sched.kind, sched.warmup_steps, cfg.steps, sched.min_lr_ratio),
         frozen=run.target.model,
     )
+    if cfg.ema_decay is not None:
+        run.ema = EMA(engine.module, cfg.ema_decay)
+    return engine
 
 
 def restore(run: Run, engine: Any, resume: str | None = None) -> None:
@@ -208,6 +219,8 @@ def restore(run: Run, engine: Any, resume: str | None = None) -> None:
     if path:
         saved = checkpoint.load_checkpoint(engine, run.world, path, identity(run))
         run.state = TrainState(**{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__})
+        if run.ema is not None:  # identity(run) made sure it was on from the first step: one update per step
+            run.ema.load_state_dict(checkpoint.load_ema(path), run.state.step, path)
         if run.state.world_size != run.world.world_size:
             # the data position is counted in micro-batches of world_size × batch_size records
             run.state.micro_step = run.state.micro_step * run.state.world_size // run.world.world_size
@@ -245,6 +258,8 @@ def identity(run: Run) -> dict[str, Any]:
         out["train"]["group_by_length"] = cfg.group_by_length
     if cfg.loss_positions != "answer":  # other tokens trained on; absent = answer tokens
         out["train"]["loss_positions"] = cfg.loss_positions
+    if cfg.ema_decay is not None:  # the checkpoint holds the average of these weights; absent = none
+        out["train"]["ema_decay"] = cfg.ema_decay
     return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
 
 

@@ -3,7 +3,8 @@
 A recipe's loop::
 
     for micro in step.step_batches(run, rows):                  # the micro-batches of one optimizer step
-        step.optimizer_step(run, engine, micro, summed_loss)     # backward of each, normalized; bad ones skipped
+        step.optimizer_step(run, engine, micro, summed_loss)     # backward of each, normalized; bad ones skipped;
+                                                                 # the weights' moving average (train.ema_decay)
         step.after_step(run, engine, evaluate)                   # logging, evaluation, checkpoint cadence
 
 **Normalization.** Every valid token of an optimizer step weighs the same, whichever
@@ -99,7 +100,8 @@ def optimizer_step(run: Run, engine: Any, micro: StepBatches, loss_of: SummedLos
 
     A loss that is not finite on any rank is skipped on every rank, counted, and replaced by the
     next micro-batch; more than ``train.max_bad_steps`` of them stop the run. Running out of
-    accelerator memory is a DraftsmithError naming the settings that shrink a step.
+    accelerator memory is a DraftsmithError naming the settings that shrink a step. After the step, the
+    moving average of the weights takes them in (``run.ema``, with ``train.ema_decay``).
     """
     gas = int(run.ds_config["gradient_accumulation_steps"])
     scale = gas * run.world.world_size / micro.total  # DeepSpeed divides by gas and averages over ranks
@@ -135,6 +137,8 @@ def optimizer_step(run: Run, engine: Any, micro: StepBatches, loss_of: SummedLos
                                   f"{gas} micro-batches of step {run.state.step + 1}")
     if not stepped:
         raise DraftsmithError(f"step {run.state.step + 1} ran out of micro-batches before its optimizer step")
+    if run.ema is not None:  # train.ema_decay: the moving average takes the new weights in
+        run.ema.update()
     run.state.step += 1
     now = time.perf_counter()
     run.state.train_s += now - run.clock
