@@ -62,8 +62,10 @@ def test_ceiling_reports_the_oracle_end_to_end_and_with_the_prefill_taken_out(ce
         assert r["oracle_tau"] == pytest.approx(r["k"] + 1, abs=0.5)  # fp32: the oracle is always accepted
         assert r["prefill_s"] > 0 and r["decode_phase_speedup"] > 0
         assert r["decode_phase_share_of_bound"] == pytest.approx(r["decode_phase_speedup"] / r["bound"], rel=2e-2)
-        # the prefill is paid on both sides, so the end-to-end bound lies between 1 and the decode bound
-        assert 1.0 < r["end_to_end_bound"] < r["bound"] and r["share_of_end_to_end_bound"] > 0
+        # the prefill is paid on both sides, so the end-to-end bound lies between 1 and the decode bound (a tiny
+        # model's verify cost is timed: under load the bound itself can fall below 1, the order then reverses)
+        low, high = sorted((1.0, r["bound"]))
+        assert low - 1e-3 <= r["end_to_end_bound"] <= high + 1e-3 and r["share_of_end_to_end_bound"] > 0
 
 
 # ---------------------------------------------------------------- benchmarks/decode.py
