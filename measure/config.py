@@ -143,7 +143,8 @@ class EvalConfig:
     is recorded under "best" (and in the export's draftsmith_export.json) with the llama-server command that
     serves it (docs/eval.md)."""
     engine_ngram: list[NgramMethod] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
-    """llama.cpp's model-free methods measured beside."""
+    """llama.cpp's model-free methods measured beside the drafter, and the drafter mixed with ngram-simple; [] =
+    the drafter alone against the target."""
 
     def validate(self) -> None:
         if self.num_prompts < 1:

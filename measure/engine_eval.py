@@ -49,8 +49,9 @@ class WritesDraftGGUF(Protocol):
 def evaluate_in_llamacpp(recipe: EvalRecipe, prompts: Sequence[Sequence[int]], target: TargetFiles,
                          write_gguf: WritesDraftGGUF) -> dict[str, Any]:
     """The recipe's saved drafter written as a GGUF by ``write_gguf`` (into ``<run_dir>/engine/draft``) and
-    measured in llama.cpp against llama.cpp's target alone (:func:`~draftsmith.measure.engine.measure`, the
-    drafter mixed with ngram-simple and the model-free methods of ``eval.engine_ngram`` beside it) on ``prompts``
+    measured in llama.cpp against llama.cpp's target alone (:func:`~draftsmith.measure.engine.measure`; beside it
+    the model-free methods of ``eval.engine_ngram`` and, unless that list is empty, the drafter mixed with
+    ngram-simple) on ``prompts``
     (token ids) and ``decode.max_new_tokens``, at every k of ``eval.engine_k`` (default ``decode.k``) and p-min of
     ``eval.engine_p_min``; the fastest setting is recorded through ``DraftGGUF.record``. Returns the measurement
     with the draft's tensor type."""
@@ -66,7 +67,7 @@ def evaluate_in_llamacpp(recipe: EvalRecipe, prompts: Sequence[Sequence[int]], t
           f"{os.path.basename(target_file)} ({ev.engine_target_type}), k = {ks}, p-min = {ev.engine_p_min}, "
           f"{threads} thread(s)", flush=True)
     result = measure(target_file, prompts, recipe.decode.max_new_tokens, draft_gguf=draft.file, family=draft.family,
-                     ks=ks, threads=threads, repeats=ev.repeats, ngram=ev.engine_ngram, hybrid=True,
+                     ks=ks, threads=threads, repeats=ev.repeats, ngram=ev.engine_ngram, hybrid=bool(ev.engine_ngram),
                      p_mins=ev.engine_p_min, target_type=ev.engine_target_type)
     result.update(draft_type=draft.type)
     if result.get("best"):

@@ -368,6 +368,11 @@ def test_eval_serves_the_drafter_in_llamacpp_beside_its_ngram_methods(llama, dra
     assert best["method"] == max((n for n in rows if "p_min" in rows[n]), key=lambda n: rows[n]["speedup"])
     exported = json.loads((tmp_path / "engine" / "draft" / "draftsmith_export.json").read_text())
     assert exported["gguf"]["served"]["command"] == best["command"] and best["target_type"] == "as-loaded"
+    # no model-free methods asked for: the drafter alone against the target, no mixed row either
+    assert main(["eval", "-c", str(recipe), *overrides, "eval.engine_k=[1]", "eval.engine_p_min=[0]",
+                 "eval.engine_ngram=[]"]) == 0
+    rows = json.loads((tmp_path / "eval_metrics.json").read_text())["engine"]["methods"]
+    assert list(rows) == ["target", "drafter k=1"]
 
 
 # ---------------------------------------------------------------- the build and the server's log, with stand-in tools
