@@ -67,11 +67,12 @@ from typing import Any
 import torch
 
 from ..errors import DraftsmithError
+from ..files import write_json
 from ..target import Target
 from .adapters import adapter
 from .conventions import engine_layer_ids, native_layer_ids
 from .eagle3 import layer_fields, refuse_layer_config, verifier_path
-from .tensors import DTYPES, loaded_mismatch, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, write_json_file, \
+from .tensors import DTYPES, loaded_mismatch, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
     write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -153,7 +154,7 @@ def write(source: Any, fmt: str, out: str) -> None:
     state = {k: v for k, v in m.state_dict().items() if not k.startswith("rotary_emb.")}
     tensors = cast_floats(adapter(source.family, fmt, reduced_vocab=m.d2t is not None).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
-    write_json_file(os.path.join(out, "config.json"), speculators_config(source) if fmt == "speculators-dflash" else zlab_config(source))
+    write_json(os.path.join(out, "config.json"), speculators_config(source) if fmt == "speculators-dflash" else zlab_config(source))
 
 
 def refuse_draft_vocab(source: Any, fmt: str) -> None:

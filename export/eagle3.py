@@ -47,11 +47,12 @@ import torch
 from torch import Tensor
 
 from ..errors import DraftsmithError
+from ..files import write_json
 from ..target import Target
 from .adapters import adapter
 from .conventions import check_draft_vocab, engine_layer_ids, native_layer_ids
 from .tensors import DTYPES, loaded_mismatch, CheckFailed, TensorSpec, check_tensors, dtype_name, read_json, read_safetensors, \
-    write_json_file, write_safetensors
+    write_safetensors
 
 WEIGHTS = "model.safetensors"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -206,7 +207,7 @@ def write(source: Any, fmt: str, out: str, reader: str = "") -> None:
         del state["d2t"], state["t2d"]  # speculators has no such buffers for a full vocabulary (they would be unexpected)
     tensors = cast_floats(adapter(source.family, fmt).to_engine(state), source.dtype)
     write_safetensors(os.path.join(out, WEIGHTS), tensors)
-    write_json_file(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
+    write_json(os.path.join(out, "config.json"), eagle3_config(source) if fmt == "eagle3" else speculators_config(source))
 
 
 LAYER_STACKS = {

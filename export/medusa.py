@@ -25,10 +25,11 @@ from typing import Any
 
 
 from ..errors import DraftsmithError
+from ..files import write_json
 from ..target import Target
 from .adapters import adapter
 from .tensors import DTYPES, TensorSpec, cast_floats, check_tensors, dtype_name, read_json, read_safetensors, \
-    write_json_file, write_safetensors
+    write_safetensors
 
 FILES = {"medusa": "medusa_lm_head.safetensors", "medusa-vllm": "model.safetensors"}
 
@@ -52,7 +53,7 @@ def write(source: Any, fmt: str, out: str) -> None:
     layers = cfg.get("medusa_num_layers", cfg.get("num_hidden_layers"))
     tensors = adapter("medusa", fmt, int(layers)).to_engine(dict(source.drafter.module.state_dict()))
     write_safetensors(os.path.join(out, FILES[fmt]), cast_floats(tensors, source.dtype))
-    write_json_file(os.path.join(out, "config.json"), cfg)
+    write_json(os.path.join(out, "config.json"), cfg)
 
 
 def read_config(folder: str, fmt: str) -> dict[str, Any]:

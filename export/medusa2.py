@@ -48,10 +48,11 @@ import torch
 from torch import Tensor
 
 from ..errors import DraftsmithError
+from ..files import write_json
 from ..target import Target
 from . import medusa
 from .adapters import adapter
-from .tensors import DTYPES, check_tensors, dtype_name, read_json, read_safetensors, write_json_file
+from .tensors import DTYPES, check_tensors, dtype_name, read_json, read_safetensors
 
 PREFIX = "medusa_head."
 """Where the heads' tensors are in the model's state dict (the Medusa code's ``medusa_head`` attribute)."""
@@ -213,7 +214,7 @@ def merge_lora(folder: str, base: str, out: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(base_folder)
     tokenizer.save_pretrained(out)
     path = os.path.join(out, "config.json")
-    write_json_file(path, {**read_json(path), **medusa, "dtype": dtype_name(stored)})
+    write_json(path, {**read_json(path), **medusa, "dtype": dtype_name(stored)})
 
 
 def backbone_fingerprint(folder: str) -> str:
@@ -278,7 +279,7 @@ def write(source: Any, fmt: str, out: str) -> None:
     model.save_pretrained(out, state_dict=state)
     source.target.tokenizer.save_pretrained(out)
     path = os.path.join(out, "config.json")
-    write_json_file(path, {**read_json(path), "medusa_num_heads": int(heads.num_heads), "medusa_num_layers": layers,
+    write_json(path, {**read_json(path), "medusa_num_heads": int(heads.num_heads), "medusa_num_layers": layers,
                            "dtype": dtype_name(backbone)})
 
 

@@ -33,14 +33,14 @@ from torch import Tensor
 from .. import __version__
 from ..errors import DraftsmithError
 from ..engines import llamacpp
-from ..files import atomic_dir, sha256_file
+from ..files import atomic_dir, sha256_file, write_json
 from ..measure.engine_eval import DraftGGUF
 from ..target import Target, describe, load_target
 from . import dflash, eagle1, eagle3, gguf, hf, medusa, medusa2
 from .conventions import engine_layer_ids
 from .served import Sweep, record_best, sweep_export
 from .source import Source, open_source, source_family
-from .tensors import CheckFailed, read_json, write_json_file
+from .tensors import CheckFailed, read_json
 
 INFO_FILE = "draftsmith_export.json"
 INFO_FORMAT = "draftsmith-export"
@@ -125,7 +125,7 @@ def export(source_path: str, fmt: str, out: str, target: str | None = None, forc
         spec.module.write(source, fmt, tmp, **options)
         if fmt == "gguf":
             info["gguf"]["sha256"] = sha256_file(os.path.join(tmp, gguf.DRAFT_FILE))
-        write_json_file(os.path.join(tmp, INFO_FILE), info)
+        write_json(os.path.join(tmp, INFO_FILE), info)
     return info
 
 
@@ -142,7 +142,7 @@ def export_target(target_spec: str, out: str, kind: str = "as-loaded", force: bo
     with atomic_dir(out) as tmp:
         gguf.write_target(target_spec, tmp, kind)
         info["gguf"]["sha256"] = sha256_file(os.path.join(tmp, gguf.TARGET_FILE))
-        write_json_file(os.path.join(tmp, INFO_FILE), info)
+        write_json(os.path.join(tmp, INFO_FILE), info)
     return info
 
 

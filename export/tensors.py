@@ -60,12 +60,6 @@ def read_json(path: str) -> dict[str, Any]:
         raise DraftsmithError(f"{path} is not valid JSON ({e})") from e
 
 
-def write_json_file(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-
-
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
 
