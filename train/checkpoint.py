@@ -49,10 +49,10 @@ from .distributed import World
 
 CHECKPOINTS = "checkpoints"
 CHECKSUMS = "checksums.json"
+"""In each checkpoint folder: ``{"sha256": {relative path: hex digest}}`` of every other file."""
 EMA_FILE = "ema.safetensors"
 """In a checkpoint of a run with ``train.ema_decay``: the shadow of the weights (``train/ema.py``), by the engine
 module's parameter names."""
-"""In each checkpoint folder: ``{"sha256": {relative path: hex digest}}`` of every other file."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _received: list[int] = []
 """Stop signals received while :func:`stop_on_signals` is active (this process only)."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from ..errors import ConfigError
-from ..measure.config import EvalRecipe
 from torch import Tensor
 
+from ..errors import ConfigError
+from ..measure.config import EvalRecipe
 from . import losses
 from .losses import CORAL_TEMPERATURE, Reduction, TokenLoss
 
