@@ -152,10 +152,9 @@ def main() -> None:
         print(name, json.dumps(points[-1]), flush=True)
     measured = measure(args.runs, args) if args.prompts > 0 else []
     plot(curves, measured, args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json + ".tmp", "w") as f:
-        json.dump({"heldout": curves, "measured": measured, "settings": vars(args)}, f, indent=1)
-    os.replace(args.json + ".tmp", args.json)
+    from draftsmith.files import write_json
+
+    write_json(args.json, {"heldout": curves, "measured": measured, "settings": vars(args)})
     print(f"wrote {args.png} and {args.json}")
 
 

@@ -180,8 +180,9 @@ def main() -> int:
         result["engines"][engine] = measure(engine, resolve_target_folder(args.target), exports, prompts,
                                             args.max_new_tokens, out_dir)
     result["ok"] = all("error" not in r for e in result["engines"].values() for r in e.values() if isinstance(r, dict))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from draftsmith.files import write_json
+
+    write_json(args.out, result)
     print(json.dumps(result, indent=1))
     return 0
 

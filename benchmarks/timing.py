@@ -15,7 +15,6 @@ machine without noise. Figures: RESULTS.md, "timing".
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 from draftsmith.config import load_recipe
 from draftsmith.decode.protocol import Proposal
 from draftsmith.drafters.registry import model_free_config
+from draftsmith.files import write_json
 from draftsmith.measure.costs import median_interval
 from draftsmith.measure.prompts import load_questions
 from draftsmith.measure.evaluate import MAIN, TARGET, evaluate
@@ -104,10 +104,9 @@ def main() -> None:
     print(f"tau: drafter {ev.stats.tau:.3f}, prompt_lookup {ev.baselines['prompt_lookup'].stats.tau:.3f}, "
           f"null {ev.baselines['null'].stats.tau:.3f}")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "seconds": round(seconds, 1), "estimators": table,
-                       "tau": {MAIN: ev.stats.tau, **{n: s.stats.tau for n, s in ev.baselines.items()}},
-                       "wall_s_runs": [r["wall_s_runs"] for r in ev.records], "tokens": tokens}, f, indent=1)
+        write_json(args.out, {"args": vars(args), "seconds": round(seconds, 1), "estimators": table,
+                              "tau": {MAIN: ev.stats.tau, **{n: s.stats.tau for n, s in ev.baselines.items()}},
+                              "wall_s_runs": [r["wall_s_runs"] for r in ev.records], "tokens": tokens})
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 
 from ..chat import template_mismatch
 from ..errors import ConfigError, DraftsmithError
-from ..files import atomic_dir
+from ..files import atomic_dir, write_json
 from ..cpu_kernels import cpu_linear
 from ..schema import choices, from_dict, to_dict
 from ..target import Target, describe
@@ -87,9 +87,7 @@ def save(path: str, config: Any, module: torch.nn.Module, target: Target,
         for name, folder in (beside or {}).items():
             os.replace(folder, os.path.join(tmp, name))
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
-            f.write("\n")
+        write_json(os.path.join(tmp, CONFIG_FILE), meta)
 
 
 def read_meta(path: str) -> dict[str, Any]:

@@ -305,7 +305,10 @@ def test_every_family_has_one_spec_that_meets_its_protocol():
     for s in table.values():
         assert missing_members(s.config, TrainableConfig if s.trainable else FamilyConfig) == []
         assert isinstance(s.config(), FamilyConfig)
-    assert all(callable(f) for f in recipes().values())
+    assert all(callable(m.train) for m in recipes().values())
+    from draftsmith.train.config import FAMILY_KEYS  # each recipe names the family keys it reads; each key has a reader
+    assert all(set(m.READS) <= set(FAMILY_KEYS) for m in recipes().values())
+    assert set(FAMILY_KEYS) == {key for m in recipes().values() for key in m.READS}
 
 
 def test_a_spec_that_breaks_the_contract_is_refused():

@@ -32,6 +32,22 @@ def test_unknown_method_names_the_choices():
         run_training(load_recipe(None, ["drafter.type=layer_skip"]))
 
 
+def test_a_key_the_method_would_ignore_is_refused_in_one_line(tmp_path):
+    """CORAL, GRIFFIN and the TTT depth are EAGLE-3's, the block's anchors DFlash's: set on another method they were
+    once silently ignored. Refused before any process group or target is started."""
+    run = f"run_dir={tmp_path / 'run'}"
+    with pytest.raises(ConfigError, match=r"^train.coral_weight is read by the eagle3 recipe\(s\) only: "
+                                          r"drafter.type = 'dflash' would ignore it; remove it or train one of those$"):
+        run_training(load_recipe("smollm2-135m-dflash", [run, "train.coral_weight=0.1"]))
+    with pytest.raises(ConfigError, match=r"^train.ttt_steps is read by the eagle3 recipe\(s\) only; "
+                                          r"train.dflash is read by the dflash, dflash2 recipe\(s\) only: "
+                                          r"drafter.type = 'peagle'"):
+        run_training(load_recipe("smollm2-135m-peagle", [run, "train.ttt_steps=3", "train.dflash.anchors=4"]))
+    with pytest.raises(ConfigError, match=r"^train.feature_noise is read by the eagle1, eagle3, peagle recipe\(s\) only"):
+        run_training(load_recipe("smollm2-135m-medusa", [run, "train.feature_noise=0.1"]))
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 def test_bad_train_values_are_named():
     with pytest.raises(ConfigError, match="train.steps = 0 must be at least 1"):
         load_recipe(None, ["train.steps=0"])

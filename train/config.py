@@ -9,7 +9,7 @@ gradient accumulation, clipping) live in ``configs/deepspeed/<name>.json``, name
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
@@ -328,6 +328,25 @@ class TrainConfig:
             raise ConfigError(f"train.coral_temperature = {self.coral_temperature} must be > 0")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in (0, 1) (e.g. 0.99), or null for no average")
+
+
+FAMILY_KEYS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "loss.token_weight",
+               "loss.feature_weight", "loss.step_decay", "on_policy", "dflash", "dflash2", "peagle")
+"""The keys of this section (a field, or a whole sub-section) that only some methods' recipes read; the rest every
+recipe reads. Each recipe in ``train/`` names those it reads in its ``READS``, and ``draftsmith train`` refuses a
+recipe that sets one its method would ignore (:func:`unread`)."""
+
+
+def unread(cfg: TrainConfig, reads: tuple[str, ...]) -> list[str]:
+    """The :data:`FAMILY_KEYS` that ``cfg`` sets away from their defaults and a recipe reading ``reads`` ignores."""
+    default = TrainConfig()
+
+    def value(section: Any, key: str) -> Any:
+        for part in key.split("."):
+            section = getattr(section, part)
+        return section
+
+    return [key for key in FAMILY_KEYS if key not in reads and value(cfg, key) != value(default, key)]
 
 
 class TrainRecipe(EvalRecipe, Protocol):

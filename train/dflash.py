@@ -47,6 +47,9 @@ from .config import TrainRecipe
 from .data import Batch
 from .distributed import World
 
+READS = ("dflash",)
+"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
+
 
 def sample_anchors(loss_mask: Tensor, num: int, generator: torch.Generator) -> Tensor:
     """Up to ``num`` distinct anchors per sequence, ascending: [B, S] bool → [B, N] long, −1 = none

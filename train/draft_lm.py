@@ -30,6 +30,9 @@ from .config import TrainRecipe
 from .data import Batch, collate
 from .distributed import World
 
+READS = ("on_policy",)
+"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
+
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
     cfg = recipe.train

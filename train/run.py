@@ -10,18 +10,20 @@ import contextlib
 import fcntl
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 from ..drafters.registry import specs
 from ..errors import ConfigError, DraftsmithError, SaidElsewhere
 from . import checkpoint, distributed, monitor
-from .config import TrainRecipe
+from .config import TrainRecipe, unread
 
 
-def recipes() -> dict[str, Callable[..., dict[str, Any]]]:
-    """Method (drafter type) → the recipe's ``train(recipe, world, resume)``, for every trainable family spec."""
-    return {name: importlib.import_module(s.recipe).train for name, s in specs().items() if s.recipe}
+def recipes() -> dict[str, ModuleType]:
+    """Method (drafter type) → its recipe's module (``train(recipe, world, resume)``, ``READS``), for every trainable
+    family spec."""
+    return {name: importlib.import_module(s.recipe) for name, s in specs().items() if s.recipe}
 
 
 def run_training(recipe: TrainRecipe, resume: str | None = None) -> dict[str, Any]:
@@ -31,9 +33,14 @@ def run_training(recipe: TrainRecipe, resume: str | None = None) -> dict[str, An
     if method not in table:
         raise ConfigError(f"drafter.type = '{method}' has no training recipe; the trainable methods are: "
                           f"{', '.join(table)}")
+    ignored = unread(recipe.train, table[method].READS)
+    if ignored:
+        users = {key: [name for name, module in table.items() if key in module.READS] for key in ignored}
+        raise ConfigError("; ".join(f"train.{key} is read by the {', '.join(users[key])} recipe(s) only" for key in ignored)
+                          + f": drafter.type = '{method}' would ignore it; remove it or train one of those")
     with distributed.process_group() as world, using(recipe.run_dir, world.rank), checkpoint.stop_on_signals(), \
             monitor.closed_on_error():
-        return table[method](recipe, world, resume)  # signals: checkpoint, then stop
+        return table[method].train(recipe, world, resume)  # signals: checkpoint, then stop
 
 
 @contextlib.contextmanager
