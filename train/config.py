@@ -333,8 +333,8 @@ class TrainConfig:
 FAMILY_KEYS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "loss.token_weight",
                "loss.feature_weight", "loss.step_decay", "on_policy", "dflash", "dflash2", "peagle")
 """The keys of this section (a field, or a whole sub-section) that only some methods' recipes read; the rest every
-recipe reads. Each recipe in ``train/`` names those it reads in its ``READS``, and ``draftsmith train`` refuses a
-recipe that sets one its method would ignore (:func:`unread`)."""
+recipe reads. Each recipe in ``train/`` names those it reads in its module's ``READS`` (a tuple of these names), and
+``draftsmith train`` refuses a recipe that sets one its method would ignore (:func:`unread`)."""
 
 
 def unread(cfg: TrainConfig, reads: tuple[str, ...]) -> list[str]:

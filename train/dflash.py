@@ -48,7 +48,6 @@ from .data import Batch
 from .distributed import World
 
 READS = ("dflash",)
-"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
 
 
 def sample_anchors(loss_mask: Tensor, num: int, generator: torch.Generator) -> Tensor:

@@ -45,7 +45,6 @@ from .dflash import (
 from .distributed import World
 
 READS = ("dflash", "dflash2")
-"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
 
 
 def training_candidates(top: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:

@@ -31,7 +31,6 @@ from .data import Batch, collate
 from .distributed import World
 
 READS = ("on_policy",)
-"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
 
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from .data import Batch
 from .distributed import World
 
 READS = ("feature_noise", "loss.token_weight", "loss.feature_weight")
-"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
 
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:

@@ -74,7 +74,6 @@ def still_aligned(alive: Tensor, rows: Tensor, logits: Tensor, draft_ids: Tensor
     return out
 
 READS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "loss.step_decay")
-"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
 
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:

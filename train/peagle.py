@@ -34,7 +34,6 @@ from .data import Batch
 from .distributed import World
 
 READS = ("feature_noise", "peagle")
-"""The train keys of ``config.FAMILY_KEYS`` this recipe reads (``draftsmith train`` refuses the others set)."""
 
 
 def cod_layout(loss_mask: Tensor, attention_mask: Tensor | None, num_depths: int, ratio: float, ratio_min: float,
