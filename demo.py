@@ -89,9 +89,9 @@ class DemoSize:
     drafter: str = "eagle3"
     """What the demo trains on the same prepared data: one of :data:`DRAFTERS` (``eagle3``, the head above; the block
     drafters ``dflash`` and ``dflash2``, ``DFLASH``; ``peagle``, ``PEAGLE``). EAGLE-3 is the default by measurement: at
-    the default size it runs faster than DFlash in the built-in decoder and in llama.cpp, trained in less than half the
-    time (benchmarks/RESULTS.md, "dflash"), and at the full size, the four trained on the same data and paired, it is
-    the fastest in both (RESULTS "p-eagle"; llama.cpp does not serve P-EAGLE)."""
+    the default and the full size, the four trained on the same data and paired, it is the fastest in the built-in
+    decoder and in llama.cpp, and at the default size the quickest to train (benchmarks/RESULTS.md, "p-eagle";
+    llama.cpp does not serve P-EAGLE)."""
     dtype: str = "auto"
     """The dtype of prepare (regeneration, feature capture) and training: ``auto`` = bf16 where the device
     computes it natively (``devices.native_bf16``: a GPU, or a CPU with AVX512-BF16 / AMX, where bf16 is the
