@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, target=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR of a saved drafter (repeatable)")
     p.add_argument("--target-types", default="as-loaded,f32,bf16", help="target GGUF types (as-loaded = the shipped file)")
+    p.add_argument("--draft-types", default="matched", help="the drafter's GGUF types served on each target type, "
+                                                            "comma-separated, in the same paired runs (matched: BF16 "
+                                                            "on a BF16 target, else F32)")
     p.add_argument("--k", default="1,2,3,4")
     p.add_argument("--p-min", default="0", help="llama.cpp's --spec-draft-p-min gates served at each k (e.g. 0,0.5); "
                                                 "the fastest (k, p-min) is printed and written under 'best'")
@@ -65,29 +68,32 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict = {"path": path, "by_target_type": {}}
         exports, family = {}, None
         for kind in types:
-            draft = None
-            if path:
-                dtype = "bf16" if kind == "bf16" else "f32"
+            matched = "bf16" if kind == "bf16" else "f32"
+            dtypes = [matched] if args.draft_types == "matched" else args.draft_types.split(",")
+            drafts = {}
+            for dtype in dtypes if path else []:
                 if dtype not in exports:
                     out = os.path.join(HERE, "out", "engine", name, dtype)
                     info = export(path, "gguf", out, target=args.target, force=True, gguf_type=dtype)
                     exports[dtype] = os.path.join(out, gguf.DRAFT_FILE)
                     family = info["source"]["family"]
-                draft = exports[dtype]
+                drafts[dtype] = exports[dtype]
             t0 = time.time()
-            r = measure(target_gguf_for(args.target, kind, target), prompts, args.max_new_tokens, draft_gguf=draft,
+            r = measure(target_gguf_for(args.target, kind, target), prompts, args.max_new_tokens,
+                        draft_gguf=drafts if len(drafts) > 1 else next(iter(drafts.values()), None),
                         family=family if path else None, ks=ks, threads=args.threads, repeats=args.repeats,
                         ngram=ngram, p_mins=p_mins, target_type=kind)
-            r["seconds"] = round(time.time() - t0, 1)
+            r["seconds"], r["draft_types"] = round(time.time() - t0, 1), list(drafts)
             entry["by_target_type"][kind] = r
-            print(f"\n{name}, target {kind}:\n" + table(r), flush=True)
+            print(f"\n{name}, target {kind}, drafter {'/'.join(drafts) or '-'}:\n" + table(r), flush=True)
         if path and "f32" in entry["by_target_type"]:
             k = args.builtin_k or max(ks)
             drafter = load(path, target)
             ours = DecodeStats(k=k)
             for ids in prompts:
                 ours = ours.merge(speculative_decode(target, drafter, ids, k=k, max_new_tokens=args.max_new_tokens).stats)
-            theirs = entry["by_target_type"]["f32"]["methods"].get(f"drafter k={k}", {})
+            theirs = next((r for n, r in entry["by_target_type"]["f32"]["methods"].items()
+                           if n.split(" [")[0] == f"drafter k={k}"), {})  # the first draft type's row
             entry["acceptance_builtin_vs_llamacpp"] = {
                 "k": k, "builtin_fp32": [None if a is None else round(a, 4) for a in ours.acceptance_at_position],
                 "builtin_tau": round(ours.tau, 4), "builtin_accepted_drafted": [ours.accepted, ours.drafted],

@@ -31,7 +31,7 @@ from __future__ import annotations
 import shlex
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,8 @@ class Method:
     name: str
     spec: llamacpp.ServerSpec
     k: int = 0
+    draft_label: str = ""
+    """Which of several draft GGUFs it serves (its tensor type, say), when one measurement compares them."""
 
 
 def drafter_name(k: int, p_min: float) -> str:
@@ -59,26 +61,31 @@ def drafter_name(k: int, p_min: float) -> str:
     return f"drafter k={k}" + (f" p-min={p_min:g}" if p_min > 0 else "")
 
 
-def methods(target_gguf: str, draft_gguf: str | None, family: str | None, ks: Sequence[int], threads: int,
-            ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True, n_max_ngram: int = 16,
+def methods(target_gguf: str, draft_gguf: str | Mapping[str, str] | None, family: str | None, ks: Sequence[int],
+            threads: int, ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True, n_max_ngram: int = 16,
             p_mins: Sequence[float] = (0.0,)) -> list[Method]:
-    """The configurations :func:`measure` compares (the target alone first): the drafter at every (k, p-min)."""
+    """The configurations :func:`measure` compares (the target alone first): the drafter at every (k, p-min).
+    ``draft_gguf`` may map labels to several GGUFs of one drafter (its tensor types): each is swept, its rows
+    named with `` [label]``, in the same paired runs; the mix with ngram-simple serves the first."""
     base = dict(model=target_gguf, threads=threads)
     out = [Method(TARGET, llamacpp.ServerSpec(**base))]
-    if draft_gguf:
-        kind = llamacpp.SPEC_TYPES[family or "eagle3"]
-        out += [Method(drafter_name(k, p), llamacpp.ServerSpec(**base, draft=draft_gguf, spec_type=kind, n_max=k,
-                                                               p_min=p), k)
+    drafts = dict(draft_gguf) if isinstance(draft_gguf, Mapping) else {"": draft_gguf} if draft_gguf else {}
+    kind = llamacpp.SPEC_TYPES[family or "eagle3"]
+    for label, draft in drafts.items():
+        tag = f" [{label}]" if len(drafts) > 1 else ""
+        out += [Method(drafter_name(k, p) + tag, llamacpp.ServerSpec(**base, draft=draft, spec_type=kind, n_max=k,
+                                                                     p_min=p), k, label)
                 for k in ks for p in p_mins]
-        if hybrid:
-            k = max(ks)
-            out.append(Method(f"drafter+ngram k={k}", llamacpp.ServerSpec(
-                **base, draft=draft_gguf, spec_type=f"{kind},ngram-simple", n_max=k), k))
+    if drafts and hybrid:
+        (label, draft), k = next(iter(drafts.items())), max(ks)
+        out.append(Method(f"drafter+ngram k={k}", llamacpp.ServerSpec(
+            **base, draft=draft, spec_type=f"{kind},ngram-simple", n_max=k), k, label))
     out += [Method(name, llamacpp.ServerSpec(**base, spec_type=name, n_max=n_max_ngram), n_max_ngram) for name in ngram]
     return out
 
 
-def measure(target_gguf: str, prompts: Sequence[Sequence[int]], max_new_tokens: int, draft_gguf: str | None = None,
+def measure(target_gguf: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+            draft_gguf: str | Mapping[str, str] | None = None,
             family: str | None = None, ks: Sequence[int] = (1, 2, 3, 4), threads: int = 1, repeats: int = 2,
             warmup: int = 1, ngram: Sequence[str] = NGRAM_METHODS, hybrid: bool = True,
             progress: Any = None, p_mins: Sequence[float] = (0.0,), target_type: str | None = None) -> dict[str, Any]:
@@ -109,7 +116,8 @@ def best_setting(result: dict[str, Any]) -> dict[str, Any] | None:
     best: dict[str, Any] = {"method": ranked[0], "spec_type": r["spec_type"], "k": r["k"], "p_min": r["p_min"],
                             "target_type": result.get("target_type"), "speedup": r["speedup"], "interval": r["interval"],
                             "pays": r["interval"][0] > 1.0, "tau": r.get("tau"),
-                            "identical_to_target": r["identical_to_target"], "prompts": result["prompts"],
+                            "draft_label": r.get("draft_label", ""), "identical_to_target": r["identical_to_target"],
+                            "prompts": result["prompts"],
                             "threads": result["threads"], "llama_cpp": result["llama_cpp"], "runner_up": None,
                             "clearly_best": len(ranked) == 1}
     if len(ranked) > 1:
@@ -136,8 +144,9 @@ def describe_best(best: dict[str, Any]) -> str:
     """One line: the best setting, its speedup, and how sure the choice is."""
     gate = f"p-min {best['p_min']:g}" if best["p_min"] > 0 else "no p-min gate"
     mixed = " mixed with ngram-simple" if "," in (best["spec_type"] or "") else ""
+    draft = f", drafter {best['draft_label']}" if best.get("draft_label") else ""
     lo, hi = best["interval"]
-    line = (f"best served setting ({best['target_type'] or 'this'} target): k = {best['k']}, {gate}{mixed}: "
+    line = (f"best served setting ({best['target_type'] or 'this'} target): k = {best['k']}, {gate}{mixed}{draft}: "
             f"{best['speedup']:.2f}x [{lo:.2f}-{hi:.2f}] vs the target alone")
     if not best["pays"]:
         line += " (not faster than the target alone" + (": serve the target alone)" if hi < 1.0 else " beyond noise)")
@@ -208,7 +217,7 @@ def row(m: Method, runs: list[llamacpp.EngineRun], secs: list[float], alone: lis
     if m.name == TARGET:
         return out
     if m.spec.draft:
-        out.update(k=m.k, p_min=m.spec.p_min)
+        out.update(k=m.k, p_min=m.spec.p_min, **({"draft_label": m.draft_label} if m.draft_label else {}))
     ratios = [(len(r.completion.tokens) / s) / (len(a.completion.tokens) / t)
               for r, s, a, t in zip(runs, secs, alone, alone_secs)]
     lo, hi = median_interval(ratios)

@@ -54,6 +54,24 @@ def test_each_k_and_p_min_is_its_own_server_with_the_gate_on_its_command_line():
     assert flag("target", "--spec-draft-p-min") is None and flag("ngram-simple", "--spec-draft-p-min") is None
 
 
+def test_several_draft_ggufs_are_swept_side_by_side_and_the_best_names_its_own():
+    todo = methods("t.gguf", {"f32": "d32.gguf", "bf16": "d16.gguf"}, "eagle3", ks=[1], threads=2, ngram=[],
+                   hybrid=True, p_mins=[0.0, 0.5])
+    assert [(m.name, m.spec.draft) for m in todo] == [
+        ("target", None), ("drafter k=1 [f32]", "d32.gguf"), ("drafter k=1 p-min=0.5 [f32]", "d32.gguf"),
+        ("drafter k=1 [bf16]", "d16.gguf"), ("drafter k=1 p-min=0.5 [bf16]", "d16.gguf"),
+        ("drafter+ngram k=1", "d32.gguf")]
+    speeds = {"target": [1.0] * 5, "drafter k=1 [f32]": [1 / 0.85] * 5, "drafter k=1 p-min=0.5 [f32]": [1 / 0.95] * 5,
+              "drafter k=1 [bf16]": [1 / 0.90] * 5, "drafter k=1 p-min=0.5 [bf16]": [1 / 0.99] * 5,
+              "drafter+ngram k=1": [1 / 0.80] * 5}
+    best = best_setting(fabricate(todo, speeds))
+    assert (best["method"], best["draft_label"], best["k"], best["p_min"]) == \
+        ("drafter k=1 p-min=0.5 [bf16]", "bf16", 1, 0.5)
+    assert "k = 1, p-min 0.5, drafter bf16: 0.99x" in engine.describe_best(best)
+    assert best_setting(fabricate(methods("t.gguf", "d.gguf", "eagle3", ks=[1], threads=2, ngram=[], hybrid=False),
+                                  {"target": [1.0] * 5, "drafter k=1": [1.0] * 5}))["draft_label"] == ""
+
+
 def test_a_step_the_gate_left_undrafted_counts_as_a_round_of_tau_one():
     m = Method("drafter k=2 p-min=0.5", engine.llamacpp.ServerSpec("t", draft="d", spec_type="draft-eagle3", n_max=2,
                                                                     p_min=0.5), 2)
