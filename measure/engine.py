@@ -251,15 +251,16 @@ def undrafted_steps(runs: Sequence[llamacpp.EngineRun]) -> int:
 def table(result: dict[str, Any], title: str = "in llama.cpp") -> str:
     """The rows of :func:`measure` as a table that fits 80 columns, then the best setting and the command that
     serves it (on one line)."""
+    width = max([24] + [len(name) + 1 for name in result["methods"]])  # labelled rows: "… [bf16]"
     lines = [f"{title} (llama.cpp {result['llama_cpp']}, {result['threads']} thread(s), {result['prompts']} prompts, "
              f"greedy, paired ×{result['repeats']})",
-             f"{'method':<24} {'tok/s':>7} {'speedup':>8} {'90% interval':>14} {'tau':>5} {'same':>5}"]
+             f"{'method':<{width}} {'tok/s':>7} {'speedup':>8} {'90% interval':>14} {'tau':>5} {'same':>5}"]
     for name, r in result["methods"].items():
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else "1.00x"
         iv = f"[{r['interval'][0]:.2f}-{r['interval'][1]:.2f}]" if "interval" in r else ""
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
         flag = "*" if r.get("first_sight_only") else ""
-        lines.append(f"{name + flag:<24} {r['tokens_per_s']:>7.1f} {sp:>8} {iv:>14} {tau:>5} "
+        lines.append(f"{name + flag:<{width}} {r['tokens_per_s']:>7.1f} {sp:>8} {iv:>14} {tau:>5} "
                      f"{r['identical_to_target']:>2}/{result['prompts']:<2}")
     if any(r.get("first_sight_only") for r in result["methods"].values()):
         lines.append("* first sight of each prompt only (its state outlives a request)")
