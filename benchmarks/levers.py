@@ -109,6 +109,14 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+all_tokens+top_layer+hass+ema": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                                 "drafter.feature_layers=[1,14,28]", "train.loss.top_k=10",
                                                 "train.loss.top_k_weight=1.0", "train.ema_decay=0.98"],
+    # Draft-OPD's on-policy states replayed offline (train/eagle3.py:reached_by_chains): the (row, step) pairs the
+    # head's own greedy chains reach when decoding weigh 1 + 2, the rest 1
+    "init_last+all_tokens+top_layer+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                              "drafter.feature_layers=[1,14,28]", "train.replay_weight=2.0"],
+    # the peak learning rate doubled (the recipe's 2e-3, cosine to a tenth): every full-budget run was still improving
+    # at its last step
+    "init_last+all_tokens+top_layer+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                              "drafter.feature_layers=[1,14,28]", "train.optimizer.lr=0.004"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 

@@ -281,6 +281,10 @@ class TrainConfig:
     row to the token loss; 0 = off (EAGLE-3). Needs ``ttt_steps`` ≥ 2. ``benchmarks/levers.py`` measures 0.1."""
     coral_temperature: float = CORAL_TEMPERATURE
     """τ of that InfoNCE over cosine similarities (0.07, the contrastive default; CORAL's own could not be read)."""
+    replay_weight: float = 0.0
+    """EAGLE-3, Draft-OPD's on-policy states replayed offline (Lei et al. 2026): the (row, unrolled step) pairs that
+    greedy chains of the head's own drafts reach when a record is decoded (each round up to its first miss, the miss
+    included) weigh 1 + this in the token loss, the rest 1 (``train/eagle3.py:reached_by_chains``); 0 = off."""
     loss_positions: Literal["answer", "all"] = "answer"
     """Which tokens a training step learns to predict: ``answer`` (the records' loss mask: the assistant's tokens,
     as EAGLE and the reference trainers do) or ``all`` (every real token but the first, the prompt's included: the
@@ -324,13 +328,16 @@ class TrainConfig:
         if self.coral_weight and self.ttt_steps < 2:
             raise ConfigError(f"train.coral_weight = {self.coral_weight} aligns the head's states across unrolled steps: "
                               f"it needs train.ttt_steps ≥ 2, got {self.ttt_steps}")
+        if self.replay_weight < 0:
+            raise ConfigError(f"train.replay_weight = {self.replay_weight} must be ≥ 0 (0 = off)")
         if self.coral_temperature <= 0:
             raise ConfigError(f"train.coral_temperature = {self.coral_temperature} must be > 0")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in (0, 1) (e.g. 0.99), or null for no average")
 
 
-FAMILY_KEYS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "loss.token_weight",
+FAMILY_KEYS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "replay_weight",
+               "loss.token_weight",
                "loss.feature_weight", "loss.step_decay", "on_policy", "dflash", "dflash2", "peagle")
 """The keys of this section (a field, or a whole sub-section) that only some methods' recipes read; the rest every
 recipe reads. Each recipe in ``train/`` names those it reads in its module's ``READS`` (a tuple of these names), and

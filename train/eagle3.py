@@ -17,6 +17,15 @@ j ≥ 1 only while the target's token was among the head's top k at every earlie
 or a top-k tree never drafts past a miss, so those rows are never reached when decoding, and their loss only pulls
 the head towards inputs it will not see. Held-out figures are over every row, as without it.
 
+With ``train.replay_weight`` = λ > 0 (Draft-OPD's on-policy states, Lei et al. 2026, replayed offline), the (row, step)
+pairs that greedy chains of the head's own drafts would reach when the record is decoded weigh 1 + λ, the others 1
+(:func:`reached_by_chains`): a round starts after the target's token, drafts until its first miss (drafted and
+rejected too: the error position) or ``ttt_steps`` drafts, and the next round starts after the tokens it took.
+Decoding asks for a first draft only at round starts, which are harder than the average row (a token after an
+accepted draft is predicted by a later step of the round instead); the weighting trains most where decoding looks.
+The pairs follow the head as it trains (its own argmax at each step, against the target's). Logged as
+``replay/step{j}``: the share of step j's counted rows that chains reach. The held-out loss stays unweighted.
+
 With ``train.coral_weight`` = w > 0 (CORAL's cross-step representation alignment, Weng et al. 2025), the objective
 adds w · Σ_rows an InfoNCE that pulls the state the head passes on at row t (``unroll``'s hidden, before the lm_head)
 together across the steps whose token loss counts row t, the sequence's other counted states being the negatives
@@ -73,7 +82,33 @@ def still_aligned(alive: Tensor, rows: Tensor, logits: Tensor, draft_ids: Tensor
     out[rows] &= (top == target_ids.unsqueeze(-1)).any(-1)
     return out
 
-READS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "loss.step_decay")
+@torch.no_grad()
+def reached_by_chains(correct: list[Tensor]) -> list[Tensor]:
+    """The (row, step) pairs greedy chains of K = ``len(correct)`` drafts reach when a record is decoded.
+
+    Row t at unrolled step j is the chain started at row t after j drafts (it predicts x_{t+j+2}). ``correct[j]``
+    [B, S] bool: that draft is the target's token (its argmax at position t + j + 1; False where no loss counts the
+    row). A round starts at row s = 0 of each sequence and drafts (s, step i) for i = 0, 1, … while every earlier
+    draft of the round was accepted, at most K: its first miss is drafted (and rejected) too. Accepting a drafts,
+    the target adds its own token and the next round starts at row s + a + 1. Returns per step j, [B, S] bool: the
+    pairs drafted."""
+    ok = torch.stack(correct).tolist()  # [K][B][S]: a plain walk along each sequence, cheap beside a step
+    k, (b_size, s_size) = len(correct), correct[0].shape
+    reached = [[[False] * s_size for _ in range(b_size)] for _ in range(k)]
+    for b in range(b_size):
+        s = 0
+        while s < s_size:
+            accepted = 0
+            for i in range(k):
+                reached[i][b][s] = True
+                if not ok[i][b][s]:
+                    break
+                accepted += 1
+            s += accepted + 1
+    return list(torch.tensor(reached, dtype=torch.bool, device=correct[0].device).unbind(0))
+
+READS = ("ttt_steps", "align_top_k", "feature_noise", "coral_weight", "coral_temperature", "replay_weight",
+         "loss.step_decay")
 
 
 def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[str, Any]:
@@ -98,13 +133,19 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
         """[B, S] bool: row t counts when x_{t+2} is a loss-masked token (the step-0 prediction)."""
         return shift_left(batch.loss_mask, 2, fill=False)
 
-    def objective(steps: list[tuple[Tensor, Tensor]], t: Targets, batch: Batch) -> tuple[Tensor, heldout.Metrics]:
-        """Σ_j w_j · (step j's token loss summed over its rows), plus CORAL's term summed over its rows when on; parts:
-        each step's (sum, rows), and ``loss/coral``'s."""
+    def objective(steps: list[tuple[Tensor, Tensor]], t: Targets, batch: Batch,
+                  replay: float = 0.0) -> tuple[Tensor, heldout.Metrics]:
+        """Σ_j w_j · (step j's token loss summed over its rows, the pairs chains reach weighing 1 + ``replay``), plus
+        CORAL's term summed over its rows when on; parts: each step's unweighted (sum, rows), ``loss/coral``'s, and
+        with ``replay`` each step's (rows chains reach, rows)."""
         # p over the draft vocabulary, and where the target's argmax is in it, once for all steps
         p_draft, in_vocab = losses.restrict_to_draft_vocab(t.logits, draft_ids, t.logits.new_ones(len(t.logits), dtype=torch.bool))
         total, parts, counted = None, {}, []
         alive = torch.ones_like(batch.loss_mask, dtype=torch.bool)  # [B, S]: rows whose earlier steps were in the top k
+        if replay:  # Draft-OPD's states: where the head's own greedy chains go, judged against the target's argmax
+            hits = [draft_ids[logits.argmax(-1)] == t.logits[t.at(j)].argmax(-1) for j, (_, logits) in enumerate(steps)]
+            reached = reached_by_chains([torch.zeros_like(alive).masked_scatter(t.keep[j], hit)
+                                         for j, hit in enumerate(hits)])
         for j, (_, logits) in enumerate(steps):  # logits: [N_j, Vd] at the rows of t.keep[j]
             at = t.at(j)  # the target's row at t+j+1 for each of them
             ok = in_vocab[at] & alive[t.keep[j]]
@@ -112,8 +153,15 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
                 counted.append(torch.zeros_like(alive).masked_scatter(t.keep[j], ok))
             if cfg.align_top_k:  # GRIFFIN: step j+1 trains only the rows this step kept within its top k
                 alive = still_aligned(alive, t.keep[j], logits, draft_ids, t.logits[at].argmax(-1), cfg.align_top_k)
-            step_sum = cfg.loss.token_loss(logits[ok], p_draft[at][ok], ok[ok], reduction="sum")  # 0 past short sequences' ends
-            total = weights[j] * step_sum if total is None else total + weights[j] * step_sum
+            if replay:  # per row, the rows chains reach weighing 1 + replay
+                each = cfg.loss.token_loss(logits[ok], p_draft[at][ok], ok[ok], reduction="none")  # [rows]
+                chained = reached[j][t.keep[j]][ok]
+                step_sum, weighed = each.sum(), (each * (1.0 + replay * chained.float())).sum()
+                parts[f"replay/step{j}"] = (float(chained.sum()), float(ok.sum()))
+            else:
+                step_sum = weighed = cfg.loss.token_loss(logits[ok], p_draft[at][ok], ok[ok],
+                                                         reduction="sum")  # 0 past short sequences' ends
+            total = weights[j] * weighed if total is None else total + weights[j] * weighed
             parts[f"loss/step{j}"] = (step_sum.item(), float(ok.sum()))
         if cfg.coral_weight:  # CORAL: the head's states at one row pulled together across the steps that count it
             views = torch.stack(counted)  # [K, B, S]
@@ -135,6 +183,7 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
 
     save.baseline(run, engine, evaluate)
     for micro in step.step_batches(run, rows):  # the micro-batches of one optimizer step, their valid rows counted
-        step.optimizer_step(run, engine, micro, lambda batch: objective(*unroll(batch, cfg.feature_noise), batch))
+        step.optimizer_step(run, engine, micro,
+                            lambda batch: objective(*unroll(batch, cfg.feature_noise), batch, cfg.replay_weight))
         step.after_step(run, engine, evaluate)
     return save.finish(run, engine, evaluate)
