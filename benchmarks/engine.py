@@ -28,9 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, target=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR of a saved drafter (repeatable)")
     p.add_argument("--target-types", default="as-loaded,f32,bf16", help="target GGUF types (as-loaded = the shipped file)")
-    p.add_argument("--draft-types", default="matched", help="the drafter's GGUF types served on each target type, "
-                                                            "comma-separated, in the same paired runs (matched: BF16 "
-                                                            "on a BF16 target, else F32)")
+    p.add_argument("--draft-types", default="auto", help="the drafter's GGUF types served on each target type, "
+                                                         "comma-separated, in the same paired runs (auto: its stored "
+                                                         "dtype, as eval.engine and export serve it; matched: BF16 on "
+                                                         "a BF16 target, else F32)")
     p.add_argument("--k", default="1,2,3,4")
     p.add_argument("--p-min", default="0", help="llama.cpp's --spec-draft-p-min gates served at each k (e.g. 0,0.5); "
                                                 "the fastest (k, p-min) is printed and written under 'best'")
