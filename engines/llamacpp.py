@@ -20,8 +20,9 @@ delete. Build time: benchmarks/RESULTS.md "llama.cpp".
 given (never llama.cpp's default: with OpenMP spinning on a loaded 2-core machine the default
 ran many times slower than ``-t 1``), waits for ``/health``, and always stops the process it started,
 by its own PID: on leaving the ``with`` block (errors and Ctrl-C included), at interpreter exit,
-and, through ``PR_SET_PDEATHSIG``, when the Python process itself is killed. Its log goes to the
-``log_dir`` the caller names (kept), else to a temporary folder that a clean stop removes: it is
+and, through ``PR_SET_PDEATHSIG`` (SIGKILL: a first SIGTERM starts llama-server's graceful shutdown, which
+once left a server listening half an hour after its killed job), when the Python process itself is killed. Its log
+goes to the ``log_dir`` the caller names (kept), else to a temporary folder that a clean stop removes: it is
 kept, and its path said, only when the server failed (it exited by itself, did not come up, or the
 block it served raised).
 
@@ -375,7 +376,7 @@ atexit.register(_stop_all)
 
 def _die_with_parent() -> None:  # runs in the child before exec
     try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: nobody is left to use it
     except OSError:
         pass
 

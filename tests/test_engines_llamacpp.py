@@ -322,16 +322,13 @@ def test_a_head_on_the_last_layer_is_refused_for_llamacpp(llama, tmp_path, targe
     assert not (tmp_path / "out").exists()
 
 
-def test_the_server_dies_with_a_killed_client(llama, target_gguf, tmp_path):
-    """No stray llama-server when the Python process that started it is killed (SIGKILL: no finally, no atexit)."""
+def server_outlives_its_killed_client(script: str) -> bool:
+    """Run ``script`` (it starts a server and prints its PID), SIGKILL it (no finally, no atexit) and give the server
+    10 s to go; whether it is still alive (then stopped here, by its PID: no stray server after a failed test)."""
     import signal
     import subprocess
     import sys
-    import time
 
-    script = (f"from draftsmith.engines import llamacpp\n"
-              f"s = llamacpp.Server(llamacpp.ServerSpec(model={target_gguf!r})).start()\n"
-              f"print(s.pid, flush=True)\nimport time\ntime.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pid = int(proc.stdout.readline())
     assert alive(pid)
@@ -339,9 +336,32 @@ def test_the_server_dies_with_a_killed_client(llama, target_gguf, tmp_path):
     proc.wait()
     for _ in range(100):
         if not alive(pid):
-            break
+            return False
         time.sleep(0.1)
-    assert not alive(pid)
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def test_the_server_dies_with_a_killed_client(llama, target_gguf):
+    """No stray llama-server when the Python process that started it is killed."""
+    assert not server_outlives_its_killed_client(
+        f"from draftsmith.engines import llamacpp\n"
+        f"s = llamacpp.Server(llamacpp.ServerSpec(model={target_gguf!r})).start()\n"
+        f"print(s.pid, flush=True)\nimport time\ntime.sleep(600)\n")
+
+
+def test_the_server_dies_with_a_client_killed_mid_request(llama, target_gguf):
+    """The same with completions in flight. A server a killed demo prepare had launched was once found listening 36
+    minutes later (its graceful shutdown, started by a first SIGTERM, never ended; a second one stopped it): the
+    kernel now sends SIGKILL when the parent dies. This does not reproduce that hang on demand; it keeps the case
+    with requests in flight covered."""
+    assert not server_outlives_its_killed_client(
+        f"import threading, time\nfrom draftsmith.engines import llamacpp\n"
+        f"s = llamacpp.Server(llamacpp.ServerSpec(model={target_gguf!r}, slots=2, ctx=65536)).start()\n"
+        f"ask = lambda: s.request('/completion', {{'prompt': [100, 101, 102], 'n_predict': 60000, "
+        f"'ignore_eos': True, 'temperature': 0.0, 'stream': False}})\n"
+        f"for _ in range(2): threading.Thread(target=ask, daemon=True).start()\n"
+        f"time.sleep(1.0)\nprint(s.pid, flush=True)\ntime.sleep(600)\n")
 
 
 def test_eval_serves_the_drafter_in_llamacpp_beside_its_ngram_methods(llama, draft_lm, tiny_target_dir, tmp_path):
