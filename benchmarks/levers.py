@@ -117,6 +117,9 @@ VARIANTS: dict[str, list[str]] = {
     # at its last step
     "init_last+all_tokens+top_layer+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                               "drafter.feature_layers=[1,14,28]", "train.optimizer.lr=0.004"],
+    # the same two on the recipe's head (the default budget's cache has no layer 28)
+    "init_last+all_tokens+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.replay_weight=2.0"],
+    "init_last+all_tokens+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.optimizer.lr=0.004"],
 }
 """Variant name → the overrides it adds to the recipe; ``base`` is the recipe itself."""
 
