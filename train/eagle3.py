@@ -142,8 +142,9 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
         p_draft, in_vocab = losses.restrict_to_draft_vocab(t.logits, draft_ids, t.logits.new_ones(len(t.logits), dtype=torch.bool))
         total, parts, counted = None, {}, []
         alive = torch.ones_like(batch.loss_mask, dtype=torch.bool)  # [B, S]: rows whose earlier steps were in the top k
+        target_ids = t.logits.argmax(-1) if replay or cfg.align_top_k else None  # [N]: once, not per step
         if replay:  # Draft-OPD's states: where the head's own greedy chains go, judged against the target's argmax
-            hits = [draft_ids[logits.argmax(-1)] == t.logits[t.at(j)].argmax(-1) for j, (_, logits) in enumerate(steps)]
+            hits = [draft_ids[logits.argmax(-1)] == target_ids[t.at(j)] for j, (_, logits) in enumerate(steps)]
             reached = reached_by_chains([torch.zeros_like(alive).masked_scatter(t.keep[j], hit)
                                          for j, hit in enumerate(hits)])
         for j, (_, logits) in enumerate(steps):  # logits: [N_j, Vd] at the rows of t.keep[j]
@@ -152,7 +153,7 @@ def train(recipe: TrainRecipe, world: World, resume: str | None = None) -> dict[
             if cfg.coral_weight:  # [B, S]: the rows step j's token loss counts
                 counted.append(torch.zeros_like(alive).masked_scatter(t.keep[j], ok))
             if cfg.align_top_k:  # GRIFFIN: step j+1 trains only the rows this step kept within its top k
-                alive = still_aligned(alive, t.keep[j], logits, draft_ids, t.logits[at].argmax(-1), cfg.align_top_k)
+                alive = still_aligned(alive, t.keep[j], logits, draft_ids, target_ids[at], cfg.align_top_k)
             if replay:  # per row, the rows chains reach weighing 1 + replay
                 each = cfg.loss.token_loss(logits[ok], p_draft[at][ok], ok[ok], reduction="none")  # [rows]
                 chained = reached[j][t.keep[j]][ok]
