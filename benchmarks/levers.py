@@ -117,6 +117,13 @@ VARIANTS: dict[str, list[str]] = {
     # at its last step
     "init_last+all_tokens+top_layer+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                               "drafter.feature_layers=[1,14,28]", "train.optimizer.lr=0.004"],
+    # two levers defined above but never measured, on the best head: decoupled weight decay (AdamW 0.1, every trainable
+    # weight, norms included, pulled toward 0) against overfitting, and the hard cross-entropy on the target's argmax
+    # (DistillSpec's "ce"): greedy decoding accepts the argmax only, the soft CE also pays for the rest of p
+    "init_last+all_tokens+top_layer+weight_decay": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                    "drafter.feature_layers=[1,14,28]", "train.optimizer.weight_decay=0.1"],
+    "init_last+all_tokens+top_layer+ce": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                          "drafter.feature_layers=[1,14,28]", "train.loss.kind=ce"],
     # the same two on the recipe's head (the default budget's cache has no layer 28)
     "init_last+all_tokens+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.replay_weight=2.0"],
     "init_last+all_tokens+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.optimizer.lr=0.004"],
