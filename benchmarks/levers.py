@@ -117,8 +117,8 @@ VARIANTS: dict[str, list[str]] = {
     # at its last step
     "init_last+all_tokens+top_layer+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                               "drafter.feature_layers=[1,14,28]", "train.optimizer.lr=0.004"],
-    # two levers defined above but never measured, on the best head: decoupled weight decay (AdamW 0.1, every trainable
-    # weight, norms included, pulled toward 0) against overfitting, and the hard cross-entropy on the target's argmax
+    # on the best head: decoupled weight decay (the `weight_decay` variant above, never run before: AdamW 0.1 on every
+    # trainable weight, norms included) against overfitting, and the hard cross-entropy on the target's argmax
     # (DistillSpec's "ce"): greedy decoding accepts the argmax only, the soft CE also pays for the rest of p
     "init_last+all_tokens+top_layer+weight_decay": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                                     "drafter.feature_layers=[1,14,28]", "train.optimizer.weight_decay=0.1"],
