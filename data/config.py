@@ -154,6 +154,11 @@ class RegenerateConfig:
     where regenerating is the bottleneck (a CPU). The head is still trained on the target's own distribution at
     every position (its features and logits); only the context of the kept answers is not the target's.
     0 = regenerate all. Measured: benchmarks/RESULTS.md, "levers"."""
+    keep_own_answers: bool = False
+    """The regenerated conversations keep their source's own answers too, as a second record after all the
+    regenerated ones (cut after ``max_turns`` assistant turns alike): two answers per prompt, for the price of the
+    second one's features. The held-out split draws records, so a held-out record may share its prompt with a
+    training one; decoded acceptance is the measure. Measured: benchmarks/RESULTS.md, "levers"."""
     temperature: float = 0.0
     """0 = greedy; otherwise sampled at this temperature (seeded per shard, so a resumed run matches)."""
     top_p: float = 1.0

@@ -285,17 +285,20 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_
         target = load_target(spec.name, r.dtype, str(target.device), spec.chat_template)  # this stage only
     drafter = drafter_config.build(target) if method.drafter else None
     conversations = load_conversations(conv_folder)
-    own = None  # data.regenerate.max_conversations: the rest keep their own answers
+    own = []  # data.regenerate.max_conversations: the rest keep their own answers (keep_own_answers: all do)
     if r.max_conversations and r.max_conversations < len(conversations):
-        own = conversations.select(range(r.max_conversations, len(conversations)))
+        own = [conversations.select(range(r.max_conversations, len(conversations)))]
         conversations = conversations.select(range(r.max_conversations))
+    if r.keep_own_answers:
+        own = [conversations, *own]
     report = regenerate_conversations(conversations, paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, drafter=drafter, restart=restart,
                                       progress=progress, workers=workers)
     start = time.perf_counter()
     job = read_json(os.path.join(paths.regenerate, MANIFEST))
-    if own is not None:
-        job = {"job": job, "own_answers": [conversations_manifest(conv_folder)["hash"], r.max_conversations, r.max_turns]}
+    if own:
+        job = {"job": job, "own_answers": [conversations_manifest(conv_folder)["hash"], r.max_conversations, r.max_turns]
+               + ([True] if r.keep_own_answers else [])}  # the digest of every mix recorded before the key stays
     job_digest = _digest(job)
     with _main_first(workers):
         manifest = conversations_manifest(paths.regenerated)
@@ -305,12 +308,13 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_
             with writing(paths.regenerated, kept=lambda: f"every shard in {paths.regenerate} (all finished); "
                                                          f"{paths.regenerated} is written whole or not at all"):
                 records = regenerated_records(paths.regenerate)
-                manifest = write_conversations(paths.regenerated, records if own is None else
-                                               chain(records, own_answers(own, r.max_turns)), spec=job_digest)
+                manifest = write_conversations(paths.regenerated, chain(records, *(own_answers(o, r.max_turns) for o in own)),
+                                               spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
-    if own is not None:
+    if own:
+        why = "data.regenerate.keep_own_answers" if r.keep_own_answers else "data.regenerate.max_conversations"
         report.note = "; ".join(x for x in (report.note, f"{manifest['num_conversations'] - report.kept} more keep "
-                                            f"their own answers (data.regenerate.max_conversations)") if x)
+                                            f"their own answers ({why})") if x)
     finish = ", ".join(f"{k} {v}" for k, v in sorted(report.finish.items()))
     if report.render_back.get("differs"):
         finish += f"; {report.render_back['differs']} answer(s) do not render back to their ids"

@@ -332,7 +332,8 @@ def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
 def test_regenerate_max_conversations_keeps_the_rest_with_their_own_answers(tmp_path, tiny_target_dir):
     """data.regenerate.max_conversations=1 of 3: the first conversation is the target's (the same shard, reused, as a
     run of that one conversation alone), the other two keep their source's answers, cut after max_turns as a
-    regenerated one is; the summary says how many kept their own."""
+    regenerated one is; the summary says how many kept their own. With keep_own_answers the regenerated ones keep
+    theirs too, as records after every regenerated one."""
     from draftsmith.cli import main
     from draftsmith.data.conversations import load_conversations
 
@@ -360,6 +361,12 @@ def test_regenerate_max_conversations_keeps_the_rest_with_their_own_answers(tmp_
     everything, _ = prepare()  # back to regenerating all three: the target answers the other two as well
     assert everything[0] == alone[0] and all(r["messages"][1]["content"] != f"own {i}"
                                              for i, r in enumerate(everything))
+    own = [[{"role": "user", "content": USERS[i][0]}, {"role": "assistant", "content": f"own {i}"}] for i in range(3)]
+    both, note = prepare("data.regenerate.keep_own_answers=true")  # two answers per prompt, the target's first
+    assert both[:3] == everything and [r["messages"] for r in both[3:]] == own
+    assert note.startswith("up to date (reused)") and "3 more keep their own answers (data.regenerate.keep_own" in note
+    both, _ = prepare("data.regenerate.keep_own_answers=true", "data.regenerate.max_conversations=1")
+    assert both[0] == alone[0] and [r["messages"] for r in both[1:]] == own  # the first one's own, then the rest
 
 
 def test_regenerate_max_conversations_below_zero_is_refused():
