@@ -107,7 +107,8 @@ RECIPE = "smollm2-135m-eagle3"
 def recipe_for(args: argparse.Namespace) -> Any:
     """The draftsmith recipe of the comparison: the run's own ``config.yaml`` when ``--draftsmith-run`` has one,
     else ``smollm2-135m-eagle3`` with the default demo's train overrides on ``--prepared``; ``--steps``,
-    ``--batch-size``, ``--ttt-steps``, ``--lr`` override either."""
+    ``--batch-size``, ``--ttt-steps``, ``--lr`` override either; the draft vocabulary is ``--prepared``'s own unless
+    ``--draft-vocab`` names another (the one the compared draftsmith head was trained with)."""
     given = os.path.join(args.draftsmith_run or "", "config.yaml")
     if args.draftsmith_run and os.path.isfile(given):
         path, overrides = given, []
@@ -116,8 +117,8 @@ def recipe_for(args: argparse.Namespace) -> Any:
         path, overrides = RECIPE, demo_stages(run_dir, SIZES["default"])["train"]
         overrides = [o for o in overrides if not o.startswith(("train.dataset=", "train.features=", "drafter.draft_vocab="))]
     data = os.path.abspath(args.prepared)
-    overrides += [f"train.dataset={data}/tokenized", f"train.features={data}/features",
-                  f"drafter.draft_vocab={data}/draft_vocab.safetensors"]
+    vocab = os.path.abspath(args.draft_vocab) if args.draft_vocab else f"{data}/draft_vocab.safetensors"
+    overrides += [f"train.dataset={data}/tokenized", f"train.features={data}/features", f"drafter.draft_vocab={vocab}"]
     for flag, key in (("steps", "train.steps"), ("batch_size", "train.batch_size"), ("ttt_steps", "train.ttt_steps"),
                       ("lr", "train.optimizer.lr")):
         if getattr(args, flag) is not None:
@@ -375,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draftsmith-run", default="", help="a draftsmith EAGLE-3 run folder, already trained on --prepared "
                    "(its config.yaml is the recipe; its drafter-best the head compared)")
     p.add_argument("--out", required=True)
+    p.add_argument("--draft-vocab", default="", help="a draft vocabulary file (d2t/t2d) instead of --prepared's "
+                   "draft_vocab.safetensors: the one the draftsmith head compared was trained with")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--ttt-steps", type=int)

@@ -293,7 +293,8 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
         out = str(tmp_path / "peer")
         with pytest.raises(Parsed) as e:
             run_main(peer, ["--prepared", "P", "--draftsmith-run", "R", "--out", out], monkeypatch)
-        assert e.value.args[0] == {"prepared": "P", "draftsmith_run": "R", "out": out, "steps": None, "batch_size": None,
+        assert e.value.args[0] == {"prepared": "P", "draftsmith_run": "R", "out": out, "draft_vocab": "",
+                                   "steps": None, "batch_size": None,
                                    "ttt_steps": None, "lr": None, "prompts": 20, "k": 4, "max_new_tokens": 96,
                                    "speculators_defaults": False, "no_decoder": False}
         with pytest.raises(Parsed) as e:
@@ -305,5 +306,17 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
         with pytest.raises(SystemExit) as e:
             run_main(peer, ["--out", out], monkeypatch)  # --prepared is required
         assert e.value.code == 2
+        monkeypatch.undo()
+        # the recipe both trainers follow: --prepared's records and features, its vocabulary unless --draft-vocab
+        prepared = tmp_path / "run" / "prepare" / "data"
+        args = peer.argparse.Namespace(prepared=str(prepared), draftsmith_run="", draft_vocab="", steps=600, batch_size=8,
+                                       ttt_steps=2, lr=2e-3)
+        recipe = peer.recipe_for(args)
+        assert recipe.drafter.draft_vocab == f"{prepared}/draft_vocab.safetensors"
+        assert (recipe.train.dataset, recipe.train.features) == (f"{prepared}/tokenized", f"{prepared}/features")
+        assert (recipe.train.steps, recipe.train.batch_size, recipe.train.ttt_steps) == (600, 8, 2)
+        assert recipe.train.schedule.warmup_steps == 12
+        args.draft_vocab = str(tmp_path / "full" / "draft_vocab.safetensors")
+        assert peer.recipe_for(args).drafter.draft_vocab == args.draft_vocab
     finally:
         del sys.modules["draftsmith_bench_peer"]
