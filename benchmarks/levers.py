@@ -124,6 +124,20 @@ VARIANTS: dict[str, list[str]] = {
                                                     "drafter.feature_layers=[1,14,28]", "train.optimizer.weight_decay=0.1"],
     "init_last+all_tokens+top_layer+ce": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                           "drafter.feature_layers=[1,14,28]", "train.loss.kind=ce"],
+    # on the best head: the soft labels at distillation temperature 2 (both distributions softmax(logits / 2) in the
+    # loss; greedy drafting reads the argmax, which no temperature moves): more of the target's distribution per row,
+    # the classic KD lever for small data; and the unrolled steps weighted 1, 0.5 instead of 1, 0.8 (a third TTT step
+    # took acceptance from the first draft, which carries about three times the second's weight in a chain's τ)
+    "init_last+all_tokens+top_layer+kd_t2": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                             "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0"],
+    "init_last+all_tokens+top_layer+decay0.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                "drafter.feature_layers=[1,14,28]", "train.loss.step_decay=0.5"],
+    "init_last+all_tokens+top_layer+decay0.3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                "drafter.feature_layers=[1,14,28]", "train.loss.step_decay=0.3"],
+    # kd_t2 and decay0.5 together
+    "init_last+all_tokens+top_layer+kd_t2+decay0.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                      "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0",
+                                                      "train.loss.step_decay=0.5"],
     # the same two on the recipe's head (the default budget's cache has no layer 28)
     "init_last+all_tokens+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.replay_weight=2.0"],
     "init_last+all_tokens+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.optimizer.lr=0.004"],
