@@ -46,7 +46,7 @@ Left as speculators has them (no option to change them): AdamW betas (0.9, 0.999
 (0.9, 0.95); the cosine decays to 0, draftsmith's to ``min_lr_ratio`` of the peak; warmup ramps from 0 (HF)
 against (step+1)/warmup; fp32 master weights under bf16 autocast against DeepSpeed's bf16 engine; its lm_head is
 frozen at the target's rows (draftsmith trains it) and its final norm starts at 1 (draftsmith's at the target's);
-its ``kl_div`` compares the distributions at temperature 1 (draftsmith's recipe: ``loss.temperature``, 2 for SmolLM2);
+its ``kl_div`` compares the distributions at temperature 1 (draftsmith's at the recipe's ``loss.temperature``);
 its per-step loss is a mean over the packed row's answer positions where the input token is an answer token
 (draftsmith: where the predicted token is one, summed over the step and divided by the step-0 rows), and it keeps
 positions whose target argmax is outside the draft vocabulary (draftsmith masks them); gradient clipping 1.0 in both.
