@@ -138,6 +138,19 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+all_tokens+top_layer+kd_t2+decay0.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
                                                       "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0",
                                                       "train.loss.step_decay=0.5"],
+    # the temperature's trend on the best head: 3 and 1.5 beside 2 (and 1, the variant without it)
+    "init_last+all_tokens+top_layer+kd_t3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                             "drafter.feature_layers=[1,14,28]", "train.loss.temperature=3.0"],
+    "init_last+all_tokens+top_layer+kd_t1.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                               "drafter.feature_layers=[1,14,28]", "train.loss.temperature=1.5"],
+    # a second seed (the head's random weights, the batch order and the held-out split) of the best head at
+    # temperatures 1 and 2: whether temperature 2's gain is larger than what a seed moves
+    "init_last+all_tokens+top_layer+kd_t1+seed1": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                   "drafter.feature_layers=[1,14,28]", "train.loss.temperature=1.0",
+                                                   "drafter.seed=1", "train.seed=1"],
+    "init_last+all_tokens+top_layer+kd_t2+seed1": ["drafter.init_from_layer=-1", "train.loss_positions=all",
+                                                   "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0",
+                                                   "drafter.seed=1", "train.seed=1"],
     # the same two on the recipe's head (the default budget's cache has no layer 28)
     "init_last+all_tokens+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.replay_weight=2.0"],
     "init_last+all_tokens+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.optimizer.lr=0.004"],
