@@ -40,6 +40,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
+BEST_HEAD = ["drafter.init_from_layer=-1", "train.loss_positions=all", "drafter.feature_layers=[1,14,28]"]
+"""The best head measured at the full budget (init_last+all_tokens+top_layer), the base the later levers add to."""
+
 VARIANTS: dict[str, list[str]] = {
     "base": [],
     # the head's layer starts as the target's: the last one (-1), or the one after the highest fused layer (27 on
@@ -81,75 +84,55 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+top_layer": ["drafter.init_from_layer=-1", "drafter.feature_layers=[1,14,28]"],
     # every token a training target, the prompt's included (held-out figures stay over answer tokens)
     "init_last+all_tokens": ["drafter.init_from_layer=-1", "train.loss_positions=all"],
-    "init_last+all_tokens+top_layer": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                       "drafter.feature_layers=[1,14,28]"],
+    "init_last+all_tokens+top_layer": [*BEST_HEAD],
     # the best head at the full budget with each of the two levers that were level or a little ahead alone
-    "init_last+all_tokens+top_layer+noise": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                             "drafter.feature_layers=[1,14,28]", "train.feature_noise=0.1"],
-    "init_last+all_tokens+top_layer+ttt3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                            "drafter.feature_layers=[1,14,28]", "train.ttt_steps=3"],
+    "init_last+all_tokens+top_layer+noise": [*BEST_HEAD, "train.feature_noise=0.1"],
+    "init_last+all_tokens+top_layer+ttt3": [*BEST_HEAD, "train.ttt_steps=3"],
     # both of them together
-    "init_last+all_tokens+top_layer+ttt3+noise": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                  "drafter.feature_layers=[1,14,28]", "train.ttt_steps=3",
+    "init_last+all_tokens+top_layer+ttt3+noise": [*BEST_HEAD, "train.ttt_steps=3",
                                                   "train.feature_noise=0.1"],
     # CORAL's cross-step representation alignment on the best head: an InfoNCE pulling the head's states at one row
     # together across the unrolled steps (train/losses.py:cross_step_alignment), weight 0.1 and τ 0.07 (the paper's own
     # values could not be read: ours, the term then ~10 % of the objective)
-    "init_last+all_tokens+top_layer+coral": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                             "drafter.feature_layers=[1,14,28]", "train.coral_weight=0.1"],
+    "init_last+all_tokens+top_layer+coral": [*BEST_HEAD, "train.coral_weight=0.1"],
     # a bias-corrected moving average of the weights (train/ema.py): its drafter and held-out figures beside the raw
     # weights' (drafter-raw, raw/sim_tau) in one run. 0.98 averages about the last 50 steps, under a tenth of the full
     # budget's 600: its lag stays short while held-out figures still rise at the end; 0.99 would lag ~100 steps
-    "init_last+all_tokens+top_layer+ema": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                           "drafter.feature_layers=[1,14,28]", "train.ema_decay=0.98"],
+    "init_last+all_tokens+top_layer+ema": [*BEST_HEAD, "train.ema_decay=0.98"],
     # HASS's harmonized objective distillation at its defaults: + 1.0 · −Σ over the target's top 10 of p log q
-    "init_last+all_tokens+top_layer+hass": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                            "drafter.feature_layers=[1,14,28]", "train.loss.top_k=10",
+    "init_last+all_tokens+top_layer+hass": [*BEST_HEAD, "train.loss.top_k=10",
                                             "train.loss.top_k_weight=1.0"],
-    "init_last+all_tokens+top_layer+hass+ema": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                "drafter.feature_layers=[1,14,28]", "train.loss.top_k=10",
+    "init_last+all_tokens+top_layer+hass+ema": [*BEST_HEAD, "train.loss.top_k=10",
                                                 "train.loss.top_k_weight=1.0", "train.ema_decay=0.98"],
     # Draft-OPD's on-policy states replayed offline (train/eagle3.py:reached_by_chains): the (row, step) pairs the
     # head's own greedy chains reach when decoding weigh 1 + 2, the rest 1
-    "init_last+all_tokens+top_layer+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                              "drafter.feature_layers=[1,14,28]", "train.replay_weight=2.0"],
+    "init_last+all_tokens+top_layer+replay": [*BEST_HEAD, "train.replay_weight=2.0"],
     # the peak learning rate doubled (the recipe's 2e-3, cosine to a tenth): every full-budget run was still improving
     # at its last step
-    "init_last+all_tokens+top_layer+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                              "drafter.feature_layers=[1,14,28]", "train.optimizer.lr=0.004"],
+    "init_last+all_tokens+top_layer+lr4e-3": [*BEST_HEAD, "train.optimizer.lr=0.004"],
     # on the best head: decoupled weight decay (the `weight_decay` variant above, never run before: AdamW 0.1 on every
     # trainable weight, norms included) against overfitting, and the hard cross-entropy on the target's argmax
     # (DistillSpec's "ce"): greedy decoding accepts the argmax only, the soft CE also pays for the rest of p
-    "init_last+all_tokens+top_layer+weight_decay": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                    "drafter.feature_layers=[1,14,28]", "train.optimizer.weight_decay=0.1"],
-    "init_last+all_tokens+top_layer+ce": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                          "drafter.feature_layers=[1,14,28]", "train.loss.kind=ce"],
+    "init_last+all_tokens+top_layer+weight_decay": [*BEST_HEAD, "train.optimizer.weight_decay=0.1"],
+    "init_last+all_tokens+top_layer+ce": [*BEST_HEAD, "train.loss.kind=ce"],
     # on the best head: the soft labels at distillation temperature 2 (both distributions softmax(logits / 2) in the
     # loss; greedy drafting reads the argmax, which no temperature moves): more of the target's distribution per row,
     # the classic KD lever for small data; and the unrolled steps weighted 1, 0.5 instead of 1, 0.8 (a third TTT step
     # took acceptance from the first draft, which carries about three times the second's weight in a chain's τ)
-    "init_last+all_tokens+top_layer+kd_t2": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                             "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0"],
-    "init_last+all_tokens+top_layer+decay0.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                "drafter.feature_layers=[1,14,28]", "train.loss.step_decay=0.5"],
-    "init_last+all_tokens+top_layer+decay0.3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                "drafter.feature_layers=[1,14,28]", "train.loss.step_decay=0.3"],
+    "init_last+all_tokens+top_layer+kd_t2": [*BEST_HEAD, "train.loss.temperature=2.0"],
+    "init_last+all_tokens+top_layer+decay0.5": [*BEST_HEAD, "train.loss.step_decay=0.5"],
+    "init_last+all_tokens+top_layer+decay0.3": [*BEST_HEAD, "train.loss.step_decay=0.3"],
     # kd_t2 and decay0.5 together
-    "init_last+all_tokens+top_layer+kd_t2+decay0.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                      "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0",
+    "init_last+all_tokens+top_layer+kd_t2+decay0.5": [*BEST_HEAD, "train.loss.temperature=2.0",
                                                       "train.loss.step_decay=0.5"],
-    # the temperature's trend on the best head: 3 and 1.5 beside 2 (and 1, the variant without it)
-    "init_last+all_tokens+top_layer+kd_t3": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                             "drafter.feature_layers=[1,14,28]", "train.loss.temperature=3.0"],
-    "init_last+all_tokens+top_layer+kd_t1.5": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                               "drafter.feature_layers=[1,14,28]", "train.loss.temperature=1.5"],
+    # the temperature's trend on the best head: 3 and 1.5 beside 2 (and 1: the best head under RESULTS' overrides)
+    "init_last+all_tokens+top_layer+kd_t3": [*BEST_HEAD, "train.loss.temperature=3.0"],
+    "init_last+all_tokens+top_layer+kd_t1.5": [*BEST_HEAD, "train.loss.temperature=1.5"],
     # a second seed (the head's random weights, the batch order and the held-out split) of the best head at
     # temperatures 1 and 2: whether temperature 2's gain is larger than what a seed moves
-    "init_last+all_tokens+top_layer+kd_t1+seed1": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                   "drafter.feature_layers=[1,14,28]", "train.loss.temperature=1.0",
+    "init_last+all_tokens+top_layer+kd_t1+seed1": [*BEST_HEAD, "train.loss.temperature=1.0",
                                                    "drafter.seed=1", "train.seed=1"],
-    "init_last+all_tokens+top_layer+kd_t2+seed1": ["drafter.init_from_layer=-1", "train.loss_positions=all",
-                                                   "drafter.feature_layers=[1,14,28]", "train.loss.temperature=2.0",
+    "init_last+all_tokens+top_layer+kd_t2+seed1": [*BEST_HEAD, "train.loss.temperature=2.0",
                                                    "drafter.seed=1", "train.seed=1"],
     # the same two on the recipe's head (the default budget's cache has no layer 28)
     "init_last+all_tokens+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.replay_weight=2.0"],
