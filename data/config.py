@@ -159,6 +159,16 @@ class RegenerateConfig:
     regenerated ones (cut after ``max_turns`` assistant turns alike): two answers per prompt, for the price of the
     second one's features. The held-out split draws records, so a held-out record may share its prompt with a
     training one; decoded acceptance is the measure. Measured: benchmarks/RESULTS.md, "levers"."""
+    samples: int = 0
+    """More answers per prompt from the target: every regenerated conversation is answered this many times more,
+    sampled at ``sample_temperature`` (with ``top_p``), each answer a record after all the regenerated ones (and
+    before any kept own answers). Each sample is its own resumable job (``regenerate-sample<i>``, seeded
+    ``seed + i * 1_000_003 + shard``); the first answer stays as ``temperature`` says. Several target answers per prompt
+    are more of the target's own contexts for the price of regenerating them. Measured: benchmarks/RESULTS.md,
+    "levers"."""
+    sample_temperature: float = 0.7
+    """The temperature of the ``samples`` more answers (> 0): the target's own distribution sharpened a little, as
+    served at a usual sampling temperature (at 1.0 a 135M target's long answers drift)."""
     temperature: float = 0.0
     """0 = greedy; otherwise sampled at this temperature (seeded per shard, so a resumed run matches)."""
     top_p: float = 1.0
@@ -187,6 +197,9 @@ class RegenerateConfig:
                               f"(0 = regenerate every conversation)")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1 or self.k < 1:
             raise ConfigError("data.regenerate.max_new_tokens, batch_size, shard_size and k must be at least 1")
+        if self.samples < 0 or (self.samples and self.sample_temperature <= 0):
+            raise ConfigError(f"data.regenerate.samples = {self.samples} must be ≥ 0, and sample_temperature = "
+                              f"{self.sample_temperature} > 0 with samples (greedy would repeat the first answer)")
         if self.temperature < 0:
             raise ConfigError(f"data.regenerate.temperature = {self.temperature} must be ≥ 0 (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:

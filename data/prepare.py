@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import chain
 from typing import Any
 
@@ -231,6 +231,11 @@ def _damage(folder: str, manifest: dict[str, Any] | None, spec: Any) -> str:
     return f"{folder}: {'; '.join(problems)}" if problems else ""
 
 
+def sample_folder(paths: PreparedPaths, i: int) -> str:
+    """The job folder of the i-th more answer per prompt (``data.regenerate.samples``; i from 1)."""
+    return f"{paths.regenerate}-sample{i}"
+
+
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -294,11 +299,19 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_
     report = regenerate_conversations(conversations, paths.regenerate, target, r,
                                       max_length=cfg.render.max_length, drafter=drafter, restart=restart,
                                       progress=progress, workers=workers)
+    samples = [sample_folder(paths, i) for i in range(1, r.samples + 1)]  # more target answers per prompt, sampled
+    for i, folder in enumerate(samples, 1):
+        settings = replace(r, temperature=r.sample_temperature, seed=r.seed + i * 1_000_003, samples=0)
+        more = regenerate_conversations(conversations, folder, target, settings, max_length=cfg.render.max_length,
+                                        drafter=drafter, restart=restart, progress=progress, workers=workers)
+        report.add(more)
     start = time.perf_counter()
     job = read_json(os.path.join(paths.regenerate, MANIFEST))
     if own:
         job = {"job": job, "own_answers": [conversations_manifest(conv_folder)["hash"], r.max_conversations, r.max_turns]
                + ([True] if r.keep_own_answers else [])}  # the digest of every mix recorded before the key stays
+    if samples:
+        job = {"job": job, "samples": [read_json(os.path.join(f, MANIFEST)) for f in samples]}
     job_digest = _digest(job)
     with _main_first(workers):
         manifest = conversations_manifest(paths.regenerated)
@@ -307,10 +320,13 @@ def _regenerate_stage(cfg: DataConfig, paths: PreparedPaths, env: _Env, drafter_
             report.note += f"; {damage}: written again from the shards" if damage else ""
             with writing(paths.regenerated, kept=lambda: f"every shard in {paths.regenerate} (all finished); "
                                                          f"{paths.regenerated} is written whole or not at all"):
-                records = regenerated_records(paths.regenerate)
+                records = chain(*(regenerated_records(f) for f in (paths.regenerate, *samples)))
                 manifest = write_conversations(paths.regenerated, chain(records, *(own_answers(o, r.max_turns) for o in own)),
                                                spec=job_digest)
     summary.add_skips(report.skipped, report.examples)
+    if samples:
+        report.note = "; ".join(x for x in (report.note, f"{r.samples} more answer(s) per prompt sampled at temperature "
+                                            f"{r.sample_temperature:g} (data.regenerate.samples)") if x)
     if own:
         why = "data.regenerate.keep_own_answers" if r.keep_own_answers else "data.regenerate.max_conversations"
         report.note = "; ".join(x for x in (report.note, f"{manifest['num_conversations'] - report.kept} more keep "

@@ -83,6 +83,18 @@ class RegenReport:
     finished included, and the answers a server's journal held): what the rate is over."""
     note: str = ""
 
+    def add(self, more: RegenReport) -> None:
+        """Count another job's answers of the same conversations in (``data.regenerate.samples``): its records,
+        turns, tokens and time; not its skips, which are this job's conversations skipped again."""
+        self.kept += more.kept
+        self.turns += more.turns
+        self.new_tokens += more.new_tokens
+        self.finish.update(more.finish)
+        self.failures.update(more.failures)
+        self.render_back.update(more.render_back)
+        self.seconds += more.seconds
+        self.run_tokens += more.run_tokens
+
 
 def regenerate_conversations(
     conversations: Any,

@@ -329,27 +329,32 @@ def test_greedy_batch_drops_finished_rows_and_matches_the_target_alone(smollm2):
     assert any(ended) and not all(ended), [len(t) for t in got]  # rows left the batch while others ran on
 
 
+def _prepare_own_answers(tmp_path, tiny_target_dir, *extra: str) -> tuple[list[dict], dict]:
+    """``draftsmith prepare`` (the regenerate stage, first turns) of USERS' conversations, each assistant turn
+    ``own <i>`` in the source, into ``tmp_path/out``: the regenerated records and the stage's summary row."""
+    from draftsmith.cli import main
+    from draftsmith.data.conversations import load_conversations
+
+    src, out = tmp_path / "convs.jsonl", tmp_path / "out"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [m for u in turns for m in (
+        {"role": "user", "content": u}, {"role": "assistant", "content": f"own {i}"})]}) + "\n"
+        for i, turns in enumerate(USERS)))
+    assert main(["prepare", f"target.name={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
+                 f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", f"data.out_dir={out}",
+                 f"data.regenerate.max_new_tokens={NEW}", "data.regenerate.max_turns=1", f"run_dir={tmp_path / 'run'}",
+                 *extra]) == 0
+    row = json.loads((out / "summary.json").read_text())["stages"][1]
+    return load_conversations(str(out / "conversations_regenerated")).to_list(), row
+
+
 def test_regenerate_max_conversations_keeps_the_rest_with_their_own_answers(tmp_path, tiny_target_dir):
     """data.regenerate.max_conversations=1 of 3: the first conversation is the target's (the same shard, reused, as a
     run of that one conversation alone), the other two keep their source's answers, cut after max_turns as a
     regenerated one is; the summary says how many kept their own. With keep_own_answers the regenerated ones keep
     theirs too, as records after every regenerated one."""
-    from draftsmith.cli import main
-    from draftsmith.data.conversations import load_conversations
-
-    src = tmp_path / "convs.jsonl"
-    src.write_text("".join(json.dumps({"id": f"q{i}", "messages": [m for u in turns for m in (
-        {"role": "user", "content": u}, {"role": "assistant", "content": f"own {i}"})]}) + "\n"
-        for i, turns in enumerate(USERS)))
-    out = tmp_path / "out"
-
     def prepare(*extra: str) -> tuple[list[dict], str]:
-        assert main(["prepare", f"target.name={tiny_target_dir}", "target.dtype=float32", "target.device=cpu",
-                     f"data.sources=[{{path: {src}}}]", "data.stages=[regenerate]", f"data.out_dir={out}",
-                     f"data.regenerate.max_new_tokens={NEW}", "data.regenerate.shard_size=1",
-                     "data.regenerate.max_turns=1", f"run_dir={tmp_path / 'run'}", *extra]) == 0
-        note = json.loads((out / "summary.json").read_text())["stages"][1]["note"]
-        return load_conversations(str(out / "conversations_regenerated")).to_list(), note
+        records, row = _prepare_own_answers(tmp_path, tiny_target_dir, "data.regenerate.shard_size=1", *extra)
+        return records, row["note"]
 
     alone, _ = prepare("data.max_conversations=1")
     mixed, note = prepare("data.regenerate.max_conversations=1")
@@ -367,6 +372,43 @@ def test_regenerate_max_conversations_keeps_the_rest_with_their_own_answers(tmp_
     assert note.startswith("up to date (reused)") and "3 more keep their own answers (data.regenerate.keep_own" in note
     both, _ = prepare("data.regenerate.keep_own_answers=true", "data.regenerate.max_conversations=1")
     assert both[0] == alone[0] and [r["messages"] for r in both[1:]] == own  # the first one's own, then the rest
+
+
+def test_regenerate_samples_add_sampled_answers_per_prompt(tmp_path, tiny_target_dir):
+    """data.regenerate.samples=2: every conversation is answered twice more by the target, sampled at
+    sample_temperature, as records after the greedy ones (each sample exactly what a job of its own at that temperature
+    and seed writes) and before kept own answers; a re-run reuses every job; the summary counts the answers."""
+    from draftsmith.data.conversations import load_conversations
+
+    def prepare(*extra: str) -> tuple[list[dict], dict]:
+        return _prepare_own_answers(tmp_path, tiny_target_dir, "data.regenerate.shard_size=2", *extra)
+
+    greedy, _ = prepare()
+    records, row = prepare("data.regenerate.samples=2")
+    assert records[:3] == greedy and len(records) == 9 and row["kept"] == 9
+    assert row["note"].startswith("up to date (reused)")  # the greedy job is kept as it was
+    assert "2 more answer(s) per prompt sampled at temperature 0.7 (data.regenerate.samples)" in row["note"]
+    conversations = load_conversations(str(tmp_path / "out" / "conversations"))
+    target = load_target(tiny_target_dir, "float32", "cpu")
+    for i in (1, 2):  # each sample: a job of its own at the sample temperature and its own seed
+        alone = RegenerateConfig(max_new_tokens=NEW, max_turns=1, shard_size=2, temperature=0.7, seed=i * 1_000_003)
+        regenerate_conversations(conversations, str(tmp_path / f"alone{i}"), target, alone, max_length=512,
+                                 progress=False)
+        assert records[3 * i: 3 * i + 3] == list(regenerated_records(str(tmp_path / f"alone{i}")))
+    assert [r["conv_id"] for r in records] == [r["conv_id"] for r in greedy] * 3
+    answers = [[r["messages"][1]["content"] for r in records[3 * i: 3 * i + 3]] for i in range(3)]
+    assert answers[1] != answers[0] and answers[2] != answers[1]  # sampled, and drawn anew for each sample
+    again, row = prepare("data.regenerate.samples=2")
+    assert again == records and "new tok/s" not in row["note"]  # no job answered anything again
+    both, _ = prepare("data.regenerate.samples=2", "data.regenerate.keep_own_answers=true")
+    assert both[:9] == records and [r["messages"][1]["content"] for r in both[9:]] == ["own 0", "own 1", "own 2"]
+
+
+def test_regenerate_samples_need_a_temperature():
+    with pytest.raises(Exception, match="sample_temperature = 0.0 > 0 with samples"):
+        RegenerateConfig(samples=1, sample_temperature=0.0).validate()
+    with pytest.raises(Exception, match="data.regenerate.samples = -1 must be ≥ 0"):
+        RegenerateConfig(samples=-1).validate()
 
 
 def test_regenerate_max_conversations_below_zero_is_refused():
