@@ -3,6 +3,7 @@
     python benchmarks/peer.py --prepared runs/demo/prepare/data --draftsmith-run runs/demo/eagle3 --out OUT
     python benchmarks/peer.py --prepared DIR --out OUT --steps 150 --batch-size 8 --ttt-steps 2 --lr 2e-3
     python benchmarks/peer.py ... --speculators-defaults     # speculators' own norm flags (a second, unmatched run)
+    python benchmarks/peer.py ... --seed 1                    # a second seed: split, batch order, speculators' init
 
 Five stages, each skipped when its output is already in ``--out`` (a killed run continues):
 
@@ -108,7 +109,7 @@ RECIPE = "smollm2-135m-eagle3"
 def recipe_for(args: argparse.Namespace) -> Any:
     """The draftsmith recipe of the comparison: the run's own ``config.yaml`` when ``--draftsmith-run`` has one,
     else ``smollm2-135m-eagle3`` with the default demo's train overrides on ``--prepared``; ``--steps``,
-    ``--batch-size``, ``--ttt-steps``, ``--lr`` override either; the draft vocabulary is ``--prepared``'s own unless
+    ``--batch-size``, ``--ttt-steps``, ``--lr``, ``--seed`` override either; the draft vocabulary is ``--prepared``'s own unless
     ``--draft-vocab`` names another (the one the compared draftsmith head was trained with)."""
     given = os.path.join(args.draftsmith_run or "", "config.yaml")
     if args.draftsmith_run and os.path.isfile(given):
@@ -124,6 +125,8 @@ def recipe_for(args: argparse.Namespace) -> Any:
                       ("lr", "train.optimizer.lr")):
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
+    if args.seed is not None:
+        overrides += [f"train.seed={args.seed}", f"drafter.seed={args.seed}"]
     if args.steps is not None and not os.path.isfile(given):
         overrides.append(f"train.schedule.warmup_steps={max(5, args.steps // 50)}")  # the demo's rule
     return load_recipe(path, overrides)
@@ -383,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--ttt-steps", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int, help="the recipe's train.seed and drafter.seed: the held-out split, the batch "
+                   "order and speculators' set_seed (a second seed of the reference beside a draftsmith run at that seed)")
     p.add_argument("--prompts", type=int, default=20, help="MT-bench first turns decoded")
     p.add_argument("--k", type=int, default=4, help="drafts per round (a chain)")
     p.add_argument("--max-new-tokens", type=int, default=96)

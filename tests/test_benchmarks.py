@@ -295,13 +295,14 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
             run_main(peer, ["--prepared", "P", "--draftsmith-run", "R", "--out", out], monkeypatch)
         assert e.value.args[0] == {"prepared": "P", "draftsmith_run": "R", "out": out, "draft_vocab": "",
                                    "steps": None, "batch_size": None,
-                                   "ttt_steps": None, "lr": None, "prompts": 20, "k": 4, "max_new_tokens": 96,
+                                   "ttt_steps": None, "lr": None, "seed": None, "prompts": 20, "k": 4, "max_new_tokens": 96,
                                    "speculators_defaults": False, "no_decoder": False}
         with pytest.raises(Parsed) as e:
             run_main(peer, ["--prepared", "P", "--out", out, "--steps", "150", "--batch-size", "8", "--ttt-steps", "2",
-                            "--lr", "2e-3", "--speculators-defaults", "--no-decoder"], monkeypatch)
+                            "--lr", "2e-3", "--seed", "1", "--speculators-defaults", "--no-decoder"], monkeypatch)
         got = e.value.args[0]
-        assert (got["steps"], got["batch_size"], got["ttt_steps"], got["lr"], got["draftsmith_run"]) == (150, 8, 2, 2e-3, "")
+        assert (got["steps"], got["batch_size"], got["ttt_steps"], got["lr"], got["seed"], got["draftsmith_run"]) == (
+            150, 8, 2, 2e-3, 1, "")
         assert got["speculators_defaults"] and got["no_decoder"]
         with pytest.raises(SystemExit) as e:
             run_main(peer, ["--out", out], monkeypatch)  # --prepared is required
@@ -310,12 +311,15 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
         # the recipe both trainers follow: --prepared's records and features, its vocabulary unless --draft-vocab
         prepared = tmp_path / "run" / "prepare" / "data"
         args = peer.argparse.Namespace(prepared=str(prepared), draftsmith_run="", draft_vocab="", steps=600, batch_size=8,
-                                       ttt_steps=2, lr=2e-3)
+                                       ttt_steps=2, lr=2e-3, seed=None)
         recipe = peer.recipe_for(args)
         assert recipe.drafter.draft_vocab == f"{prepared}/draft_vocab.safetensors"
         assert (recipe.train.dataset, recipe.train.features) == (f"{prepared}/tokenized", f"{prepared}/features")
         assert (recipe.train.steps, recipe.train.batch_size, recipe.train.ttt_steps) == (600, 8, 2)
         assert recipe.train.schedule.warmup_steps == 12
+        assert (recipe.train.seed, recipe.drafter.seed) == (0, 0)
+        args.seed = 1  # a second seed: the split, the batch order and speculators' own
+        assert (peer.recipe_for(args).train.seed, peer.recipe_for(args).drafter.seed) == (1, 1)
         args.draft_vocab = str(tmp_path / "full" / "draft_vocab.safetensors")
         assert peer.recipe_for(args).drafter.draft_vocab == args.draft_vocab
     finally:
