@@ -31,7 +31,8 @@ Five stages, each skipped when its output is already in ``--out`` (a killed run 
    not measured. A draftsmith run decoded by ``benchmarks/levers.py decode`` at the same settings is read from its
    ``levers_decode.json`` (the same call), not decoded again.
 
-Prints one table and writes ``OUT/peer.json``. Held-out and acceptance figures do not depend on the machine's
+Prints one table and writes ``OUT/peer.json``, and the recipe both trainers followed as ``OUT/config.yaml`` (so
+``benchmarks/levers.py decode OUT/speculators-drafter`` decodes the reference at other settings). Held-out and acceptance figures do not depend on the machine's
 load; no time is reported.
 
 Flags matched to draftsmith's (speculators' own options, no shim): ``norm_before_residual``, ``norm_before_fc``
@@ -88,6 +89,7 @@ from draftsmith.drafters import load as load_drafter
 from draftsmith.drafters.common import shift_left
 from draftsmith.export.conventions import engine_layer_ids
 from draftsmith.files import atomic_dir, write_json
+from draftsmith.schema import save_recipe
 from draftsmith.tables import text_table
 from draftsmith.target import Target, load_target, resolve_target_folder
 from draftsmith.train import losses
@@ -398,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     recipe = recipe_for(args)
+    save_recipe(recipe, args.out)  # OUT/config.yaml: what `levers.py decode OUT/speculators-drafter` reads
     target = load_target(recipe.target.name, recipe.target.dtype, "cpu")
     data = draftsmith_data(recipe, target)
     tag = "speculators-defaults" if args.speculators_defaults else "speculators"

@@ -4,7 +4,9 @@ assisted generation (``decode.py``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 
 import pytest
@@ -285,8 +287,8 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
     class Parsed(Exception):
         pass
 
-    def stop(args):
-        raise Parsed(vars(args))
+    def stop(args, *_):
+        raise Parsed(vars(args) if isinstance(args, argparse.Namespace) else args)
 
     try:
         monkeypatch.setattr(peer, "recipe_for", stop)
@@ -322,5 +324,11 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
         assert (peer.recipe_for(args).train.seed, peer.recipe_for(args).drafter.seed) == (1, 1)
         args.draft_vocab = str(tmp_path / "full" / "draft_vocab.safetensors")
         assert peer.recipe_for(args).drafter.draft_vocab == args.draft_vocab
+        # the recipe is kept beside the heads, as a run folder keeps its own (levers.py decode reads it)
+        monkeypatch.setattr(peer, "load_target", stop)
+        with pytest.raises(Parsed):
+            run_main(peer, ["--prepared", str(prepared), "--out", out, "--steps", "600", "--seed", "1"], monkeypatch)
+        kept = peer.load_recipe(os.path.join(out, "config.yaml"), [])
+        assert (kept.train.dataset, kept.train.steps, kept.train.seed) == (f"{prepared}/tokenized", 600, 1)
     finally:
         del sys.modules["draftsmith_bench_peer"]
