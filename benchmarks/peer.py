@@ -32,8 +32,8 @@ Five stages, each skipped when its output is already in ``--out`` (a killed run 
    ``levers_decode.json`` (the same call), not decoded again.
 
 Prints one table and writes ``OUT/peer.json``, and the recipe both trainers followed as ``OUT/config.yaml`` (so
-``benchmarks/levers.py decode OUT/speculators-drafter`` decodes the reference at other settings). Held-out and acceptance figures do not depend on the machine's
-load; no time is reported.
+``benchmarks/levers.py decode OUT/speculators-drafter`` decodes the reference at other settings). Held-out and
+acceptance figures do not depend on the machine's load; no time is reported.
 
 Flags matched to draftsmith's (speculators' own options, no shim): ``norm_before_residual``, ``norm_before_fc``
 and ``norm_output`` false as draftsmith's recipe has them (speculators' EAGLE-3 defaults are all true;
