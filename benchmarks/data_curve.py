@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
-from levers import row  # noqa: E402
+from levers import COLUMNS, header, row  # noqa: E402
 
 
 def _value(overrides: list[str], key: str, default: str) -> str:
@@ -79,10 +79,7 @@ def train(config: str, out: str, records: list[int], epochs: float, min_steps: i
 
 
 def table(run_dirs: list[str]) -> None:
-    print("| point | records | answer tokens | steps | held-out sim τ | best (step) | top-1 per step "
-          "| expected acceptance per step | held-out loss | train loss at 10 / 50 / 100 / last "
-          "| τ decoded, chain of k (bf16) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(header(["point", "records", "answer tokens", "steps", *COLUMNS[1:]]))
     for run_dir in run_dirs:
         point = json.load(open(os.path.join(run_dir, "data_curve.json")))
         cells = row(run_dir).split("|")  # | name | sim τ | ...: the point's sizes go after the name

@@ -254,11 +254,19 @@ def decoded_taus(run_dir: str, drafter: str) -> str:
     return " / ".join(f"{by_k[k]['tau_with_bonus']:.3f}" for k in sorted(by_k, key=int))
 
 
+COLUMNS = ("run", "held-out sim τ", "best (step)", "top-1 per step", "expected acceptance per step", "held-out loss",
+           "train loss at 10 / 50 / 100 / last", "τ decoded, chain of k (bf16)",
+           "raw weights of an EMA run: held-out sim τ, best; decoded")
+"""The cells of :func:`row`, in order: the one home of the table's header (``data_curve.py table`` extends it)."""
+
+
+def header(columns: tuple[str, ...] | list[str]) -> str:
+    """A markdown table's two header lines, the first column left-aligned and the figures right-aligned."""
+    return "| " + " | ".join(columns) + " |\n| --- |" + " ---: |" * (len(columns) - 1)
+
+
 def table(run_dirs: list[str]) -> None:
-    print("| run | held-out sim τ | best (step) | top-1 per step | expected acceptance per step | held-out loss "
-          "| train loss at 10 / 50 / 100 / last | τ decoded, chain of k (bf16) | raw weights of an EMA run: held-out "
-          "sim τ, best; decoded |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(header(COLUMNS))
     for run_dir in run_dirs:
         print(row(run_dir))
 

@@ -152,6 +152,28 @@ def test_levers_decodes_a_drafter_folder_inside_a_run_and_tables_the_raw_weights
         del sys.modules["draftsmith_bench_levers"]
 
 
+def test_the_data_curves_table_has_a_header_cell_for_every_cell_of_its_rows(tmp_path, capsys):
+    """``data_curve.py table`` is levers' table with the point's sizes after the name: its header comes from
+    ``levers.COLUMNS``, so a column levers adds (the EMA run's raw weights did) cannot leave its rows a cell longer."""
+    curve = benchmark_script("data_curve")
+    try:
+        run = tmp_path / "r825"
+        (run / "logs").mkdir(parents=True)
+        held = {"heldout/top1_step0": 0.5, "heldout/expected_accept_step0": 0.4, "heldout/loss": 6.0, "sim_tau": 1.7}
+        (run / "train_summary.json").write_text(json.dumps(
+            {"heldout": held, "best": {"step": 150, "sim_tau": 1.7}, "steps": 150, "sim_tau_curve": []}))
+        (run / "logs" / "train.rank0.jsonl").write_text(json.dumps({"step": 10, "loss": 9.0}) + "\n")
+        (run / "data_curve.json").write_text(json.dumps({"records": 825, "answer_tokens": 110941, "steps": 150}))
+        curve.table([str(run)])
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("| point | records | answer tokens | steps | held-out sim τ |")
+        assert lines[2] == ("| r825 | 825 | 110,941 | 150 | **1.7000** | 1.7000 (step 150) | 0.500 | 0.400 | 6.00 "
+                            "| 9.00 / – / – / – | – | – |")
+        assert len({line.count("|") for line in lines}) == 1
+    finally:
+        del sys.modules["draftsmith_bench_data_curve"]
+
+
 # ---------------------------------------------------------------- the scripts' shared preamble
 
 
