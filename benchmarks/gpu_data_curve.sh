@@ -10,7 +10,7 @@
 # SAMPLES=S adds S sampled target answers per prompt (data.regenerate.samples, temperature 0.7): the stored file has
 # ~9.9k usable first turns, so past ~1.3M answer tokens more data means more answers per prompt. Their records follow
 # the greedy ones, so RECORDS subsets up to the greedy count hold greedy answers only; held-out records may share a
-# prompt with trained ones (held-out figures flatter; decoded τ on MT-bench does not).
+# prompt with trained ones (held-out figures may flatter; decoded τ on MT-bench cannot).
 # Batch sizes: regeneration batch RB (512: an H200 holds it with room), training batch TBS (32) at the demo's
 # learning rate 2e-3 and TTT depth 2; 64 held-out records. Needs transformers >= 5.24 (target.MIN_TRANSFORMERS).
 # On an H200 regeneration runs ~6k new tokens/s at RB=512 and training ~80k tokens/s: N=10000 takes ~4 min + ~4 min.
