@@ -1,10 +1,15 @@
-"""Plain-text tables for the terminal that fit a width (80 columns unless told otherwise).
+"""Tables, written once: plain text for the terminal that fits a width (80 columns unless told otherwise), and
+Markdown for RESULTS, reports and docs.
 
 A table printed by a long job (``draftsmith demo``, ``draftsmith prepare``) is read in whatever
 terminal or log the user has; rich's tables wrap every cell into many lines when stdout is not a
 wide TTY. These tables keep one line per row: short cells, numbers right-aligned, and the first
 column cut with "…" when the whole would exceed the width. Details go in a legend under the table
 (:func:`wrapped`) or in the job's JSON.
+
+A Markdown table (:func:`markdown_table`) is what a benchmark prints for RESULTS.md, what ``draftsmith report`` writes
+and what a doc page embeds: the same rule for alignment (label columns left, figures right) and for cells that would
+break the table.
 """
 
 from __future__ import annotations
@@ -43,6 +48,25 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], width: int 
         return "  ".join(out).rstrip()
 
     return [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1) -> list[str]:
+    """The lines of a Markdown table: the header, the separator, one line per row.
+
+    ``left`` leading columns are left-aligned (``---``), the rest right-aligned (``---:``: figures). A cell is
+    ``str()`` of the value with ``|`` escaped and a newline shown as ⏎, so no value breaks the table.
+    """
+    cols = len(header)
+    if any(len(r) != cols for r in rows):
+        raise ValueError(f"every row needs {cols} cells: {[len(r) for r in rows]}")
+    separator = "| " + " | ".join("---" if i < left else "---:" for i in range(cols)) + " |"
+    return [markdown_row(header), separator, *(markdown_row(r) for r in rows)]
+
+
+def markdown_row(cells: Sequence[object]) -> str:
+    """One line of a Markdown table (:func:`markdown_table`'s cell rule): for a script that prints the header first
+    (``markdown_table(header, [])``) and each row as it is measured."""
+    return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", "⏎") for c in cells) + " |"
 
 
 def wrapped(text: str, width: int = WIDTH, indent: str = "  ") -> list[str]:

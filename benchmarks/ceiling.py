@@ -30,6 +30,7 @@ from draftsmith.files import write_json
 from draftsmith.measure.costs import verify_costs
 from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import target_greedy
+from draftsmith.tables import markdown_table
 from draftsmith.target import Target, describe, load_target
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -170,16 +171,14 @@ def bench_ceiling(
 
 
 def format_ceiling(res: dict[str, Any], dtype: str) -> str:
-    lines = [f"| k ({dtype}) | v(k) | bound (k+1)/v(k) | oracle speedup vs target alone | share of bound | "
-             f"end-to-end bound (prefill paid) | share of it | decode phase (prefill out) | its share of bound | "
-             f"oracle τ |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in res["table"]:
-        lines.append(f"| {r['k']} | {r['verify_cost']:.2f} | {r['bound']:.2f}× | {r['oracle_speedup']:.2f}× | "
-                     f"{100 * r['share_of_bound']:.0f}% | {r['end_to_end_bound']:.2f}× | "
-                     f"{100 * r['share_of_end_to_end_bound']:.0f}% | {r['decode_phase_speedup']:.2f}× | "
-                     f"{100 * r['decode_phase_share_of_bound']:.0f}% | {r['oracle_tau']:.2f} |")
-    return "\n".join(lines)
+    header = [f"k ({dtype})", "v(k)", "bound (k+1)/v(k)", "oracle speedup vs target alone", "share of bound",
+              "end-to-end bound (prefill paid)", "share of it", "decode phase (prefill out)", "its share of bound",
+              "oracle τ"]
+    rows = [[r["k"], f"{r['verify_cost']:.2f}", f"{r['bound']:.2f}×", f"{r['oracle_speedup']:.2f}×",
+             f"{100 * r['share_of_bound']:.0f}%", f"{r['end_to_end_bound']:.2f}×",
+             f"{100 * r['share_of_end_to_end_bound']:.0f}%", f"{r['decode_phase_speedup']:.2f}×",
+             f"{100 * r['decode_phase_share_of_bound']:.0f}%", f"{r['oracle_tau']:.2f}"] for r in res["table"]]
+    return "\n".join(markdown_table(header, rows, left=0))
 
 
 def main() -> None:

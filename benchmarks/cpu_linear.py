@@ -34,6 +34,7 @@ from torch import nn
 from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import target_greedy
 from draftsmith.cpu_kernels import cpu_linear
+from draftsmith.tables import markdown_row, markdown_table
 from draftsmith.target import crop_cache, load_target
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +60,8 @@ def linears(model: nn.Module, repeats: int, dtype: torch.dtype) -> None:
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
     rows = [1, 2, 3, 4, 5, 8, 16, 256]  # 256: a prefill or a feature-capture batch
     kind = cpu_linear.route(dtype)
-    print(f"\n| linear [N, K] ({NAMES[dtype]}) | " + " | ".join(f"{r} rows: torch / ours ms" for r in rows) + " |")
-    print("| --- | " + " | ".join("---:" for _ in rows) + " |")
+    print("\n" + "\n".join(markdown_table([f"linear [N, K] ({NAMES[dtype]})",
+                                           *(f"{r} rows: torch / ours ms" for r in rows)], [])))
     for n, k in shapes:
         w = torch.randn(n, k).to(dtype)
         packed = cpu_linear.pack(w) if kind == "packed" else None
@@ -72,7 +73,7 @@ def linears(model: nn.Module, repeats: int, dtype: torch.dtype) -> None:
             a = median_ms(lambda: F.linear(x, w), repeats)
             b = median_ms(lambda: ours(x), repeats)
             cells.append(f"{a:.2f} / {b:.2f} ({a / b:.1f}×)")
-        print(f"| [{n}, {k}] | " + " | ".join(cells) + " |", flush=True)
+        print(markdown_row([f"[{n}, {k}]", *cells]), flush=True)
 
 
 def forwards(target, repeats: int) -> None:
@@ -93,12 +94,12 @@ def forwards(target, repeats: int) -> None:
                     target.forward(ids, cache)
                     ms[side][n].append((clock() - t0) * 1e3)
                 crop_cache(cache, 100)
-    print(f"\n| target forward on a 100-token cache ({dtype}) | " + " | ".join(f"{n} new" for n in news) + " | v(1) | v(2) | v(4) | v(8) |")
-    print("| --- | " + " | ".join("---:" for _ in news) + " | ---: | ---: | ---: | ---: |")
+    rows = []
     for side in ("torch", "ours"):
         med = {n: statistics.median(ms[side][n]) for n in news}
-        print(f"| {side} | " + " | ".join(f"{med[n]:.1f} ms" for n in news) + " | "
-              + " | ".join(f"{med[n] / med[1]:.2f}" for n in (2, 3, 5, 9)) + " |", flush=True)
+        rows.append([side, *(f"{med[n]:.1f} ms" for n in news), *(f"{med[n] / med[1]:.2f}" for n in (2, 3, 5, 9))])
+    print("\n" + "\n".join(markdown_table([f"target forward on a 100-token cache ({dtype})", *(f"{n} new" for n in news),
+                                           "v(1)", "v(2)", "v(4)", "v(8)"], rows)), flush=True)
 
 
 def alone(target, prompts: list[list[int]], max_new: int) -> None:

@@ -26,9 +26,11 @@ import os
 import subprocess
 import sys
 
+from draftsmith.tables import markdown_row, markdown_table
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
-from levers import COLUMNS, header, row  # noqa: E402
+from levers import COLUMNS, cells  # noqa: E402
 
 
 def _value(overrides: list[str], key: str, default: str) -> str:
@@ -79,12 +81,11 @@ def train(config: str, out: str, records: list[int], epochs: float, min_steps: i
 
 
 def table(run_dirs: list[str]) -> None:
-    print(header(["point", "records", "answer tokens", "steps", *COLUMNS[1:]]))
+    print("\n".join(markdown_table(["point", "records", "answer tokens", "steps", *COLUMNS[1:]], [])))
     for run_dir in run_dirs:
         point = json.load(open(os.path.join(run_dir, "data_curve.json")))
-        cells = row(run_dir).split("|")  # | name | sim τ | ...: the point's sizes go after the name
-        print("|".join([*cells[:2], f" {point['records']:,} ", f" {point['answer_tokens']:,} ", f" {point['steps']} ",
-                        *cells[2:]]))
+        name, *figures = cells(run_dir)  # the point's sizes go after the name
+        print(markdown_row([name, f"{point['records']:,}", f"{point['answer_tokens']:,}", point["steps"], *figures]))
 
 
 def main(argv: list[str] | None = None) -> None:

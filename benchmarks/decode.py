@@ -44,6 +44,7 @@ from draftsmith.files import write_json
 from draftsmith.measure.forwards import ForwardCounter
 from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import hf_generate, target_greedy
+from draftsmith.tables import markdown_table
 from draftsmith.target import Target, describe, load_target
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -258,19 +259,16 @@ def run_bench_decode(
 
 
 def format_summary(s: dict[str, Any], ds: dict[str, Any]) -> str:
-    lines = [
-        "| method | median tok/s | aggregate tok/s | target forwards | identical to greedy |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for n in (*SPECULATIVE, "greedy"):
-        same = f"{s[n]['identical_to_greedy']}/{s['prompts']}" if n != "greedy" else "(reference)"
-        lines.append(f"| {n} | {s[n]['median_tokens_per_s']:.2f} | {s[n]['aggregate_tokens_per_s']:.2f} | "
-                     f"{s[n]['target_forwards']} | {same} |")
-    lines.append("| speed ratio | median of per-prompt tok/s ratios | by total CPU time |")
-    lines.append("| --- | --- | --- |")
-    for a, b in (("draftsmith", "hf_assisted"), ("draftsmith_own_cache", "hf_assisted"), ("draftsmith", "greedy"),
-                 ("hf_assisted", "greedy")):
-        lines.append(f"| {a} / {b} | {s[f'ratio_{a}_over_{b}']:.3f}× | {s[f'cpu_ratio_{a}_over_{b}']:.3f}× |")
+    lines = markdown_table(
+        ["method", "median tok/s", "aggregate tok/s", "target forwards", "identical to greedy"],
+        [[n, f"{s[n]['median_tokens_per_s']:.2f}", f"{s[n]['aggregate_tokens_per_s']:.2f}", s[n]["target_forwards"],
+          f"{s[n]['identical_to_greedy']}/{s['prompts']}" if n != "greedy" else "(reference)"]
+         for n in (*SPECULATIVE, "greedy")])
+    lines += [""] + markdown_table(
+        ["speed ratio", "median of per-prompt tok/s ratios", "by total CPU time"],
+        [[f"{a} / {b}", f"{s[f'ratio_{a}_over_{b}']:.3f}×", f"{s[f'cpu_ratio_{a}_over_{b}']:.3f}×"]
+         for a, b in (("draftsmith", "hf_assisted"), ("draftsmith_own_cache", "hf_assisted"), ("draftsmith", "greedy"),
+                      ("hf_assisted", "greedy"))])
     lines.append(f"draftsmith: tau (bonus token counted) = {ds['tau_with_bonus']:.3f}, acceptance "
                  f"{ds['acceptance_rate']:.3f}, per position (cumulative) {ds['acceptance_at_position']}")
     return "\n".join(lines)
@@ -279,15 +277,12 @@ def format_summary(s: dict[str, Any], ds: dict[str, Any]) -> str:
 def format_sweep(rows: list[dict[str, Any]]) -> str:
     ks = list(rows[0]["tau_with_bonus_by_k"])
     kt = rows[0]["k_timed"]
-    lines = ["| layers | acceptance at position 1..k (cumulative) | " + " | ".join(f"τ k={kk}" for kk in ks)
-             + f" | speed / greedy at k={kt} (CPU) | (wall) |",
-             "| --- | --- | " + " | ".join("---" for _ in ks) + " | --- | --- |"]
-    for r in rows:
-        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_at_position"])
-        taus = " | ".join(f"{r['tau_with_bonus_by_k'][kk]:.2f}" for kk in ks)
-        lines.append(f"| {r['num_layers']} | {acc} | {taus} | {r['speed_over_greedy_cpu']:.2f}× | "
-                     f"{r['speed_over_greedy_wall']:.2f}× |")
-    return "\n".join(lines)
+    header = ["layers", "acceptance at position 1..k (cumulative)", *(f"τ k={kk}" for kk in ks),
+              f"speed / greedy at k={kt} (CPU)", "(wall)"]
+    return "\n".join(markdown_table(header, [
+        [r["num_layers"], ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_at_position"]),
+         *(f"{r['tau_with_bonus_by_k'][kk]:.2f}" for kk in ks), f"{r['speed_over_greedy_cpu']:.2f}×",
+         f"{r['speed_over_greedy_wall']:.2f}×"] for r in rows], left=2))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from draftsmith.drafters.dflash import DFlashConfig
 from draftsmith.measure.costs import TimedDrafter, target_step_seconds, verify_costs
 from draftsmith.measure.prompts import load_questions
 from draftsmith.files import write_json
+from draftsmith.tables import markdown_row, markdown_table
 from draftsmith.target import describe, load_target
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,9 +89,8 @@ def main() -> None:
     v = verify_costs(target, prompts[0], [args.k])[args.k]
     rows = []
     print(f"target {args.dtype}, {torch.get_num_threads()} threads, v({args.k}) = {v:.2f}")
-    print("| drafter | c (draft step / target step) | c per round (its k drafts) | ms per draft token | "
-          "target step ms | bound τ/(v+kc) at τ=k+1 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(markdown_table(["drafter", "c (draft step / target step)", "c per round (its k drafts)",
+                                   "ms per draft token", "target step ms", "bound τ/(v+kc) at τ=k+1"], [])))
     for name, make in families(target).items():
         if args.only and not any(s in name for s in args.only.split(",")):
             continue
@@ -106,8 +106,8 @@ def main() -> None:
         rows.append({"drafter": name, "c": round(c, 4), "c_per_round": round(c_round, 4),
                      "ms_per_draft_token": round(per_token * 1e3, 3),
                      "target_step_ms": round(step * 1e3, 3), "drafted": drafter.drafted, "rounds": rounds})
-        print(f"| {name} | {c:.3f} | {c_round:.3f} | {per_token * 1e3:.2f} | {step * 1e3:.2f} | {(args.k + 1) / (v + args.k * c):.2f}× |",
-              flush=True)
+        print(markdown_row([name, f"{c:.3f}", f"{c_round:.3f}", f"{per_token * 1e3:.2f}", f"{step * 1e3:.2f}",
+                            f"{(args.k + 1) / (v + args.k * c):.2f}×"]), flush=True)
     write_json(args.out, {"target": describe(target), "threads": torch.get_num_threads(), "k": args.k,
                           "verify_cost": v, "rows": rows})
     print(f"wrote {args.out}")

@@ -37,6 +37,8 @@ import subprocess
 import sys
 from typing import Any
 
+from draftsmith.tables import markdown_row, markdown_table
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
@@ -219,6 +221,12 @@ def decode(run_dirs: list[str], prompts: int, ks: list[int], max_new_tokens: int
 
 
 def row(run_dir: str) -> str:
+    """The run's line of the table (:data:`COLUMNS`)."""
+    return markdown_row(cells(run_dir))
+
+
+def cells(run_dir: str) -> list[str]:
+    """The run's cells under :data:`COLUMNS`, from its train_summary.json, train log and decode files."""
     from draftsmith.train.save import BEST, RAW_DRAFTER
 
     summary = json.load(open(os.path.join(run_dir, "train_summary.json")))
@@ -240,9 +248,9 @@ def row(run_dir: str) -> str:
         raw = f"{held['raw/sim_tau']:.4f}, best {top['raw_sim_tau']:.4f} (step {top['step']})"
         if os.path.isfile(os.path.join(run_dir, decode_file(RAW_DRAFTER))):
             raw += f"; decoded {decoded_taus(run_dir, RAW_DRAFTER)}"
-    return (f"| {os.path.basename(os.path.normpath(run_dir))} | **{held['sim_tau']:.4f}** | {best['sim_tau']:.4f} "
-            f"(step {best['step']}) | {top1} | {accept} | {held['heldout/loss']:.2f} | {curve} | "
-            f"{decoded_taus(run_dir, BEST)} | {raw} |")
+    return [os.path.basename(os.path.normpath(run_dir)), f"**{held['sim_tau']:.4f}**",
+            f"{best['sim_tau']:.4f} (step {best['step']})", top1, accept, f"{held['heldout/loss']:.2f}", curve,
+            decoded_taus(run_dir, BEST), raw]
 
 
 def decoded_taus(run_dir: str, drafter: str) -> str:
@@ -260,13 +268,8 @@ COLUMNS = ("run", "held-out sim τ", "best (step)", "top-1 per step", "expected 
 """The cells of :func:`row`, in order: the one home of the table's header (``data_curve.py table`` extends it)."""
 
 
-def header(columns: tuple[str, ...] | list[str]) -> str:
-    """A markdown table's two header lines, the first column left-aligned and the figures right-aligned."""
-    return "| " + " | ".join(columns) + " |\n| --- |" + " ---: |" * (len(columns) - 1)
-
-
 def table(run_dirs: list[str]) -> None:
-    print(header(COLUMNS))
+    print("\n".join(markdown_table(COLUMNS, [])))
     for run_dir in run_dirs:
         print(row(run_dir))
 

@@ -41,6 +41,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from draftsmith.tables import markdown_table
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import script_parser  # noqa: E402 — the benchmarks folder is not a package
 
@@ -184,21 +186,17 @@ def format_tables(rows: list[Estimate]) -> str:
         f"{PEAK_TFLOPS:.0f} TFLOP/s (H100 SXM dense bf16) peak; data: {CONVERSATIONS:,} regenerated "
         f"conversations × {MEAN_TOKENS:,} tokens = {CONVERSATIONS * MEAN_TOKENS / 1e6:,.0f}M tokens.",
         "",
-        "| recipe | ZeRO | batch × length | target | head states | activations | total / GPU | tokens/s/GPU | hours/epoch | target share of FLOPs |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        out.append(f"| {r.recipe} | {r.zero_stage} | {r.batch} × {r.length} | {r.target_gib:.1f} GiB | "
-                   f"{r.head_states_gib:.1f} GiB | {r.activations_gib:.1f} GiB | {r.total_gib:.1f} GiB | "
-                   f"{r.tokens_per_s_per_gpu:,.0f} | {r.epoch_hours:.1f} | {r.target_share_of_flops:.0%} |")
-    out += [
+        *markdown_table(["recipe", "ZeRO", "batch × length", "target", "head states", "activations", "total / GPU",
+                         "tokens/s/GPU", "hours/epoch", "target share of FLOPs"],
+                        [[r.recipe, r.zero_stage, f"{r.batch} × {r.length}", f"{r.target_gib:.1f} GiB",
+                          f"{r.head_states_gib:.1f} GiB", f"{r.activations_gib:.1f} GiB", f"{r.total_gib:.1f} GiB",
+                          f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.epoch_hours:.1f}", f"{r.target_share_of_flops:.0%}"]
+                         for r in rows]),
         "",
-        "| recipe | cache bytes/token | cache size | read rate needed (node) |",
-        "| --- | ---: | ---: | ---: |",
+        *markdown_table(["recipe", "cache bytes/token", "cache size", "read rate needed (node)"],
+                        [[r.recipe, f"{r.cache_bytes_per_token / 1024:.0f} KiB", f"{r.cache_tib:.1f} TiB",
+                          f"{r.cache_read_gbps_per_node:.1f} GB/s"] for r in rows]),
     ]
-    for r in rows:
-        out.append(f"| {r.recipe} | {r.cache_bytes_per_token / 1024:.0f} KiB | {r.cache_tib:.1f} TiB | "
-                   f"{r.cache_read_gbps_per_node:.1f} GB/s |")
     return "\n".join(out)
 
 

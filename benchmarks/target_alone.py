@@ -22,6 +22,7 @@ import torch
 
 from draftsmith.measure.prompts import load_questions
 from draftsmith.decode.reference import target_greedy
+from draftsmith.tables import markdown_table
 from draftsmith.target import load_target
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,11 +55,11 @@ def main() -> None:
             if i:  # the first prompt warms every target up
                 rows[key].append({"new": len(out), "wall_tok_s": len(out) / wall, "cpu_tok_s": len(out) / cpu})
     print(f"{torch.get_num_threads()} threads, {args.prompts} MT-bench first turns × ≤ {args.max_new_tokens} new tokens")
-    print("| target, dtype | wall tok/s | CPU tok/s |\n| --- | ---: | ---: |")
     summary = {}
     for key, rs in rows.items():
         summary[key] = {m: round(statistics.median(r[m] for r in rs), 2) for m in ("wall_tok_s", "cpu_tok_s")}
-        print(f"| {key} | {summary[key]['wall_tok_s']:.1f} | {summary[key]['cpu_tok_s']:.1f} |")
+    print("\n".join(markdown_table(["target, dtype", "wall tok/s", "CPU tok/s"],
+                                   [[key, f"{s['wall_tok_s']:.1f}", f"{s['cpu_tok_s']:.1f}"] for key, s in summary.items()])))
     print(json.dumps(summary))
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from draftsmith.tables import markdown_table
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import first_turns, script_parser, set_threads  # noqa: E402 — the benchmarks folder is not a package
 
@@ -151,16 +153,15 @@ def run_dtype(args: argparse.Namespace, dtype: str, questions: list[Any]) -> dic
 
 
 def format_rows(res: dict[str, Any]) -> str:
-    lines = ["| method | τ (bonus counted) | tokens verified / round | tok/s (aggregate) | × target (CPU) | "
-             "× target (wall) | acceptance by depth | identical |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = []
     for r in res["methods"]:
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_at_depth"])
-        lines.append(f"| {r['method']} | {r['tau_with_bonus']:.3f} | {r['drafted_per_round']:.1f} | "
-                     f"{r['aggregate_tokens_per_s']:.2f} | {r['speedup_vs_target_cpu']:.3f}× | "
-                     f"{r['speedup_vs_target_wall']:.3f}× | {acc} | {r['identical_to_target']} |")
-    lines.append(f"| target greedy alone | 1 | 0 | {res['greedy']['aggregate_tokens_per_s']:.2f} | 1× | 1× | | |")
-    return "\n".join(lines)
+        rows.append([r["method"], f"{r['tau_with_bonus']:.3f}", f"{r['drafted_per_round']:.1f}",
+                     f"{r['aggregate_tokens_per_s']:.2f}", f"{r['speedup_vs_target_cpu']:.3f}×",
+                     f"{r['speedup_vs_target_wall']:.3f}×", acc, r["identical_to_target"]])
+    rows.append(["target greedy alone", "1", "0", f"{res['greedy']['aggregate_tokens_per_s']:.2f}", "1×", "1×", "", ""])
+    return "\n".join(markdown_table(["method", "τ (bonus counted)", "tokens verified / round", "tok/s (aggregate)",
+                                     "× target (CPU)", "× target (wall)", "acceptance by depth", "identical"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..tables import markdown_table
 from .common import count_parameters, placeholder_parts, text_config
 from .dflash import DFlashConfig, meta_dflash
 from .dflash2 import DFlash2Config
@@ -155,8 +156,7 @@ def parameter_rows() -> list[dict[str, Any]]:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """A Markdown table, counts in millions."""
-    out = ["| target | drafter | trainable | frozen | stored | total |", "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        cells = [f"{r[k] / 1e6:,.1f}M" for k in ("trainable", "frozen", "stored", "total")]
-        out.append(f"| {r['target']} | {r['drafter']} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    counts = ("trainable", "frozen", "stored", "total")
+    return "\n".join(markdown_table(["target", "drafter", *counts],
+                                    [[r["target"], r["drafter"], *(f"{r[k] / 1e6:,.1f}M" for k in counts)] for r in rows],
+                                    left=2))

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ..files import write_json, write_text
+from ..tables import markdown_table
 from .plots import PLOTS, training_sim_tau
 
 
@@ -29,13 +30,8 @@ def _f(x: Any, digits: int = 3, suffix: str = "") -> str:
     return f"{x}{suffix}"
 
 
-def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", "⏎") for c in cells) + " |"
-
-
-def _table(header: list[str], rows: list[list[Any]], align: str = "r") -> list[str]:
-    return [_row(header), _row([":---"] + [f"---:" if align == "r" else ":---"] * (len(header) - 1)),
-            *[_row(r) for r in rows], ""]
+def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> list[str]:
+    return [*markdown_table(header, rows, left=left), ""]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -191,7 +187,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += _table(["prompt", "context (before)", "target", "drafted", "p(target)", "q(target)", "α"],
                         [[f"{r['id']} @{r['answer_position']}", repr(r["context"]), repr(r["target_token"]),
                           repr(r["drafted_token"]), _f(r["p_target"]), _f(r["q_target"]), _f(r["alpha"])]
-                         for r in al["failing_contexts"]], align="l")
+                         for r in al["failing_contexts"]], left=7)
 
     trained = [n for n in names if res[n].get("training")]
     if trained:
@@ -204,7 +200,7 @@ def markdown(report: dict[str, Any]) -> str:
             curve = ", ".join(f"{p['step']}: {p['sim_tau']:.3f}" for p in tr["sim_tau_curve"])
             rows.append([n, curve, f"{best.get('step', '—')} ({_f(best.get('sim_tau'))})",
                          _f(res[n]["decoding"]["greedy"]["tau_with_bonus"])])
-        lines += _table(["drafter", "sim_tau by step", "drafter-best step (sim_tau)", "decoder τ greedy"], rows, align="l")
+        lines += _table(["drafter", "sim_tau by step", "drafter-best step (sim_tau)", "decoder τ greedy"], rows, left=4)
         lines += ["![training](training_sim_tau.png)", ""]
 
     lines += ["## Lossless audit (fp32 greedy, with and without speculation)", ""]

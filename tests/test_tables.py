@@ -1,10 +1,11 @@
-"""Plain-text terminal tables: one line per row, within the width, numbers right-aligned."""
+"""Tables: plain text for the terminal (one line per row, within the width, numbers right-aligned) and Markdown
+(label columns left, figures right, no cell breaks the table)."""
 
 from __future__ import annotations
 
 import pytest
 
-from draftsmith.tables import text_table, wrapped
+from draftsmith.tables import markdown_row, markdown_table, text_table, wrapped
 
 
 def test_columns_align_and_numbers_are_right_aligned():
@@ -24,6 +25,23 @@ def test_the_first_column_is_cut_to_fit_the_width():
 def test_rows_of_the_wrong_length_are_refused():
     with pytest.raises(ValueError, match="every row needs 2 cells"):
         text_table(["a", "b"], [["1"]])
+
+
+def test_a_markdown_table_aligns_labels_left_and_figures_right():
+    assert markdown_table(["target", "drafter", "τ"], [["smollm2", "eagle3", 1.5], ["smollm2", "medusa", "1.2×"]],
+                          left=2) == [
+        "| target | drafter | τ |",
+        "| --- | --- | ---: |",
+        "| smollm2 | eagle3 | 1.5 |",
+        "| smollm2 | medusa | 1.2× |",
+    ]
+    assert markdown_table(["k", "v(k)"], [], left=0) == ["| k | v(k) |", "| ---: | ---: |"]
+
+
+def test_no_cell_breaks_a_markdown_table():
+    assert markdown_row(["a|b", "line\nnext", None]) == "| a\\|b | line⏎next | None |"
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        markdown_table(["a", "b"], [["1", "2", "3"]])
 
 
 def test_a_legend_entry_wraps_with_an_indent():
