@@ -30,8 +30,10 @@ def _f(x: Any, digits: int = 3, suffix: str = "") -> str:
     return f"{x}{suffix}"
 
 
-def _table(header: list[str], rows: list[list[Any]], left: int = 1) -> list[str]:
-    return [*markdown_table(header, rows, left=left), ""]
+def _table(header: list[str], rows: list[list[Any]], text: bool = False) -> list[str]:
+    """The table and a blank line: the first column left-aligned and the figures right, or every column left
+    (``text``: contexts, curves)."""
+    return [*markdown_table(header, rows, left=len(header) if text else 1), ""]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -187,7 +189,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += _table(["prompt", "context (before)", "target", "drafted", "p(target)", "q(target)", "α"],
                         [[f"{r['id']} @{r['answer_position']}", repr(r["context"]), repr(r["target_token"]),
                           repr(r["drafted_token"]), _f(r["p_target"]), _f(r["q_target"]), _f(r["alpha"])]
-                         for r in al["failing_contexts"]], left=7)
+                         for r in al["failing_contexts"]], text=True)
 
     trained = [n for n in names if res[n].get("training")]
     if trained:
@@ -200,7 +202,7 @@ def markdown(report: dict[str, Any]) -> str:
             curve = ", ".join(f"{p['step']}: {p['sim_tau']:.3f}" for p in tr["sim_tau_curve"])
             rows.append([n, curve, f"{best.get('step', '—')} ({_f(best.get('sim_tau'))})",
                          _f(res[n]["decoding"]["greedy"]["tau_with_bonus"])])
-        lines += _table(["drafter", "sim_tau by step", "drafter-best step (sim_tau)", "decoder τ greedy"], rows, left=4)
+        lines += _table(["drafter", "sim_tau by step", "drafter-best step (sim_tau)", "decoder τ greedy"], rows, text=True)
         lines += ["![training](training_sim_tau.png)", ""]
 
     lines += ["## Lossless audit (fp32 greedy, with and without speculation)", ""]
