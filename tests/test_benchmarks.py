@@ -354,3 +354,23 @@ def test_peer_takes_the_options_of_results(monkeypatch, tmp_path):
         assert (kept.train.dataset, kept.train.steps, kept.train.seed) == (f"{prepared}/tokenized", 600, 1)
     finally:
         del sys.modules["draftsmith_bench_peer"]
+
+
+def test_engine_flags_reads_its_rows_and_prints_its_docstring(capsys, monkeypatch):
+    script = benchmark_script("engine_flags")
+    try:
+        assert script.parse_row("k2 td1=1:2:0.5:-td 1 -tbd 1") == ("k2 td1", 1, 2, 0.5, ("-td", "1", "-tbd", "1"))
+        assert script.parse_row("k1=0:1:0") == ("k1", 0, 1, 0.0, ())
+        for bad in ("k1", "k1=0:1", "=0:1:0.5"):
+            with pytest.raises(SystemExit, match="NAME=HEAD:K:P_MIN"):
+                script.parse_row(bad)
+        with pytest.raises(SystemExit) as e:
+            run_main(script, ["--help"], monkeypatch)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert script.__doc__.splitlines()[0] in out and "--row" in out
+        with pytest.raises(SystemExit) as e:
+            run_main(script, ["--drafters", "x"], monkeypatch)
+        assert e.value.code == 2 and "give at least one --row" in capsys.readouterr().err
+    finally:
+        del sys.modules["draftsmith_bench_engine_flags"]
