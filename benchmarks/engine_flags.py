@@ -5,8 +5,9 @@ to GGUF at its stored dtype, as ``eval.engine`` serves it) at draft length K beh
 (llama-server options, space-separated, after draftsmith's own: a later option wins) — the drafter's threads
 (``-td 1 -tbd 1``), draft sampling in ggml's graph (``--spec-draft-backend-sampling``), … All rows and the target
 alone go through ``measure.engine.measure_methods``: the same prompts, the order rotating, each row's fastest of
-``--repeats`` runs, speedup = median of per-prompt ratios to the target alone [90 % bootstrap]. Rows of one HEAD and
-K are also compared with each other, paired per prompt: what a flag alone changes.
+``--repeats`` runs, speedup = median of per-prompt ratios to the target alone [90 % bootstrap]. Rows of one K are
+also compared with each other, paired per prompt: what a flag alone changes (one HEAD), or a head (one set of
+FLAGS).
 
     python benchmarks/engine_flags.py --drafters OUT/eagle3-2400/drafter-best --target-type f32 \\
         --row "k2=0:2:0.5" --row "k2 td1=0:2:0.5:-td 1 -tbd 1" --prompts 20 --max-new-tokens 128 --threads 2
@@ -37,6 +38,20 @@ def parse_row(text: str) -> tuple[str, int, int, float, tuple[str, ...]]:
     return name, int(parts[0]), int(parts[1]), float(parts[2]), flags
 
 
+def paired(rows: list[tuple], methods: dict[str, dict]) -> dict[str, list]:
+    """Each two rows of one k: ``"A / B"`` → [median of A's per-prompt speedups over B's, its 90 % interval]."""
+    from draftsmith.measure.costs import median_interval
+
+    pairs = {}
+    for i, (a, _, ka, *_) in enumerate(rows):
+        for b, _, kb, *_ in rows[i + 1:]:
+            if ka == kb:
+                ratios = [x / y for x, y in zip(methods[a]["per_prompt_speedup"], methods[b]["per_prompt_speedup"])]
+                lo, hi = median_interval(ratios)
+                pairs[f"{a} / {b}"] = [round(statistics.median(ratios), 4), [round(lo, 4), round(hi, 4)]]
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, target=True)
     p.add_argument("--drafters", required=True, help="saved drafter folders, comma-separated (HEAD counts from 0)")
@@ -55,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.engines import llamacpp
     from draftsmith.engines.targets import target_gguf_for
     from draftsmith.export import export, gguf
-    from draftsmith.measure.costs import median_interval
     from draftsmith.measure.engine import TARGET, Method, measure_methods
     from draftsmith.measure.prompts import load_questions
     from draftsmith.target import load_target
@@ -88,14 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {r['speedup']:.3f}x [{r['interval'][0]:.3f}-{r['interval'][1]:.3f}], tau {r.get('tau')}, "
               f"round cost {r.get('round_cost_steps')} target steps, acceptance {r.get('acceptance_at_position')}, "
               f"identical {r['identical_to_target']}/{len(prompts)}")
-    pairs = result["paired"] = {}
-    for i, (a, ha, ka, *_) in enumerate(rows):
-        for b, hb, kb, *_ in rows[i + 1:]:
-            if (ha, ka) == (hb, kb):
-                ratios = [x / y for x, y in zip(methods[a]["per_prompt_speedup"], methods[b]["per_prompt_speedup"])]
-                lo, hi = median_interval(ratios)
-                pairs[f"{a} / {b}"] = [round(statistics.median(ratios), 4), [round(lo, 4), round(hi, 4)]]
-                print(f"paired {a} / {b}: {statistics.median(ratios):.3f} [{lo:.3f}-{hi:.3f}]")
+    result["paired"] = paired(rows, methods)
+    for pair, (median, (lo, hi)) in result["paired"].items():
+        print(f"paired {pair}: {median:.3f} [{lo:.3f}-{hi:.3f}]")
     save_result(args.out, result)
     return 0
 

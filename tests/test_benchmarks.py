@@ -374,3 +374,17 @@ def test_engine_flags_reads_its_rows_and_prints_its_docstring(capsys, monkeypatc
         assert e.value.code == 2 and "give at least one --row" in capsys.readouterr().err
     finally:
         del sys.modules["draftsmith_bench_engine_flags"]
+
+
+def test_engine_flags_pairs_the_rows_of_one_k():
+    script = benchmark_script("engine_flags")
+    try:
+        rows = [("a", 0, 2, 0.5, ()), ("b", 1, 2, 0.5, ()), ("c", 1, 3, 0.5, ())]
+        methods = {"a": {"per_prompt_speedup": [1.0, 1.2, 0.9]}, "b": {"per_prompt_speedup": [1.0, 1.0, 1.0]},
+                   "c": {"per_prompt_speedup": [2.0, 2.0, 2.0]}}
+        pairs = script.paired(rows, methods)
+        assert list(pairs) == ["a / b"]
+        median, (lo, hi) = pairs["a / b"]
+        assert median == 1.0 and 0.9 <= lo <= 1.0 <= hi <= 1.2
+    finally:
+        del sys.modules["draftsmith_bench_engine_flags"]
