@@ -11,7 +11,14 @@ For each target GGUF type and each drafter (a saved drafter folder, exported to 
 family decides the spec type, a DFlash block is served whole: k = block − 1) and each k: the drafter with its real
 acceptance, and at every L ≤ k + 1 of ``--tau``; all against the target alone, paired per prompt in rotating order
 (``measure/engine.py``). Per row: the realised τ from the server's per-round log, the median per-prompt speedup, and the
-round cost in target steps; per (drafter, k) the break-even τ, interpolated where the speedup crosses 1.0.
+round cost in target steps; per (drafter, k) the break-even τ, interpolated where the speedup crosses 1.0. One more
+row, ``no drafts``, serves the drafter behind a gate no draft passes (p-min above 1): the target steps one token at a
+time and the drafter still reads every token and runs its first draft step, so its round cost − 1 is the drafter's
+fixed cost per round, what a round costs before any draft is verified.
+
+``--forward`` takes the other part of a round apart: the target's own forward over n = 1 … k + 1 tokens (the
+verification of n − 1 drafts), timed by llama.cpp's ``llama-bench`` (built into the managed build folder on first
+use, beside the tools ``engines/llamacpp.py`` keeps), in target steps (its one-token decode at a short context).
 
     python benchmarks/engine_cost.py --drafter eagle3=runs/demo/eagle3/drafter-best \\
         --drafter dflash=runs/demo-dflash/dflash/drafter-best --target-types f32,as-loaded --k 1,3 \\
@@ -30,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NO_DRAFTS = 1.01
+"""A p-min no draft passes (a draft probability is at most 1): the ``no drafts`` row's gate."""
 
 
 def break_even(points: list[tuple[float, float]]) -> float | None:
@@ -40,6 +49,41 @@ def break_even(points: list[tuple[float, float]]) -> float | None:
         if s0 < 1.0 <= s1:
             return round(t0 + (1.0 - s0) * (t1 - t0) / (s1 - s0), 3)
     return points[0][0] if points and points[0][1] >= 1.0 else None
+
+
+def forward_costs(runs: list[list[dict]]) -> dict[int, float]:
+    """``llama-bench -o json`` runs → {n: the target's forward over n prompt tokens in target steps}: in each run the
+    forward's time over the time per token of its decode record (``n_gen``), seconds apart, then the median over the
+    runs (this VM's speed drifts between seconds, so each ratio is taken within one run). n = 1 is the one-token
+    forward at an empty context."""
+    import statistics
+
+    ratios: dict[int, list[float]] = {}
+    for records in runs:
+        steps = [r["avg_ns"] / r["n_gen"] for r in records if r["n_gen"] > 0 and r["n_prompt"] == 0]
+        if len(steps) != 1:
+            raise ValueError(f"expected one decode record (n_gen > 0, n_prompt = 0) per run, got {len(steps)}")
+        for r in records:
+            if r["n_prompt"] > 0 and r["n_gen"] == 0:
+                ratios.setdefault(r["n_prompt"], []).append(r["avg_ns"] / steps[0])
+    return {n: round(statistics.median(x), 3) for n, x in sorted(ratios.items())}
+
+
+def llama_bench(found, model: str, threads: int, batches: list[int], runs: int) -> list[list[dict]]:
+    """llama.cpp's ``llama-bench`` on ``model``, ``runs`` times: one forward over each of ``batches`` prompt tokens
+    and a 64-token decode per run; built into ``found``'s build folder first if it is not there."""
+    import json
+    import subprocess
+
+    tool = found.tool("llama-bench")
+    if not os.access(tool, os.X_OK):
+        build = os.path.join(found.home, "build")
+        print(f"building llama-bench in {build} …", flush=True)
+        subprocess.run(["cmake", "--build", build, "--target", "llama-bench", "-j", str(threads)], check=True,
+                       capture_output=True)
+    cmd = [tool, "-m", model, "-t", str(threads), "-p", ",".join(map(str, batches)), "-n", "64", "-r", "1",
+           "-o", "json"]
+    return [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout) for _ in range(runs)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--server-flags", default="", help="extra llama-server flags for every server, e.g. '-fa on'")
+    p.add_argument("--forward", action="store_true",
+                   help="also time the target's forward over 1 … k + 1 tokens with llama-bench, per target type")
+    p.add_argument("--forward-runs", type=int, default=20, help="llama-bench runs per target type (each: every test once)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "engine_cost.json"))
     args = p.parse_args(argv)
 
@@ -74,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     drafters = dict(d.split("=", 1) for d in args.drafter)
     for kind in [t for t in args.target_types.split(",") if t]:
         target_file = target_gguf_for(args.target, kind, target)
+        if args.forward:
+            records = llama_bench(llamacpp.binaries(), target_file, args.threads, list(range(1, max(ks) + 2)),
+                                  args.forward_runs)
+            costs = forward_costs(records)
+            results.setdefault("forward", {})[kind] = {"target_steps": costs, "llama_bench": records}
+            print(f"target {kind}: forward over n tokens in target steps: "
+                  + ", ".join(f"{n}: {c:.2f}" for n, c in costs.items()), flush=True)
         for name, path in drafters.items():
             dtype = "bf16" if kind == "bf16" else "f32"
             out = os.path.join(HERE, "out", "engine_cost", name, dtype)
@@ -84,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             own_ks = [info["source"]["drafter"]["block_size"] - 1] if family == "dflash" else ks
             for k in own_ks:
                 todo = [Method(TARGET, llamacpp.ServerSpec(model=target_file, threads=args.threads, extra=flags)),
-                        Method("real", llamacpp.ServerSpec(**base, n_max=k, extra=flags), k)]
+                        Method("real", llamacpp.ServerSpec(**base, n_max=k, extra=flags), k),
+                        Method("no drafts", llamacpp.ServerSpec(**base, n_max=k, p_min=NO_DRAFTS, extra=flags), k)]
                 todo += [Method(f"tau={t:g}", llamacpp.ServerSpec(**base, n_max=k, extra=flags + (
                     "--spec-synth-len", f"{t:g}")), k) for t in taus if 1.0 < t <= k + 1]
                 t0 = time.time()

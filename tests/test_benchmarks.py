@@ -388,3 +388,19 @@ def test_engine_flags_pairs_the_rows_of_one_k():
         assert median == 1.0 and 0.9 <= lo <= 1.0 <= hi <= 1.2
     finally:
         del sys.modules["draftsmith_bench_engine_flags"]
+
+
+def test_engine_cost_reads_llama_benchs_forwards_in_target_steps():
+    script = benchmark_script("engine_cost")
+    try:
+        def run(step, forwards):  # ns per decoded token; ns per forward over n = 1, 2, 3 tokens
+            return [{"n_prompt": n, "n_gen": 0, "avg_ns": ns} for n, ns in enumerate(forwards, 1)] + \
+                [{"n_prompt": 0, "n_gen": 64, "avg_ns": 64 * step}]
+        # each ratio is taken inside its run: a run at half the speed gives the same costs
+        runs = [run(20e6, [21e6, 26e6, 29e6]), run(40e6, [42e6, 52e6, 58e6]), run(20e6, [20e6, 30e6, 40e6])]
+        assert script.forward_costs(runs) == {1: 1.05, 2: 1.3, 3: 1.45}
+        with pytest.raises(ValueError, match="one decode record"):
+            script.forward_costs([runs[0][:3]])
+        assert script.NO_DRAFTS > 1.0  # a draft probability never reaches it: the row drafts nothing
+    finally:
+        del sys.modules["draftsmith_bench_engine_cost"]
