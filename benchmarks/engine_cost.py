@@ -77,10 +77,14 @@ def llama_bench(found, model: str, threads: int, batches: list[int], runs: int) 
 
     tool = found.tool("llama-bench")
     if not os.access(tool, os.X_OK):
+        import fcntl
+
         build = os.path.join(found.home, "build")
         print(f"building llama-bench in {build} …", flush=True)
-        subprocess.run(["cmake", "--build", build, "--target", "llama-bench", "-j", str(threads)], check=True,
-                       capture_output=True)
+        with open(os.path.join(found.home, ".lock"), "w") as lock:  # the managed build's lock: one build at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            subprocess.run(["cmake", "--build", build, "--target", "llama-bench", "-j", str(threads)], check=True,
+                           capture_output=True)
     cmd = [tool, "-m", model, "-t", str(threads), "-p", ",".join(map(str, batches)), "-n", "64", "-r", "1",
            "-o", "json"]
     return [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout) for _ in range(runs)]
