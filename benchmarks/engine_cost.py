@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--server-flags", default="", help="extra llama-server flags for every server, e.g. '-fa on'")
+    p.add_argument("--draft-type", default="matched", help="the drafter's GGUF type (matched: BF16 on a BF16 target, "
+                                                             "else F32; auto: its stored dtype, as eval.engine serves "
+                                                             "it; or f32, bf16, q8_0)")
     p.add_argument("--forward", action="store_true",
                    help="also time the target's forward over 1 … k + 1 tokens with llama-bench, per target type")
     p.add_argument("--forward-runs", type=int, default=20, help="llama-bench runs per target type (each: every test once)")
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [target.render_chat(q.messages()) for q in load_questions("mtbench", args.prompts)]
     llamacpp.binaries()
     results: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
-                     "server_flags": args.server_flags, "load_before": os.getloadavg(), "runs": []}
+                     "server_flags": args.server_flags, "draft_type": args.draft_type, "load_before": os.getloadavg(),
+                     "runs": []}
     drafters = dict(d.split("=", 1) for d in args.drafter)
     for kind in [t for t in args.target_types.split(",") if t]:
         target_file = target_gguf_for(args.target, kind, target)
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"target {kind}: forward over n tokens in target steps: "
                   + ", ".join(f"{n}: {c:.2f}" for n, c in costs.items()), flush=True)
         for name, path in drafters.items():
-            dtype = "bf16" if kind == "bf16" else "f32"
+            dtype = ("bf16" if kind == "bf16" else "f32") if args.draft_type == "matched" else args.draft_type
             out = os.path.join(HERE, "out", "engine_cost", name, dtype)
             info = export(path, "gguf", out, target=args.target, force=True, gguf_type=dtype)
             family = info["source"]["family"]
