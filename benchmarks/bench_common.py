@@ -19,6 +19,12 @@ TARGET = "smollm2-135m-instruct"
 """The default target of every script: the builtin SmolLM2-135M-Instruct."""
 
 
+def draft_types(spec: str, target_type: str) -> list[str]:
+    """The drafter GGUF types a ``--draft-type(s)`` option names for a target type: ``matched`` is BF16 on a BF16
+    target and F32 on any other, else the comma-separated types as given (``auto``: the drafter's stored dtype)."""
+    return [("bf16" if target_type == "bf16" else "f32")] if spec == "matched" else spec.split(",")
+
+
 def script_parser(doc: str | None, target: bool = False, threads: bool = False) -> argparse.ArgumentParser:
     """The script's parser, its module docstring (as written) for ``--help``; with ``target``, ``--target`` (a target
     spec, default the builtin SmolLM2); with ``threads``, ``--threads`` (torch threads, 0: torch's default: see

@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import draft_types, save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict = {"path": path, "by_target_type": {}}
         exports, family = {}, None
         for kind in types:
-            matched = "bf16" if kind == "bf16" else "f32"
-            dtypes = [matched] if args.draft_types == "matched" else args.draft_types.split(",")
+            dtypes = draft_types(args.draft_types, kind)
             drafts = {}
             for dtype in dtypes if path else []:
                 if dtype not in exports:

@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
+from bench_common import draft_types, save_result, script_parser  # noqa: E402 — the benchmarks folder is not a package
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_DRAFTS = 1.01
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-runs", type=int, default=20, help="llama-bench runs per target type (each: every test once)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "engine_cost.json"))
     args = p.parse_args(argv)
+    if "," in args.draft_type:
+        p.error("--draft-type takes one type (benchmarks/engine.py --draft-types serves several side by side)")
 
     from draftsmith.engines import llamacpp
     from draftsmith.measure.engine import TARGET, Method, measure_methods
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"target {kind}: forward over n tokens in target steps: "
                   + ", ".join(f"{n}: {c:.2f}" for n, c in costs.items()), flush=True)
         for name, path in drafters.items():
-            dtype = ("bf16" if kind == "bf16" else "f32") if args.draft_type == "matched" else args.draft_type
+            [dtype] = draft_types(args.draft_type, kind)
             out = os.path.join(HERE, "out", "engine_cost", name, dtype)
             info = export(path, "gguf", out, target=args.target, force=True, gguf_type=dtype)
             family = info["source"]["family"]

@@ -404,3 +404,13 @@ def test_engine_cost_reads_llama_benchs_forwards_in_target_steps():
         assert script.NO_DRAFTS > 1.0  # a draft probability never reaches it: the row drafts nothing
     finally:
         del sys.modules["draftsmith_bench_engine_cost"]
+
+
+def test_matched_draft_types_are_bf16_on_a_bf16_target_and_f32_on_any_other():
+    common = benchmark_script("bench_common")
+    try:
+        assert common.draft_types("matched", "bf16") == ["bf16"]
+        assert common.draft_types("matched", "f32") == common.draft_types("matched", "as-loaded") == ["f32"]
+        assert common.draft_types("auto,q8_0", "bf16") == ["auto", "q8_0"]
+    finally:
+        del sys.modules["draftsmith_bench_bench_common"]
