@@ -295,6 +295,10 @@ class TrainConfig:
     ``train/ema.py``), and train on as usual: held-out figures, ``drafter/`` and ``drafter-best/`` are the average's,
     the raw weights' figures are logged beside them (``raw/…``) and their final drafter is ``drafter-raw/``. In (0, 1);
     the window is about 1/(1 − d) steps (0.99: the last ~100). None = off. ZeRO 0–2 (every rank holds the drafter)."""
+    l2sp_weight: float = 0.0
+    """L2-SP: λ of a pull ½ λ Σ‖w − w₀‖² of the trainable weights toward those training started from (``train/l2sp.py``;
+    with ``drafter.init_from_layer`` the target's layer), added to the mean token loss; 0 = off. The distance moved,
+    ‖w − w₀‖, is logged (``l2sp_distance``). ZeRO 0–2 (every rank holds the drafter)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -332,6 +336,8 @@ class TrainConfig:
             raise ConfigError(f"train.replay_weight = {self.replay_weight} must be ≥ 0 (0 = off)")
         if self.coral_temperature <= 0:
             raise ConfigError(f"train.coral_temperature = {self.coral_temperature} must be > 0")
+        if self.l2sp_weight < 0:
+            raise ConfigError(f"train.l2sp_weight = {self.l2sp_weight} must be ≥ 0 (0 = off)")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in (0, 1) (e.g. 0.99), or null for no average")
 

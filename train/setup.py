@@ -42,6 +42,7 @@ from . import checkpoint, distributed
 from .config import TrainConfig, TrainRecipe
 from .data import Batch, BatchOrder, Split, collate, load_rows, record_lengths, split_heldout
 from .distributed import World
+from .l2sp import L2SP
 from .ema import EMA
 from .monitor import Monitor
 
@@ -94,6 +95,9 @@ class Run:
     """The most drafts the trained drafter proposes per round (Medusa: its heads); None = any number."""
     ema: EMA | None = None
     """The moving average of the drafter's weights (``train.ema_decay``; :func:`build_engine` makes it), or None."""
+    l2sp: L2SP | None = None
+    """The weights training started from and the pull toward them (``train.l2sp_weight``; :func:`build_engine`), or
+    None."""
 
     @property
     def cfg(self) -> TrainConfig:
@@ -144,9 +148,11 @@ def start(recipe: TrainRecipe, world: World) -> Run:
         save_recipe(recipe)
     ds_config = distributed.load_engine_config(  # fail before loading; "auto" precision follows the target's dtype
         cfg.deepspeed, cfg.batch_size, world.device, resolve_dtype(recipe.target.dtype, world.device))
-    if cfg.ema_decay is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
-        raise ConfigError(f"train.ema_decay averages the whole drafter on every rank, which ZeRO-3 (train.deepspeed = "
-                          f"'{cfg.deepspeed}') partitions; use zero2 (or 0, 1), or leave train.ema_decay unset")
+    for key, on, what in (("ema_decay", cfg.ema_decay is not None, "averages the whole drafter"),
+                          ("l2sp_weight", cfg.l2sp_weight > 0, "pulls the whole drafter toward its start")):
+        if on and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+            raise ConfigError(f"train.{key} {what} on every rank, which ZeRO-3 (train.deepspeed = '{cfg.deepspeed}') "
+                              f"partitions; use zero2 (or 0, 1), or leave train.{key} unset")
     checkpoint.seed_everything(cfg.seed)
     target = load_target(recipe.target.name, recipe.target.dtype, str(world.device), recipe.target.chat_template)
     rows = load_rows(cfg.dataset, cfg.features, target)
@@ -195,7 +201,8 @@ class Forward(torch.nn.Module):
 
 def build_engine(run: Run, module: torch.nn.Module) -> Any:
     """The DeepSpeed engine around the drafter (wrapped in :class:`Forward`); the target stays outside, frozen.
-    With ``train.ema_decay`` also ``run.ema``, the moving average of the engine module's weights."""
+    With ``train.ema_decay`` also ``run.ema``, the moving average of the engine module's weights; with
+    ``train.l2sp_weight`` ``run.l2sp``, their start and the pull toward it."""
     cfg = run.cfg
     sched = cfg.schedule
     engine = distributed.build_engine(
@@ -210,6 +217,8 @@ def build_engine(run: Run, module: torch.nn.Module) -> Any:
     )
     if cfg.ema_decay is not None:
         run.ema = EMA(engine.module, cfg.ema_decay)
+    if cfg.l2sp_weight > 0:  # before restore(): the start of the run's first session, rebuilt as it was
+        run.l2sp = L2SP(engine.module, cfg.l2sp_weight)
     return engine
 
 
@@ -260,6 +269,8 @@ def identity(run: Run) -> dict[str, Any]:
         out["train"]["loss_positions"] = cfg.loss_positions
     if cfg.ema_decay is not None:  # the checkpoint holds the average of these weights; absent = none
         out["train"]["ema_decay"] = cfg.ema_decay
+    if cfg.l2sp_weight > 0:  # another objective from the first step; absent = none
+        out["train"]["l2sp_weight"] = cfg.l2sp_weight
     return json.loads(json.dumps(out, default=str))  # as it reads back from trainer_state.json
 
 

@@ -101,7 +101,8 @@ def optimizer_step(run: Run, engine: Any, micro: StepBatches, loss_of: SummedLos
     A loss that is not finite on any rank is skipped on every rank, counted, and replaced by the
     next micro-batch; more than ``train.max_bad_steps`` of them stop the run. Running out of
     accelerator memory is a DraftsmithError naming the settings that shrink a step. After the step, the
-    moving average of the weights takes them in (``run.ema``, with ``train.ema_decay``).
+    moving average of the weights takes them in (``run.ema``, with ``train.ema_decay``). With
+    ``train.l2sp_weight`` the pull toward the start (``run.l2sp``) joins every step's gradient once.
     """
     gas = int(run.ds_config["gradient_accumulation_steps"])
     scale = gas * run.world.world_size / micro.total  # DeepSpeed divides by gas and averages over ranks
@@ -122,8 +123,10 @@ def optimizer_step(run: Run, engine: Any, micro: StepBatches, loss_of: SummedLos
             queue.extend(micro.more())
             continue
         boundary = engine.is_gradient_accumulation_boundary()
+        # train.l2sp_weight: R / scale on every micro-batch, so the step's gradient gains ∇R once (train/l2sp.py)
+        pull = run.l2sp.penalty() / scale if run.l2sp is not None else 0.0
         try:
-            engine.backward(loss * scale)
+            engine.backward((loss + pull) * scale)
             engine.step()
         except torch.cuda.OutOfMemoryError as e:
             raise _out_of_memory(run, batch.tokens) from e
@@ -214,5 +217,6 @@ def log_train(run: Run, engine: Any) -> None:
         "micro_step": run.state.micro_step,
         **{f"skipped/{k}": v for k, v in run.state.skipped.items()},
         **distributed.memory_stats(run.world.device),
+        **({"l2sp_distance": run.l2sp.distance()} if run.l2sp is not None else {}),
     }
     run.monitor.log(run.state.step, local, shared)
