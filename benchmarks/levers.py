@@ -140,7 +140,9 @@ VARIANTS: dict[str, list[str]] = {
     "init_last+all_tokens+replay": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.replay_weight=2.0"],
     "init_last+all_tokens+lr4e-3": ["drafter.init_from_layer=-1", "train.loss_positions=all", "train.optimizer.lr=0.004"],
     # L2-SP: the trainable weights pulled toward those they started from (the target's layer, fc's pass-through, the
-    # target's lm_head rows) instead of toward zero (train/l2sp.py), at three strengths; on the recipe as it is
+    # target's lm_head rows) instead of toward zero (train/l2sp.py), at five strengths; on the recipe as it is
+    "l2sp0.0001": ["train.l2sp_weight=0.0001"],
+    "l2sp0.001": ["train.l2sp_weight=0.001"],
     "l2sp0.01": ["train.l2sp_weight=0.01"],
     "l2sp0.1": ["train.l2sp_weight=0.1"],
     "l2sp1": ["train.l2sp_weight=1.0"],
