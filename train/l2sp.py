@@ -36,12 +36,15 @@ class L2SP:
     def _trainable(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((name, p) for name, p in self.module.named_parameters() if p.requires_grad)
 
+    def _squared(self) -> Tensor:
+        """Σ ‖p − p₀‖² over every trainable parameter, float32."""
+        return sum(((p.float() - self.start[name]) ** 2).sum() for name, p in self._trainable())
+
     def penalty(self) -> Tensor:
         """R = ½ λ Σ ‖p − p₀‖² as a scalar float32 tensor with a gradient to the module's parameters."""
-        total = sum(((p.float() - self.start[name]) ** 2).sum() for name, p in self._trainable())
-        return 0.5 * self.weight * total
+        return 0.5 * self.weight * self._squared()
 
     @torch.no_grad()
     def distance(self) -> float:
         """‖w − w₀‖ over every trainable parameter: how far training has moved the drafter (logged)."""
-        return float(sum(((p.float() - self.start[name]) ** 2).sum() for name, p in self._trainable())) ** 0.5
+        return float(self._squared()) ** 0.5

@@ -42,8 +42,8 @@ from . import checkpoint, distributed
 from .config import TrainConfig, TrainRecipe
 from .data import Batch, BatchOrder, Split, collate, load_rows, record_lengths, split_heldout
 from .distributed import World
-from .l2sp import L2SP
 from .ema import EMA
+from .l2sp import L2SP
 from .monitor import Monitor
 
 
